@@ -1,0 +1,86 @@
+//! The op-level interface every backend implements and every model is written against.
+//!
+//! Activations are F32 tensors whose rows are tokens; weights keep their stored dtype.
+//! Ops write into caller-provided outputs so that a forward pass allocates its buffers
+//! once and reuses them every step.
+
+use crate::{DType, Device, HostBytes, Result, Shape, Tensor};
+
+/// How rope pairs the dimensions it rotates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Adjacent pairs `(2i, 2i+1)`: the original LLaMA layout, and what llama.cpp's
+    /// converter produces by permuting Q and K rows.
+    Interleaved,
+    /// Pairs `(i, i + d/2)`: GPT-NeoX and Hugging Face's `rotate_half`.
+    Neox,
+}
+
+pub trait Backend: Send + Sync {
+    fn device(&self) -> Device;
+
+    /// A human-readable description (device name, threads, instruction set).
+    fn describe(&self) -> String;
+
+    /// A tensor of zeros.
+    fn zeros(&self, dtype: DType, shape: Shape) -> Result<Tensor>;
+
+    /// A tensor holding `data`, which must be exactly `shape` elements of `dtype` in
+    /// ggml's encoding. Backends that can use host memory in place do not copy.
+    fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor>;
+
+    /// The tensor's bytes, in its dtype's encoding.
+    fn download(&self, t: &Tensor) -> Result<Vec<u8>>;
+
+    /// `out[n, m] = x[n, k] · w[m, k]ᵀ`, with `x` and `out` F32 and `w` any dtype.
+    /// One row of `x` is a matrix-vector product; more rows are a matrix product.
+    fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()>;
+
+    /// `out[i] = table[ids[i]]`, dequantized to F32.
+    fn embedding(&self, table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result<()>;
+
+    /// Per row: `x / sqrt(mean(x²) + eps) * weight`.
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()>;
+
+    /// Per row: `(x - mean) / sqrt(var + eps) * weight + bias`.
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+    ) -> Result<()>;
+
+    /// Softmax over each row, in place.
+    fn softmax(&self, x: &mut Tensor) -> Result<()>;
+
+    /// Rotate `x` of shape `[tokens, heads, head_dim]` in place; token `t` is at position
+    /// `pos0 + t`. `inv_freq` (F32, `rot_dim / 2` values) gives each pair's frequency;
+    /// dimensions past `rot_dim` are left as they are.
+    fn rope(
+        &self,
+        x: &mut Tensor,
+        pos0: usize,
+        inv_freq: &Tensor,
+        layout: RopeLayout,
+    ) -> Result<()>;
+
+    /// `acc += x`, element-wise; `x` may also be one row, added to every row of `acc`.
+    fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()>;
+
+    /// `acc *= x`, element-wise; `x` may also be one row, applied to every row of `acc`.
+    fn mul_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()>;
+
+    /// `x *= s`.
+    fn scale(&self, x: &mut Tensor, s: f32) -> Result<()>;
+
+    /// SwiGLU: `out = silu(gate) * up`.
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()>;
+
+    /// GeGLU: `out = gelu(gate) * up` (tanh approximation).
+    fn gelu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()>;
+
+    /// `x = gelu(x)` (tanh approximation), in place.
+    fn gelu(&self, x: &mut Tensor) -> Result<()>;
+}

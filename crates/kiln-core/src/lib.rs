@@ -1,0 +1,21 @@
+//! kiln's shared vocabulary.
+//!
+//! Everything a backend, a file reader and a model have to agree on lives here: element
+//! types and ggml's block formats ([`DType`], [`quant`]), shapes, the [`Device`] a buffer lives
+//! on, the [`Tensor`] handle, and the op-level [`Backend`] interface that every backend
+//! implements and every model is written against.
+
+pub mod backend;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod quant;
+pub mod shape;
+pub mod tensor;
+
+pub use backend::{Backend, RopeLayout};
+pub use device::Device;
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use shape::Shape;
+pub use tensor::{HostBytes, Storage, Tensor};

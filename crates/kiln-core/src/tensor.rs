@@ -1,0 +1,125 @@
+use crate::{DType, Device, Error, Result, Shape};
+use std::any::Any;
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Host bytes shared without copying: a region of a memory-mapped file, or an owned vector.
+/// Weights go from file to backend through this, so that the CPU backend can use mapped
+/// tensor data in place and a GPU backend can upload it straight from the mapping.
+#[derive(Clone)]
+pub struct HostBytes {
+    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    range: Range<usize>,
+}
+
+impl HostBytes {
+    /// `range` of the bytes `owner` holds; an error if it reaches past them.
+    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize>) -> Result<Self> {
+        let len = (*owner).as_ref().len();
+        if range.start > range.end || range.end > len {
+            return Err(Error::format(format!(
+                "byte range {range:?} is outside a buffer of {len} bytes"
+            )));
+        }
+        Ok(HostBytes { owner, range })
+    }
+
+    pub fn from_vec(bytes: Vec<u8>) -> Self {
+        let range = 0..bytes.len();
+        HostBytes {
+            owner: Arc::new(bytes),
+            range,
+        }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.range.clone()]
+    }
+
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+}
+
+impl fmt::Debug for HostBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HostBytes({} bytes)", self.len())
+    }
+}
+
+/// A backend's buffer. Each backend downcasts to its own storage type and refuses others,
+/// which is how a tensor on the wrong device is caught.
+pub trait Storage: Any + Send + Sync + fmt::Debug {
+    fn device(&self) -> Device;
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// A typed, shaped buffer on some device. Created by a [`crate::Backend`].
+#[derive(Debug)]
+pub struct Tensor {
+    storage: Box<dyn Storage>,
+    dtype: DType,
+    shape: Shape,
+}
+
+impl Tensor {
+    /// For backends: wrap storage that holds exactly `shape` elements of `dtype`.
+    pub fn from_storage(storage: Box<dyn Storage>, dtype: DType, shape: Shape) -> Self {
+        Tensor {
+            storage,
+            dtype,
+            shape,
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        self.shape.dims()
+    }
+
+    pub fn device(&self) -> Device {
+        self.storage.device()
+    }
+
+    pub fn storage(&self) -> &dyn Storage {
+        self.storage.as_ref()
+    }
+
+    pub fn storage_mut(&mut self) -> &mut dyn Storage {
+        self.storage.as_mut()
+    }
+
+    /// Bytes the data takes in its stored encoding.
+    pub fn size_bytes(&self) -> usize {
+        // Validated when the tensor was made: rows are whole blocks.
+        self.shape.rows() * self.dtype.row_bytes(self.shape.row_len()).unwrap_or(0)
+    }
+
+    /// Give the same data another shape with the same element count (and row length,
+    /// for block types).
+    pub fn reshape(&mut self, shape: Shape) -> Result<()> {
+        if shape.numel() != self.shape.numel()
+            || (self.dtype.is_quantized() && shape.row_len() != self.shape.row_len())
+        {
+            return Err(Error::shape(format!(
+                "cannot view {} of {} as {}",
+                self.shape, self.dtype, shape
+            )));
+        }
+        self.shape = shape;
+        Ok(())
+    }
+}

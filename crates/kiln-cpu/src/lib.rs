@@ -1,0 +1,2 @@
+//! kiln's CPU backend.
+pub mod dot;
