@@ -1,0 +1,226 @@
+//! Hugging Face safetensors checkpoints through the `safetensors` crate, memory-mapped:
+//! one file, or shards listed by `model.safetensors.index.json`.
+
+use kiln_core::{DType, Error, HostBytes, Result, Shape};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+#[derive(Clone, Debug)]
+pub struct TensorEntry {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    /// Index into [`SafetensorsModel::files`].
+    pub file: usize,
+    range: Range<usize>,
+}
+
+impl TensorEntry {
+    /// The dtype kiln computes with, for F32, F16 and BF16.
+    pub fn kiln_dtype(&self) -> Option<DType> {
+        match self.dtype {
+            Dtype::F32 => Some(DType::F32),
+            Dtype::F16 => Some(DType::F16),
+            Dtype::BF16 => Some(DType::BF16),
+            _ => None,
+        }
+    }
+
+    /// The type's name as ggml writes names (`bf16`, `f32`, `i64`, ...).
+    pub fn dtype_name(&self) -> String {
+        format!("{:?}", self.dtype).to_lowercase()
+    }
+
+    pub fn shape(&self) -> Result<Shape> {
+        Shape::new(self.shape.clone())
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        self.range.len()
+    }
+}
+
+/// One or more safetensors files seen as one set of tensors.
+pub struct SafetensorsModel {
+    pub files: Vec<PathBuf>,
+    /// `__metadata__` of the (first) file.
+    pub metadata: BTreeMap<String, String>,
+    /// Sorted by name.
+    pub tensors: Vec<TensorEntry>,
+    index: HashMap<String, usize>,
+    maps: Vec<Arc<Mmap>>,
+}
+
+impl SafetensorsModel {
+    /// A single `.safetensors` file.
+    pub fn open_file(path: impl AsRef<Path>) -> Result<Self> {
+        Self::from_files(vec![path.as_ref().to_path_buf()], None)
+    }
+
+    /// The weights of a Hugging Face model directory: the shards its index names, or its
+    /// single `model.safetensors`.
+    pub fn open_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let index_path = dir.join(INDEX_FILE);
+        if index_path.is_file() {
+            let (files, weight_map) = read_index(&index_path)?;
+            let files = files.into_iter().map(|f| dir.join(f)).collect();
+            return Self::from_files(files, Some((index_path, weight_map)));
+        }
+        let single = dir.join(SINGLE_FILE);
+        if single.is_file() {
+            return Self::open_file(single);
+        }
+        Err(Error::format(format!(
+            "{}: no {SINGLE_FILE} or {INDEX_FILE} in this directory",
+            dir.display()
+        )))
+    }
+
+    fn from_files(files: Vec<PathBuf>, index: Option<(PathBuf, BTreeMap<String, String>)>) -> Result<Self> {
+        let mut maps = Vec::with_capacity(files.len());
+        let mut tensors = Vec::new();
+        let mut metadata = BTreeMap::new();
+        for (file_idx, path) in files.iter().enumerate() {
+            let map = crate::map_file(path)?;
+            let st = SafeTensors::deserialize(&map)
+                .map_err(|e| Error::format(format!("{}: invalid safetensors file: {e}", path.display())))?;
+            if file_idx == 0 {
+                let (_, header) = SafeTensors::read_metadata(&map)
+                    .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
+                if let Some(m) = header.metadata() {
+                    metadata = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                }
+            }
+            let base = map.as_ptr() as usize;
+            for (name, view) in st.tensors() {
+                let start = view.data().as_ptr() as usize - base;
+                tensors.push(TensorEntry {
+                    name,
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    file: file_idx,
+                    range: start..start + view.data().len(),
+                });
+            }
+            maps.push(map);
+        }
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut index_by_name = HashMap::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            if index_by_name.insert(t.name.clone(), i).is_some() {
+                return Err(Error::format(format!(
+                    "tensor '{}' appears in more than one shard ({})",
+                    t.name,
+                    files[t.file].display()
+                )));
+            }
+        }
+        if let Some((index_path, weight_map)) = index {
+            for (name, file) in &weight_map {
+                let found = index_by_name.get(name).map(|&i| &files[tensors[i].file]);
+                if found.and_then(|p| p.file_name()) != Some(std::ffi::OsStr::new(file)) {
+                    return Err(Error::format(format!(
+                        "{}: tensor '{name}' should be in {file}, but is not there",
+                        index_path.display()
+                    )));
+                }
+            }
+        }
+        Ok(SafetensorsModel {
+            files,
+            metadata,
+            tensors,
+            index: index_by_name,
+            maps,
+        })
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
+        self.index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    pub fn tensor_data(&self, t: &TensorEntry) -> &[u8] {
+        &self.maps[t.file][t.range.clone()]
+    }
+
+    pub fn tensor_bytes(&self, t: &TensorEntry) -> Result<HostBytes> {
+        HostBytes::new(self.maps[t.file].clone(), t.range.clone())
+    }
+}
+
+/// The shard names of an index and its tensor → shard map. Shard names must be plain
+/// file names in the same directory.
+fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: BTreeMap<String, String>,
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path.display(), e))?;
+    let index: Index =
+        serde_json::from_str(&text).map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
+    let mut files: Vec<String> = index.weight_map.values().cloned().collect();
+    files.sort();
+    files.dedup();
+    if let Some(bad) = files
+        .iter()
+        .find(|f| f.is_empty() || f.contains('/') || f.contains('\\') || *f == ".." || *f == ".")
+    {
+        return Err(Error::format(format!(
+            "{}: shard name {bad:?} is not a file name in this directory",
+            path.display()
+        )));
+    }
+    Ok((files, index.weight_map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn write_st(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    #[test]
+    fn single_and_sharded_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let a: Vec<u8> = (0..24u8).collect();
+        write_st(&dir.path().join("s1.safetensors"), &[("a", Dtype::F32, vec![2, 3], a.clone())]);
+        write_st(&dir.path().join("s2.safetensors"), &[("b", Dtype::BF16, vec![4], vec![1; 8])]);
+        std::fs::write(
+            dir.path().join(INDEX_FILE),
+            r#"{"metadata":{},"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#,
+        )
+        .unwrap();
+        let m = SafetensorsModel::open_dir(dir.path()).unwrap();
+        assert_eq!(m.tensors.len(), 2);
+        let ta = m.tensor("a").unwrap();
+        assert_eq!((ta.kiln_dtype(), ta.shape.as_slice()), (Some(DType::F32), &[2usize, 3][..]));
+        assert_eq!(m.tensor_data(ta), &a[..]);
+        assert_eq!(m.tensor("b").unwrap().dtype_name(), "bf16");
+
+        std::fs::write(
+            dir.path().join(INDEX_FILE),
+            r#"{"weight_map":{"a":"s1.safetensors","c":"s2.safetensors"}}"#,
+        )
+        .unwrap();
+        let err = SafetensorsModel::open_dir(dir.path()).err().unwrap().to_string();
+        assert!(err.contains("'c'"), "{err}");
+        std::fs::write(dir.path().join(INDEX_FILE), r#"{"weight_map":{"a":"../x.safetensors"}}"#)
+            .unwrap();
+        assert!(SafetensorsModel::open_dir(dir.path()).is_err());
+    }
+}
