@@ -227,13 +227,13 @@ impl Array {
             Array::I16(v) => v[i].to_string(),
             Array::U32(v) => v[i].to_string(),
             Array::I32(v) => v[i].to_string(),
-            Array::F32(v) => v[i].to_string(),
+            Array::F32(v) => format!("{:?}", v[i]),
             Array::Bool(v) => v[i].to_string(),
             Array::String(v) => format!("{:?}", v[i]),
             Array::Array(v) => v[i].to_string(),
             Array::U64(v) => v[i].to_string(),
             Array::I64(v) => v[i].to_string(),
-            Array::F64(v) => v[i].to_string(),
+            Array::F64(v) => format!("{:?}", v[i]),
         }
     }
 }
@@ -268,7 +268,7 @@ impl fmt::Display for Value {
             Value::I16(v) => write!(f, "{v}"),
             Value::U32(v) => write!(f, "{v}"),
             Value::I32(v) => write!(f, "{v}"),
-            Value::F32(v) => write!(f, "{v}"),
+            Value::F32(v) => write!(f, "{v:?}"),
             Value::Bool(v) => write!(f, "{v}"),
             Value::String(s) => {
                 // Long strings (chat templates) are cut so a listing stays readable.
@@ -283,7 +283,7 @@ impl fmt::Display for Value {
             Value::Array(a) => write!(f, "{a}"),
             Value::U64(v) => write!(f, "{v}"),
             Value::I64(v) => write!(f, "{v}"),
-            Value::F64(v) => write!(f, "{v}"),
+            Value::F64(v) => write!(f, "{v:?}"),
         }
     }
 }
