@@ -1,2 +1,163 @@
 //! kiln's CPU backend.
+//!
+//! Matrix-vector and matrix products run on ggml's block formats directly: activations
+//! are quantized to Q8_0 or Q8_K and multiplied with integer SIMD dot products chosen at
+//! run time ([`dot`]), rows spread over a rayon pool. F32/F16/BF16 matrix products with
+//! several rows go to the `gemm` crate. The remaining ops are plain f32 loops.
+
 pub mod dot;
+mod elementwise;
+mod matmul;
+mod norm;
+mod rope;
+mod storage;
+
+pub use storage::CpuStorage;
+
+use kiln_core::{Backend, DType, Device, Error, HostBytes, Result, RopeLayout, Shape, Tensor};
+
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+}
+
+impl CpuBackend {
+    /// A backend running on `threads` threads (all cores when `None`).
+    pub fn new(threads: Option<usize>) -> Result<Self> {
+        let mut builder = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("kiln-cpu-{i}"));
+        if let Some(n) = threads {
+            builder = builder.num_threads(n.max(1));
+        }
+        let pool = builder
+            .build()
+            .map_err(|e| Error::Device(format!("cannot start CPU threads: {e}")))?;
+        Ok(CpuBackend { pool })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+/// The CPU storage of a tensor, or an error naming the device it is really on.
+pub(crate) fn storage(t: &Tensor) -> Result<&CpuStorage> {
+    t.storage()
+        .as_any()
+        .downcast_ref::<CpuStorage>()
+        .ok_or_else(|| Error::Device(format!("tensor is on {}, not the CPU", t.device())))
+}
+
+pub(crate) fn storage_mut(t: &mut Tensor) -> Result<&mut CpuStorage> {
+    let device = t.device();
+    t.storage_mut()
+        .as_any_mut()
+        .downcast_mut::<CpuStorage>()
+        .ok_or_else(|| Error::Device(format!("tensor is on {device}, not the CPU")))
+}
+
+/// An F32 tensor's values.
+pub(crate) fn f32s(t: &Tensor) -> Result<&[f32]> {
+    expect_f32(t)?;
+    Ok(bytemuck::cast_slice(storage(t)?.bytes()))
+}
+
+pub(crate) fn f32s_mut(t: &mut Tensor) -> Result<&mut [f32]> {
+    expect_f32(t)?;
+    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()))
+}
+
+fn expect_f32(t: &Tensor) -> Result<()> {
+    if t.dtype() != DType::F32 {
+        return Err(Error::unsupported(format!(
+            "this op takes f32 activations, got {}",
+            t.dtype()
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::shape(format!("{op}: {} vs {}", a.shape(), b.shape())));
+    }
+    Ok(())
+}
+
+impl Backend for CpuBackend {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn describe(&self) -> String {
+        format!("cpu ({} threads, {})", self.threads(), dot::isa().name())
+    }
+
+    fn zeros(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
+        let bytes = shape.rows() * dtype.row_bytes(shape.row_len())?;
+        Ok(Tensor::from_storage(Box::new(CpuStorage::zeroed(bytes)), dtype, shape))
+    }
+
+    fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor> {
+        let want = shape.rows() * dtype.row_bytes(shape.row_len())?;
+        if data.len() != want {
+            return Err(Error::shape(format!(
+                "{shape} of {dtype} takes {want} bytes, got {}",
+                data.len()
+            )));
+        }
+        Ok(Tensor::from_storage(Box::new(CpuStorage::from_host(data)), dtype, shape))
+    }
+
+    fn download(&self, t: &Tensor) -> Result<Vec<u8>> {
+        Ok(storage(t)?.bytes().to_vec())
+    }
+
+    fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.pool.install(|| matmul::matmul(x, w, out, self.threads()))
+    }
+
+    fn embedding(&self, table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result<()> {
+        elementwise::embedding(table, ids, out)
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+        self.pool.install(|| norm::rms_norm(x, weight, eps, out))
+    }
+
+    fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+        self.pool.install(|| norm::layer_norm(x, weight, bias, eps, out))
+    }
+
+    fn softmax(&self, x: &mut Tensor) -> Result<()> {
+        self.pool.install(|| norm::softmax(x))
+    }
+
+    fn rope(&self, x: &mut Tensor, pos0: usize, inv_freq: &Tensor, layout: RopeLayout) -> Result<()> {
+        self.pool.install(|| rope::rope(x, pos0, inv_freq, layout))
+    }
+
+    fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        elementwise::broadcast_assign(acc, x, "add", |a, b| *a += b)
+    }
+
+    fn mul_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        elementwise::broadcast_assign(acc, x, "mul", |a, b| *a *= b)
+    }
+
+    fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
+        f32s_mut(x)?.iter_mut().for_each(|v| *v *= s);
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        elementwise::gated(gate, up, out, "silu_mul", elementwise::silu)
+    }
+
+    fn gelu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        elementwise::gated(gate, up, out, "gelu_mul", elementwise::gelu)
+    }
+
+    fn gelu(&self, x: &mut Tensor) -> Result<()> {
+        f32s_mut(x)?.iter_mut().for_each(|v| *v = elementwise::gelu(*v));
+        Ok(())
+    }
+}

@@ -1,0 +1,65 @@
+use crate::{f32s, f32s_mut, same_shape, storage};
+use kiln_core::{quant, Error, Result, Tensor};
+
+pub(crate) fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation (what GPT-2's `gelu_new` and Gemma's `gelu_pytorch_tanh` use).
+pub(crate) fn gelu(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+pub(crate) fn gated(gate: &Tensor, up: &Tensor, out: &mut Tensor, op: &str, act: fn(f32) -> f32) -> Result<()> {
+    same_shape(gate, up, op)?;
+    same_shape(gate, out, op)?;
+    let (g, u) = (f32s(gate)?, f32s(up)?);
+    for ((o, &g), &u) in f32s_mut(out)?.iter_mut().zip(g).zip(u) {
+        *o = act(g) * u;
+    }
+    Ok(())
+}
+
+/// `acc op= x` where `x` has `acc`'s shape or is one row broadcast over `acc`'s rows.
+pub(crate) fn broadcast_assign(acc: &mut Tensor, x: &Tensor, op: &str, f: fn(&mut f32, f32)) -> Result<()> {
+    let row = acc.shape().row_len();
+    let broadcast = x.shape().numel() == row && x.shape().row_len() == row;
+    if x.shape() != acc.shape() && !broadcast {
+        return Err(Error::shape(format!("{op}: {} into {}", x.shape(), acc.shape())));
+    }
+    let xs = f32s(x)?;
+    let a = f32s_mut(acc)?;
+    if row == 0 {
+        return Ok(());
+    }
+    for chunk in a.chunks_mut(xs.len().max(1)) {
+        chunk.iter_mut().zip(xs).for_each(|(a, &b)| f(a, b));
+    }
+    Ok(())
+}
+
+pub(crate) fn embedding(table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result<()> {
+    let [vocab, dim] = table.dims() else {
+        return Err(Error::shape(format!("embedding table must be 2-D, got {}", table.shape())));
+    };
+    let (vocab, dim) = (*vocab, *dim);
+    if out.dims() != [ids.len(), dim] {
+        return Err(Error::shape(format!(
+            "embedding of {} ids × {dim} into {}",
+            ids.len(),
+            out.shape()
+        )));
+    }
+    let row_bytes = table.dtype().row_bytes(dim)?;
+    let data = storage(table)?.bytes();
+    let dtype = table.dtype();
+    for (&id, o) in ids.iter().zip(f32s_mut(out)?.chunks_exact_mut(dim.max(1))) {
+        let id = id as usize;
+        if id >= vocab {
+            return Err(Error::shape(format!("token id {id} is outside the vocabulary of {vocab}")));
+        }
+        quant::dequantize(dtype, &data[id * row_bytes..(id + 1) * row_bytes], o)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,172 @@
+//! `out[n, m] = x[n, k] · w[m, k]ᵀ` for every weight dtype.
+//!
+//! Quantized weights are never expanded: each activation row is quantized once (Q8_0 for
+//! Q8_0/Q4_0 weights, Q8_K for the K formats, as ggml does) and every weight row is dotted
+//! with it in integer arithmetic. Weight rows are split over the thread pool; each thread
+//! streams its own contiguous range of the weight matrix, which is what a memory-bound
+//! matrix-vector product needs. F32/F16/BF16 weights with many activation rows go to the
+//! `gemm` crate instead, where reuse of each weight across rows makes it compute-bound.
+
+use crate::{dot, f32s, f32s_mut, storage};
+use half::{bf16, f16};
+use kiln_core::quant::{self, as_blocks, BlockQ8K, BlockQ8_0, QK, QK_K};
+use kiln_core::{DType, Error, Result, Tensor};
+use rayon::prelude::*;
+
+/// Activation rows from which F32/F16/BF16 products go through GEMM.
+const GEMM_MIN_ROWS: usize = 8;
+/// Weight rows converted to f32 at a time on the F16/BF16 GEMM path (bounds the scratch).
+const GEMM_WEIGHT_CHUNK: usize = 256;
+
+pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -> Result<()> {
+    let &[m, k] = w.dims() else {
+        return Err(Error::shape(format!("matmul weight must be [m, k], got {}", w.shape())));
+    };
+    let n = x.shape().rows();
+    if x.shape().row_len() != k || out.shape().row_len() != m || out.shape().rows() != n {
+        return Err(Error::shape(format!(
+            "matmul: x {} · w {}ᵀ into {}",
+            x.shape(),
+            w.shape(),
+            out.shape()
+        )));
+    }
+    let xs = f32s(x)?;
+    let wb = storage(w)?.bytes();
+    let out = f32s_mut(out)?;
+    if n == 0 || m == 0 {
+        return Ok(());
+    }
+    match w.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 if n >= GEMM_MIN_ROWS => {
+            gemm_f32(xs, wb, w.dtype(), out, n, m, k, threads)
+        }
+        DType::F32 => {
+            let ws: &[f32] = cast(wb)?;
+            by_rows(out, n, m, |r, i| dot::dot_f32(&ws[r * k..][..k], &xs[i * k..][..k]));
+        }
+        DType::F16 => {
+            let ws: &[f16] = cast(wb)?;
+            by_rows(out, n, m, |r, i| dot::dot_f16(&ws[r * k..][..k], &xs[i * k..][..k]));
+        }
+        DType::BF16 => {
+            let ws: &[bf16] = cast(wb)?;
+            by_rows(out, n, m, |r, i| dot::dot_bf16(&ws[r * k..][..k], &xs[i * k..][..k]));
+        }
+        DType::Q8_0 | DType::Q4_0 => {
+            let nb = k / QK;
+            let xq: Vec<BlockQ8_0> = quantize_rows(xs, DType::Q8_0)?;
+            let xq = |i: usize| &xq[i * nb..][..nb];
+            if w.dtype() == DType::Q8_0 {
+                let ws = as_blocks(wb)?;
+                by_rows(out, n, m, |r, i| dot::dot_q8_0(&ws[r * nb..][..nb], xq(i)));
+            } else {
+                let ws = as_blocks(wb)?;
+                by_rows(out, n, m, |r, i| dot::dot_q4_0(&ws[r * nb..][..nb], xq(i)));
+            }
+        }
+        DType::Q4_K | DType::Q6_K => {
+            let nb = k / QK_K;
+            let mut xq = vec![bytemuck::Zeroable::zeroed(); n * nb];
+            quant::quantize_q8_k(xs, &mut xq)?;
+            let xq: &[BlockQ8K] = &xq;
+            let xq = |i: usize| &xq[i * nb..][..nb];
+            if w.dtype() == DType::Q4_K {
+                let ws = as_blocks(wb)?;
+                by_rows(out, n, m, |r, i| dot::dot_q4_k(&ws[r * nb..][..nb], xq(i)));
+            } else {
+                let ws = as_blocks(wb)?;
+                by_rows(out, n, m, |r, i| dot::dot_q6_k(&ws[r * nb..][..nb], xq(i)));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T]> {
+    bytemuck::try_cast_slice(bytes).map_err(|e| Error::Device(format!("misaligned weight data: {e}")))
+}
+
+/// Quantize each activation row to Q8_0 blocks (rows are whole blocks: checked by the
+/// weight's shape).
+fn quantize_rows(xs: &[f32], dtype: DType) -> Result<Vec<BlockQ8_0>> {
+    let bytes = quant::quantize(dtype, xs)?;
+    Ok(as_blocks::<BlockQ8_0>(&bytes)?.into_owned())
+}
+
+/// Weight rows a thread takes at a time: enough to amortise scheduling, small enough to
+/// balance the pool.
+fn chunk_rows(m: usize) -> usize {
+    (m / (rayon::current_num_threads() * 8)).clamp(1, 64)
+}
+
+/// Fill `out[i, r] = f(r, i)` with weight rows `r` spread over the pool. For several
+/// activation rows each weight row is used for all of them while it is in cache.
+fn by_rows(out: &mut [f32], n: usize, m: usize, f: impl Fn(usize, usize) -> f32 + Sync) {
+    let chunk = chunk_rows(m);
+    if n == 1 {
+        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+            for (j, v) in o.iter_mut().enumerate() {
+                *v = f(c * chunk + j, 0);
+            }
+        });
+        return;
+    }
+    // Compute weight-row-major, then transpose into [n, m].
+    let mut t = vec![0f32; m * n];
+    t.par_chunks_mut(chunk * n).enumerate().for_each(|(c, o)| {
+        for (j, row) in o.chunks_exact_mut(n).enumerate() {
+            for (i, v) in row.iter_mut().enumerate() {
+                *v = f(c * chunk + j, i);
+            }
+        }
+    });
+    for r in 0..m {
+        for i in 0..n {
+            out[i * m + r] = t[r * n + i];
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_f32(xs: &[f32], wb: &[u8], dtype: DType, out: &mut [f32], n: usize, m: usize, k: usize, threads: usize) {
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // out[n, m] = x[n, k] · wᵀ, where wᵀ[kk, j] = w[j·k + kk].
+    let run = |w: &[f32], rows: usize, out: &mut [f32]| {
+        // SAFETY: every pointer/stride pair addresses only inside its slice: x is n × k
+        // (row stride k), w is rows × k read transposed (column stride k), and out starts
+        // at this chunk's first column with row stride m, n rows of `rows` columns.
+        unsafe {
+            gemm::gemm(
+                n, rows, k,
+                out.as_mut_ptr(), 1, m as isize,
+                false,
+                xs.as_ptr(), 1, k as isize,
+                w.as_ptr(), k as isize, 1,
+                0.0, 1.0,
+                false, false, false,
+                parallelism,
+            );
+        }
+    };
+    if dtype == DType::F32 {
+        run(bytemuck::cast_slice(wb), m, out);
+        return;
+    }
+    let row_bytes = k * 2;
+    let mut scratch = vec![0f32; GEMM_WEIGHT_CHUNK.min(m) * k];
+    for r0 in (0..m).step_by(GEMM_WEIGHT_CHUNK) {
+        let rows = GEMM_WEIGHT_CHUNK.min(m - r0);
+        let w = &mut scratch[..rows * k];
+        let src = &wb[r0 * row_bytes..(r0 + rows) * row_bytes];
+        w.par_chunks_mut(k)
+            .zip(src.par_chunks(row_bytes))
+            .for_each(|(w, s)| quant::dequantize(dtype, s, w).expect("row lengths match"));
+        // The chunk's output columns start at r0; `run` writes n rows with stride m.
+        run(w, rows, &mut out[r0..]);
+    }
+}

@@ -1,0 +1,268 @@
+//! Every CPU op against a plain float64 reference on fresh random inputs of awkward sizes.
+
+use kiln_core::{quant, Backend, DType, HostBytes, RopeLayout, Shape, Tensor};
+use kiln_cpu::CpuBackend;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+fn backend() -> CpuBackend {
+    CpuBackend::new(Some(2)).unwrap()
+}
+
+fn random(n: usize, rng: &mut StdRng, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0) * scale).collect()
+}
+
+fn upload(b: &CpuBackend, dtype: DType, dims: &[usize], values: &[f32]) -> Tensor {
+    let bytes = quant::quantize(dtype, values).unwrap();
+    b.upload(dtype, Shape::new(dims.to_vec()).unwrap(), HostBytes::from_vec(bytes))
+        .unwrap()
+}
+
+fn read(b: &CpuBackend, t: &Tensor) -> Vec<f32> {
+    let bytes = b.download(t).unwrap();
+    quant::dequantize_to_vec(DType::F32, &bytes, t.shape().numel()).unwrap()
+}
+
+fn zeros(b: &CpuBackend, dims: &[usize]) -> Tensor {
+    b.zeros(DType::F32, Shape::new(dims.to_vec()).unwrap()).unwrap()
+}
+
+/// Fill an output with NaN first so that an element the op forgets to write shows.
+fn poisoned(b: &CpuBackend, dims: &[usize]) -> Tensor {
+    let n: usize = dims.iter().product();
+    upload(b, DType::F32, dims, &vec![f32::NAN; n])
+}
+
+fn assert_close(got: &[f32], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g as f64 - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}: element {i}: got {g}, want {w}"
+        );
+    }
+}
+
+#[test]
+fn matmul_every_dtype_against_f64() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(1);
+    for dtype in DType::ALL {
+        let bs = dtype.block_size().max(1);
+        let ks: Vec<usize> = if bs == 1 { vec![1, 7, 33, 1000] } else { vec![bs, bs * 3, bs * 17] };
+        for &k in &ks {
+            for &(n, m) in &[(1usize, 1usize), (1, 37), (3, 17), (9, 70)] {
+                let wv = random(m * k, &mut rng, 1.0);
+                let xv = random(n * k, &mut rng, 2.0);
+                let w = upload(&b, dtype, &[m, k], &wv);
+                let x = upload(&b, DType::F32, &[n, k], &xv);
+                let mut out = poisoned(&b, &[n, m]);
+                b.matmul(&x, &w, &mut out).unwrap();
+                let got = read(&b, &out);
+                // Reference: the weights as stored (dequantized), the activations exact.
+                let wd = quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &wv).unwrap(), m * k).unwrap();
+                for i in 0..n {
+                    for r in 0..m {
+                        let (mut dot, mut mag) = (0f64, 0f64);
+                        for j in 0..k {
+                            let p = wd[r * k + j] as f64 * xv[i * k + j] as f64;
+                            dot += p;
+                            mag += p.abs();
+                        }
+                        // Quantized types also quantize the activations to 8 bits.
+                        let tol = if dtype.is_quantized() { 1e-2 } else { 1e-5 };
+                        let g = got[i * m + r] as f64;
+                        assert!(
+                            (g - dot).abs() <= tol * mag + 1e-6,
+                            "{dtype} n={n} m={m} k={k} [{i},{r}]: got {g}, want {dot} (Σ|wx| {mag})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_rejects_shapes_that_do_not_fit() {
+    let b = backend();
+    let w = zeros(&b, &[4, 8]);
+    let x = zeros(&b, &[2, 7]);
+    let mut out = zeros(&b, &[2, 4]);
+    assert!(b.matmul(&x, &w, &mut out).is_err());
+    let x = zeros(&b, &[2, 8]);
+    let mut out = zeros(&b, &[2, 5]);
+    assert!(b.matmul(&x, &w, &mut out).is_err());
+}
+
+#[test]
+fn norms_against_f64() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(2);
+    for &(rows, dim) in &[(1usize, 1usize), (3, 7), (5, 33), (130, 257)] {
+        let xv = random(rows * dim, &mut rng, 3.0);
+        let wv = random(dim, &mut rng, 1.5);
+        let bv = random(dim, &mut rng, 0.5);
+        let x = upload(&b, DType::F32, &[rows, dim], &xv);
+        let w = upload(&b, DType::F32, &[dim], &wv);
+        let bias = upload(&b, DType::F32, &[dim], &bv);
+        let eps = 1e-5;
+
+        let mut out = poisoned(&b, &[rows, dim]);
+        b.rms_norm(&x, &w, eps, &mut out).unwrap();
+        let mut want = Vec::new();
+        for r in xv.chunks(dim) {
+            let ms = r.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / dim as f64;
+            let s = 1.0 / (ms + eps as f64).sqrt();
+            want.extend(r.iter().zip(&wv).map(|(&v, &w)| v as f64 * s * w as f64));
+        }
+        assert_close(&read(&b, &out), &want, 1e-5, "rms_norm");
+
+        let mut out = poisoned(&b, &[rows, dim]);
+        b.layer_norm(&x, &w, &bias, eps, &mut out).unwrap();
+        let mut want = Vec::new();
+        for r in xv.chunks(dim) {
+            let mean = r.iter().map(|&v| v as f64).sum::<f64>() / dim as f64;
+            let var = r.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / dim as f64;
+            let s = 1.0 / (var + eps as f64).sqrt();
+            want.extend(
+                r.iter()
+                    .zip(wv.iter().zip(&bv))
+                    .map(|(&v, (&w, &bb))| (v as f64 - mean) * s * w as f64 + bb as f64),
+            );
+        }
+        assert_close(&read(&b, &out), &want, 1e-5, "layer_norm");
+
+        let mut s = upload(&b, DType::F32, &[rows, dim], &xv);
+        b.softmax(&mut s).unwrap();
+        let mut want = Vec::new();
+        for r in xv.chunks(dim) {
+            let max = r.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+            let e: Vec<f64> = r.iter().map(|&v| (v as f64 - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            want.extend(e.iter().map(|v| v / sum));
+        }
+        assert_close(&read(&b, &s), &want, 1e-6, "softmax");
+    }
+    let mut masked = upload(&b, DType::F32, &[1, 3], &[f32::NEG_INFINITY; 3]);
+    b.softmax(&mut masked).unwrap();
+    assert_eq!(read(&b, &masked), vec![0.0; 3]);
+}
+
+#[test]
+fn rope_both_layouts_against_f64() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(3);
+    for layout in [RopeLayout::Interleaved, RopeLayout::Neox] {
+        for &(tokens, heads, head_dim, rot) in &[(1usize, 1usize, 2usize, 2usize), (5, 3, 10, 10), (4, 2, 16, 8)] {
+            let xv = random(tokens * heads * head_dim, &mut rng, 2.0);
+            let half = rot / 2;
+            let freqs: Vec<f32> = (0..half).map(|i| 10000f32.powf(-2.0 * i as f32 / rot as f32)).collect();
+            let mut x = upload(&b, DType::F32, &[tokens, heads, head_dim], &xv);
+            let f = upload(&b, DType::F32, &[half], &freqs);
+            let pos0 = 1234;
+            b.rope(&mut x, pos0, &f, layout).unwrap();
+            let mut want: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
+            for t in 0..tokens {
+                for h in 0..heads {
+                    let base = (t * heads + h) * head_dim;
+                    for i in 0..half {
+                        let theta = (pos0 + t) as f64 * freqs[i] as f64;
+                        let (a, c) = match layout {
+                            RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                            RopeLayout::Neox => (i, i + half),
+                        };
+                        let (x0, x1) = (xv[base + a] as f64, xv[base + c] as f64);
+                        want[base + a] = x0 * theta.cos() - x1 * theta.sin();
+                        want[base + c] = x0 * theta.sin() + x1 * theta.cos();
+                    }
+                }
+            }
+            // Angles at position ~1e3 carry f32 rounding of the product, as in transformers.
+            assert_close(&read(&b, &x), &want, 2e-3, &format!("rope {layout:?}"));
+        }
+    }
+}
+
+#[test]
+fn elementwise_against_f64() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(4);
+    let (rows, dim) = (3, 37);
+    let gv = random(rows * dim, &mut rng, 6.0);
+    let uv = random(rows * dim, &mut rng, 2.0);
+    let g = upload(&b, DType::F32, &[rows, dim], &gv);
+    let u = upload(&b, DType::F32, &[rows, dim], &uv);
+
+    let mut out = poisoned(&b, &[rows, dim]);
+    b.silu_mul(&g, &u, &mut out).unwrap();
+    let want: Vec<f64> = gv
+        .iter()
+        .zip(&uv)
+        .map(|(&g, &u)| g as f64 / (1.0 + (-(g as f64)).exp()) * u as f64)
+        .collect();
+    assert_close(&read(&b, &out), &want, 1e-5, "silu_mul");
+
+    let gelu = |x: f64| 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh());
+    let mut out = poisoned(&b, &[rows, dim]);
+    b.gelu_mul(&g, &u, &mut out).unwrap();
+    let want: Vec<f64> = gv.iter().zip(&uv).map(|(&g, &u)| gelu(g as f64) * u as f64).collect();
+    assert_close(&read(&b, &out), &want, 1e-5, "gelu_mul");
+
+    let mut x = upload(&b, DType::F32, &[rows, dim], &gv);
+    b.gelu(&mut x).unwrap();
+    let want: Vec<f64> = gv.iter().map(|&g| gelu(g as f64)).collect();
+    assert_close(&read(&b, &x), &want, 1e-5, "gelu");
+
+    let mut acc = upload(&b, DType::F32, &[rows, dim], &gv);
+    b.add_assign(&mut acc, &u).unwrap();
+    let want: Vec<f64> = gv.iter().zip(&uv).map(|(&a, &b)| a as f64 + b as f64).collect();
+    assert_close(&read(&b, &acc), &want, 1e-6, "add_assign");
+
+    let row = upload(&b, DType::F32, &[dim], &uv[..dim]);
+    let mut acc = upload(&b, DType::F32, &[rows, dim], &gv);
+    b.mul_assign(&mut acc, &row).unwrap();
+    let want: Vec<f64> = gv.iter().enumerate().map(|(i, &a)| a as f64 * uv[i % dim] as f64).collect();
+    assert_close(&read(&b, &acc), &want, 1e-6, "mul_assign broadcast");
+
+    b.scale(&mut acc, -0.5).unwrap();
+    let want: Vec<f64> = want.iter().map(|v| v * -0.5).collect();
+    assert_close(&read(&b, &acc), &want, 1e-6, "scale");
+
+    let wrong = zeros(&b, &[rows, dim + 1]);
+    assert!(b.add_assign(&mut acc, &wrong).is_err());
+}
+
+#[test]
+fn embedding_dequantizes_rows_and_checks_ids() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(5);
+    let (vocab, dim) = (11, 256);
+    for dtype in DType::ALL {
+        let tv = random(vocab * dim, &mut rng, 1.0);
+        let table = upload(&b, dtype, &[vocab, dim], &tv);
+        let ids = [3u32, 0, 10, 3];
+        let mut out = poisoned(&b, &[ids.len(), dim]);
+        b.embedding(&table, &ids, &mut out).unwrap();
+        let stored = quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &tv).unwrap(), vocab * dim).unwrap();
+        let want: Vec<f64> = ids
+            .iter()
+            .flat_map(|&id| stored[id as usize * dim..][..dim].iter().map(|&v| v as f64))
+            .collect();
+        assert_close(&read(&b, &out), &want, 0.0, "embedding");
+        let err = b.embedding(&table, &[11], &mut zeros(&b, &[1, dim])).unwrap_err();
+        assert!(err.to_string().contains("token id 11"), "{err}");
+    }
+}
+
+#[test]
+fn upload_checks_sizes_and_writes_copy_shared_data() {
+    let b = backend();
+    let bad = b.upload(DType::Q8_0, Shape::new(vec![2, 32]).unwrap(), HostBytes::from_vec(vec![0; 67]));
+    assert!(bad.is_err());
+    let source = HostBytes::from_vec(quant::quantize(DType::F32, &[1.0, 2.0]).unwrap());
+    let mut t = b.upload(DType::F32, Shape::new(vec![2]).unwrap(), source.clone()).unwrap();
+    b.scale(&mut t, 2.0).unwrap();
+    assert_eq!(read(&b, &t), vec![2.0, 4.0]);
+    assert_eq!(source.as_slice(), quant::quantize(DType::F32, &[1.0, 2.0]).unwrap());
+}
