@@ -21,8 +21,12 @@ use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
-/// Map a whole file read-only. The map is shared by every tensor that views it.
-pub(crate) fn map_file(path: &Path) -> Result<Arc<Mmap>> {
+/// A whole file's bytes: a read-only memory map, or (for fuzzing and tests) a vector.
+/// Shared by every tensor that views it.
+pub(crate) type FileBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// Map a whole file read-only.
+pub(crate) fn map_file(path: &Path) -> Result<FileBytes> {
     let file = File::open(path).map_err(|e| Error::io(path.display(), e))?;
     let meta = file.metadata().map_err(|e| Error::io(path.display(), e))?;
     if !meta.is_file() {
@@ -70,6 +74,12 @@ pub fn detect_format(path: &Path) -> Result<FileFormat> {
     // safetensors starts with a little-endian u64 header length, then '{'.
     if n == 8 && u64::from_le_bytes(head) < meta.len() {
         return Ok(FileFormat::Safetensors);
+    }
+    // Inconclusive bytes: trust the name, so the reader can say what is wrong inside.
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("gguf") => return Ok(FileFormat::Gguf),
+        Some("safetensors") => return Ok(FileFormat::Safetensors),
+        _ => {}
     }
     Err(Error::format(format!(
         "{}: unknown format (not GGUF, safetensors, or a Hugging Face directory)",

@@ -1,8 +1,8 @@
 //! Hugging Face safetensors checkpoints through the `safetensors` crate, memory-mapped:
 //! one file, or shards listed by `model.safetensors.index.json`.
 
+use crate::FileBytes;
 use kiln_core::{DType, Error, HostBytes, Result, Shape};
-use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -55,13 +55,20 @@ pub struct SafetensorsModel {
     /// Sorted by name.
     pub tensors: Vec<TensorEntry>,
     index: HashMap<String, usize>,
-    maps: Vec<Arc<Mmap>>,
+    maps: Vec<FileBytes>,
 }
 
 impl SafetensorsModel {
     /// A single `.safetensors` file.
     pub fn open_file(path: impl AsRef<Path>) -> Result<Self> {
-        Self::from_files(vec![path.as_ref().to_path_buf()], None)
+        let path = path.as_ref().to_path_buf();
+        let bytes = crate::map_file(&path)?;
+        Self::from_parts(vec![(path, bytes)], None)
+    }
+
+    /// A safetensors image held in memory; `name` stands for the path in messages.
+    pub fn from_bytes(name: impl AsRef<Path>, bytes: Vec<u8>) -> Result<Self> {
+        Self::from_parts(vec![(name.as_ref().to_path_buf(), Arc::new(bytes))], None)
     }
 
     /// The weights of a Hugging Face model directory: the shards its index names, or its
@@ -71,8 +78,14 @@ impl SafetensorsModel {
         let index_path = dir.join(INDEX_FILE);
         if index_path.is_file() {
             let (files, weight_map) = read_index(&index_path)?;
-            let files = files.into_iter().map(|f| dir.join(f)).collect();
-            return Self::from_files(files, Some((index_path, weight_map)));
+            let parts = files
+                .into_iter()
+                .map(|f| {
+                    let path = dir.join(f);
+                    crate::map_file(&path).map(|bytes| (path, bytes))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Self::from_parts(parts, Some((index_path, weight_map)));
         }
         let single = dir.join(SINGLE_FILE);
         if single.is_file() {
@@ -84,22 +97,26 @@ impl SafetensorsModel {
         )))
     }
 
-    fn from_files(files: Vec<PathBuf>, index: Option<(PathBuf, BTreeMap<String, String>)>) -> Result<Self> {
-        let mut maps = Vec::with_capacity(files.len());
+    fn from_parts(
+        parts: Vec<(PathBuf, FileBytes)>,
+        index: Option<(PathBuf, BTreeMap<String, String>)>,
+    ) -> Result<Self> {
+        let mut maps = Vec::with_capacity(parts.len());
+        let mut files = Vec::with_capacity(parts.len());
         let mut tensors = Vec::new();
         let mut metadata = BTreeMap::new();
-        for (file_idx, path) in files.iter().enumerate() {
-            let map = crate::map_file(path)?;
-            let st = SafeTensors::deserialize(&map)
+        for (file_idx, (path, map)) in parts.into_iter().enumerate() {
+            let bytes: &[u8] = (*map).as_ref();
+            let st = SafeTensors::deserialize(bytes)
                 .map_err(|e| Error::format(format!("{}: invalid safetensors file: {e}", path.display())))?;
             if file_idx == 0 {
-                let (_, header) = SafeTensors::read_metadata(&map)
+                let (_, header) = SafeTensors::read_metadata(bytes)
                     .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
                 if let Some(m) = header.metadata() {
                     metadata = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
                 }
             }
-            let base = map.as_ptr() as usize;
+            let base = bytes.as_ptr() as usize;
             for (name, view) in st.tensors() {
                 let start = view.data().as_ptr() as usize - base;
                 tensors.push(TensorEntry {
@@ -110,7 +127,8 @@ impl SafetensorsModel {
                     range: start..start + view.data().len(),
                 });
             }
-            maps.push(map);
+            maps.push(map.clone());
+            files.push(path);
         }
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
         let mut index_by_name = HashMap::with_capacity(tensors.len());
@@ -148,7 +166,7 @@ impl SafetensorsModel {
     }
 
     pub fn tensor_data(&self, t: &TensorEntry) -> &[u8] {
-        &self.maps[t.file][t.range.clone()]
+        &(*self.maps[t.file]).as_ref()[t.range.clone()]
     }
 
     pub fn tensor_bytes(&self, t: &TensorEntry) -> Result<HostBytes> {

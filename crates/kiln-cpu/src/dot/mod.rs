@@ -258,7 +258,11 @@ mod tests {
     fn isa_names_and_detection() {
         let detected = Isa::detect();
         let names: Vec<_> = test_util::isas().iter().map(|i| i.name()).collect();
-        eprintln!("detected {}, testing {names:?}", detected.name());
+        eprintln!(
+            "detected {}, dispatching {}, testing {names:?}",
+            detected.name(),
+            isa().name()
+        );
         assert!(detected.available());
         assert!(isa().available());
         for i in [Isa::Avx512Vnni, Isa::Avx2, Isa::Neon, Isa::Portable] {
@@ -279,10 +283,19 @@ mod bench {
     use rand::{RngCore, SeedableRng};
     use std::time::Instant;
 
+    /// Random bytes; fine for quant blocks (f16 scales become normal f32 values or NaN,
+    /// neither slower than usual).
     fn random_blocks<B: bytemuck::Pod>(rng: &mut StdRng, n: usize) -> Vec<B> {
         let mut bytes = vec![0u8; n * std::mem::size_of::<B>()];
         rng.fill_bytes(&mut bytes);
         bytemuck::pod_collect_to_vec(&bytes)
+    }
+
+    /// Weight-like floats (random bits would include f32 subnormals, which are slow).
+    fn floats<T>(n: usize, f: fn(f32) -> T) -> Vec<T> {
+        (0..n)
+            .map(|i| f(((i * 7919 % 1000) as f32 - 500.0) * 1e-3))
+            .collect()
     }
 
     /// Runs `f(row)` over all rows a few times, returning the best GB/s.
@@ -305,12 +318,13 @@ mod bench {
         let isas = test_util::isas();
         let x: Vec<f32> = (0..k).map(|i| (i as f32).sin()).collect();
         let xq8: Vec<BlockQ8_0> = random_blocks(&mut rng, k / 32);
-        let xq8k: Vec<BlockQ8K> = random_blocks(&mut rng, k / 256);
+        let mut xq8k: Vec<BlockQ8K> = random_blocks(&mut rng, k / 256);
+        xq8k.iter_mut().for_each(|b| b.d = 0.01);
         macro_rules! run {
-            ($name:expr, $ty:ty, $per_row:expr, $xs:expr, $call:ident) => {{
+            ($name:expr, $ty:ty, $per_row:expr, $xs:expr, $call:ident, $make:expr) => {{
                 let row_bytes = $per_row * std::mem::size_of::<$ty>();
                 let rows = (total_bytes / row_bytes).max(1);
-                let w: Vec<$ty> = random_blocks(&mut rng, rows * $per_row);
+                let w: Vec<$ty> = $make(&mut rng, rows * $per_row);
                 let mut line = format!(
                     "{:>6} k={k} {:>7.1} MB:",
                     $name,
@@ -325,13 +339,23 @@ mod bench {
                 eprintln!("{line}");
             }};
         }
-        run!("f32", f32, k, x, call_f32);
-        run!("f16", f16, k, x, call_f16);
-        run!("bf16", bf16, k, x, call_bf16);
-        run!("q8_0", BlockQ8_0, k / 32, xq8, call_q8_0);
-        run!("q4_0", BlockQ4_0, k / 32, xq8, call_q4_0);
-        run!("q4_K", BlockQ4K, k / 256, xq8k, call_q4_k);
-        run!("q6_K", BlockQ6K, k / 256, xq8k, call_q6_k);
+
+        run!("f32", f32, k, x, call_f32, |_: &mut StdRng, n| floats(
+            n,
+            |v| v
+        ));
+        run!("f16", f16, k, x, call_f16, |_: &mut StdRng, n| floats(
+            n,
+            f16::from_f32
+        ));
+        run!("bf16", bf16, k, x, call_bf16, |_: &mut StdRng, n| floats(
+            n,
+            bf16::from_f32
+        ));
+        run!("q8_0", BlockQ8_0, k / 32, xq8, call_q8_0, random_blocks);
+        run!("q4_0", BlockQ4_0, k / 32, xq8, call_q4_0, random_blocks);
+        run!("q4_K", BlockQ4K, k / 256, xq8k, call_q4_k, random_blocks);
+        run!("q6_K", BlockQ6K, k / 256, xq8k, call_q6_k, random_blocks);
     }
 
     /// Forces one ISA by calling its kernel directly.

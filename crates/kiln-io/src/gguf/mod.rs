@@ -11,9 +11,8 @@ mod write;
 pub use value::{Array, Value, ValueType};
 pub use write::GgufWriter;
 
-use crate::GgmlType;
+use crate::{FileBytes, GgmlType};
 use kiln_core::{Error, HostBytes, Result, Shape};
-use memmap2::Mmap;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -64,15 +63,24 @@ pub struct GgufFile {
     pub tensors: Vec<TensorInfo>,
     key_index: HashMap<String, usize>,
     tensor_index: HashMap<String, usize>,
-    map: Arc<Mmap>,
+    bytes: FileBytes,
 }
 
 impl GgufFile {
     /// Map and validate a GGUF file. Every error message starts with the path.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let map = crate::map_file(path)?;
-        let parsed = read::parse(&map).map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
+        Self::from_file_bytes(path, crate::map_file(path)?)
+    }
+
+    /// Parse a GGUF image held in memory; `name` stands for the path in messages.
+    pub fn from_bytes(name: impl AsRef<Path>, bytes: Vec<u8>) -> Result<Self> {
+        Self::from_file_bytes(name.as_ref(), Arc::new(bytes))
+    }
+
+    fn from_file_bytes(path: &Path, bytes: FileBytes) -> Result<Self> {
+        let parsed = read::parse((*bytes).as_ref())
+            .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
         let key_index = parsed
             .metadata
             .iter()
@@ -94,7 +102,7 @@ impl GgufFile {
             tensors: parsed.tensors,
             key_index,
             tensor_index,
-            map,
+            bytes,
         })
     }
 
@@ -119,16 +127,16 @@ impl GgufFile {
 
     /// The tensor's bytes, in place in the mapping.
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        &self.map[self.data_range(t)]
+        &(*self.bytes).as_ref()[self.data_range(t)]
     }
 
     /// The tensor's bytes as a shareable handle (for uploading to a backend without a copy).
     pub fn tensor_bytes(&self, t: &TensorInfo) -> Result<HostBytes> {
-        HostBytes::new(self.map.clone(), self.data_range(t))
+        HostBytes::new(self.bytes.clone(), self.data_range(t))
     }
 
     pub fn file_size(&self) -> u64 {
-        self.map.len() as u64
+        (*self.bytes).as_ref().len() as u64
     }
 }
 
