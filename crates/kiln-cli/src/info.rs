@@ -42,11 +42,19 @@ fn describe_gguf(f: &GgufFile) -> String {
         "format        GGUF v{} (alignment {}, tensor data at byte {})",
         f.version, f.alignment, f.data_offset
     );
-    let _ = writeln!(out, "architecture  {}", f.architecture().unwrap_or("(not stated)"));
+    let _ = writeln!(
+        out,
+        "architecture  {}",
+        f.architecture().unwrap_or("(not stated)")
+    );
     let _ = writeln!(out, "metadata      {} keys", f.metadata.len());
     let width = f.metadata.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     for (key, value) in &f.metadata {
-        let _ = writeln!(out, "  {key:width$}  {:6}  {value}", value.value_type().name());
+        let _ = writeln!(
+            out,
+            "  {key:width$}  {:6}  {value}",
+            value.value_type().name()
+        );
     }
     let rows = f
         .tensors
@@ -92,16 +100,35 @@ fn describe_hf_dir(dir: &Path) -> Result<String> {
     let config_path = dir.join("config.json");
     if config_path.is_file() {
         let c = HfConfig::load(&config_path)?;
-        let _ = writeln!(out, "architecture  {}", c.architecture().unwrap_or("(not stated)"));
+        let _ = writeln!(
+            out,
+            "architecture  {}",
+            c.architecture().unwrap_or("(not stated)")
+        );
         let fields = [
             ("model_type", c.model_type.clone()),
             ("vocab_size", c.vocab_size.map(|v| v.to_string())),
             ("hidden_size", c.hidden_size.map(|v| v.to_string())),
-            ("intermediate_size", c.intermediate_size.map(|v| v.to_string())),
-            ("num_hidden_layers", c.num_hidden_layers.map(|v| v.to_string())),
-            ("num_attention_heads", c.num_attention_heads.map(|v| v.to_string())),
-            ("num_key_value_heads", c.num_key_value_heads.map(|v| v.to_string())),
-            ("max_position_embeddings", c.max_position_embeddings.map(|v| v.to_string())),
+            (
+                "intermediate_size",
+                c.intermediate_size.map(|v| v.to_string()),
+            ),
+            (
+                "num_hidden_layers",
+                c.num_hidden_layers.map(|v| v.to_string()),
+            ),
+            (
+                "num_attention_heads",
+                c.num_attention_heads.map(|v| v.to_string()),
+            ),
+            (
+                "num_key_value_heads",
+                c.num_key_value_heads.map(|v| v.to_string()),
+            ),
+            (
+                "max_position_embeddings",
+                c.max_position_embeddings.map(|v| v.to_string()),
+            ),
             ("rope_theta", c.rope_theta.map(|v| v.to_string())),
             ("torch_dtype", c.torch_dtype.clone()),
         ];
@@ -121,7 +148,11 @@ fn describe_hf_dir(dir: &Path) -> Result<String> {
     let _ = writeln!(
         out,
         "tokenizer     {}",
-        if tokenizers.is_empty() { "(none)".to_string() } else { tokenizers.join(", ") }
+        if tokenizers.is_empty() {
+            "(none)".to_string()
+        } else {
+            tokenizers.join(", ")
+        }
     );
     let model = SafetensorsModel::open_dir(dir)?;
     let _ = writeln!(out, "weights       safetensors");
@@ -138,7 +169,11 @@ fn table(out: &mut String, rows: &[Row]) {
     let _ = writeln!(out, "tensors       {}", rows.len());
     let name_w = rows.iter().map(|r| r.name.len()).max().unwrap_or(0).max(4);
     let shape_w = rows.iter().map(|r| r.shape.len()).max().unwrap_or(0).max(5);
-    let _ = writeln!(out, "  {:name_w$}  {:shape_w$}  {:7}  {:>14}", "name", "shape", "type", "bytes");
+    let _ = writeln!(
+        out,
+        "  {:name_w$}  {:shape_w$}  {:7}  {:>14}",
+        "name", "shape", "type", "bytes"
+    );
     for r in rows {
         let _ = writeln!(
             out,
@@ -168,4 +203,3 @@ fn human_bytes(n: u64) -> String {
     }
     format!("{v:.2} {}", UNITS[unit])
 }
-

@@ -1,5 +1,6 @@
 //! The `kiln` command.
 
+mod bench;
 mod info;
 
 use clap::{Parser, Subcommand};
@@ -7,7 +8,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "kiln", version, about = "Run large language models at the speed of the hardware")]
+#[command(
+    name = "kiln",
+    version,
+    about = "Run large language models at the speed of the hardware"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -20,12 +25,44 @@ enum Command {
         /// The file or directory.
         path: PathBuf,
     },
+    /// Measure speed. `--kernels`: CPU matrix-vector GB/s per dtype against the machine's
+    /// memory bandwidth.
+    Bench {
+        /// Time the matrix-vector kernels (the only mode until models load).
+        #[arg(long, required = true)]
+        kernels: bool,
+        /// Threads (default: all cores).
+        #[arg(short = 't', long)]
+        threads: Option<usize>,
+        /// Timed repetitions (the median is reported).
+        #[arg(short = 'r', long, default_value_t = 10)]
+        reps: usize,
+        /// Weight rows.
+        #[arg(long, default_value_t = 4096)]
+        rows: usize,
+        /// Weight columns (a multiple of 256).
+        #[arg(long, default_value_t = 14336)]
+        cols: usize,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info { path } => info::run(&path),
+        Command::Bench {
+            kernels: _,
+            threads,
+            reps,
+            rows,
+            cols,
+        } => bench::kernels(&bench::KernelBench {
+            threads,
+            reps,
+            rows,
+            cols,
+        })
+        .map(|t| print!("{t}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

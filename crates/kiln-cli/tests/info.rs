@@ -28,19 +28,29 @@ fn stdout(o: &Output) -> String {
 #[test]
 fn describes_a_gguf_written_by_gguf_py() {
     let (out, _) = kiln_info(&repo().join("tests/data/tiny-llama.gguf"));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = stdout(&out);
     assert!(text.contains("GGUF v3 (alignment 32"), "{text}");
     assert!(text.contains("architecture  llama"));
     assert!(text.contains("llama.block_count"));
-    assert!(text.contains("... (300 string items)"), "long arrays are abbreviated: {text}");
+    assert!(
+        text.contains("... (300 string items)"),
+        "long arrays are abbreviated: {text}"
+    );
     for (name, shape, dtype) in [
         ("token_embd.weight", "[300, 256]", "q4_K"),
         ("blk.1.attn_v.weight", "[128, 256]", "q6_K"),
         ("blk.0.ffn_down.weight", "[256, 512]", "q6_K"),
         ("output_norm.weight", "[256]", "f32"),
     ] {
-        let line = text.lines().find(|l| l.trim_start().starts_with(name)).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap();
         assert!(line.contains(shape) && line.contains(dtype), "{line}");
     }
     assert!(text.contains("total         21 tensors"), "{text}");
@@ -50,7 +60,11 @@ fn describes_a_gguf_written_by_gguf_py() {
 fn describes_hugging_face_directories() {
     for dir in ["tests/data/tiny-hf", "tests/data/tiny-hf-sharded"] {
         let (out, _) = kiln_info(&repo().join(dir));
-        assert!(out.status.success(), "{dir}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{dir}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let text = stdout(&out);
         assert!(text.contains("LlamaForCausalLM"), "{text}");
         for (name, dtype) in [
@@ -58,7 +72,10 @@ fn describes_hugging_face_directories() {
             ("model.norm.weight", "f32"),
             ("model.layers.0.mlp.down_proj.weight", "f16"),
         ] {
-            let line = text.lines().find(|l| l.trim_start().starts_with(name)).unwrap();
+            let line = text
+                .lines()
+                .find(|l| l.trim_start().starts_with(name))
+                .unwrap();
             assert!(line.contains(dtype), "{line}");
         }
         assert!(text.contains("total         4 tensors"), "{text}");
@@ -82,9 +99,21 @@ fn every_hostile_file_gets_one_line_and_status_1() {
             let (out, took) = kiln_info(&file);
             let err = String::from_utf8_lossy(&out.stderr);
             let name = file.file_name().unwrap().to_string_lossy();
-            assert_eq!(out.status.code(), Some(1), "{name}: status {:?}, stderr {err}", out.status);
-            assert_eq!(err.lines().count(), 1, "{name}: stderr must be one line: {err}");
-            assert!(err.contains(&*name), "{name}: the message must name the file: {err}");
+            assert_eq!(
+                out.status.code(),
+                Some(1),
+                "{name}: status {:?}, stderr {err}",
+                out.status
+            );
+            assert_eq!(
+                err.lines().count(),
+                1,
+                "{name}: stderr must be one line: {err}"
+            );
+            assert!(
+                err.contains(&*name),
+                "{name}: the message must name the file: {err}"
+            );
             assert!(took < Duration::from_secs(5), "{name}: took {took:?}");
             seen += 1;
         }

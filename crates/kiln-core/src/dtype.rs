@@ -94,7 +94,7 @@ impl DType {
 
     /// Bytes of one row of `n` elements; an error when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Result<usize> {
-        if n % self.block_size() != 0 {
+        if !n.is_multiple_of(self.block_size()) {
             return Err(Error::shape(format!(
                 "a row of {n} elements is not a whole number of {} blocks of {}",
                 self.name(),

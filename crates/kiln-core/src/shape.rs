@@ -12,7 +12,9 @@ impl Shape {
         let dims = dims.into();
         dims.iter()
             .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| Error::shape(format!("{dims:?} has more elements than fit in memory")))?;
+            .ok_or_else(|| {
+                Error::shape(format!("{dims:?} has more elements than fit in memory"))
+            })?;
         Ok(Shape(dims))
     }
 

@@ -11,7 +11,13 @@ pub(crate) fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
 }
 
-pub(crate) fn gated(gate: &Tensor, up: &Tensor, out: &mut Tensor, op: &str, act: fn(f32) -> f32) -> Result<()> {
+pub(crate) fn gated(
+    gate: &Tensor,
+    up: &Tensor,
+    out: &mut Tensor,
+    op: &str,
+    act: fn(f32) -> f32,
+) -> Result<()> {
     same_shape(gate, up, op)?;
     same_shape(gate, out, op)?;
     let (g, u) = (f32s(gate)?, f32s(up)?);
@@ -22,11 +28,20 @@ pub(crate) fn gated(gate: &Tensor, up: &Tensor, out: &mut Tensor, op: &str, act:
 }
 
 /// `acc op= x` where `x` has `acc`'s shape or is one row broadcast over `acc`'s rows.
-pub(crate) fn broadcast_assign(acc: &mut Tensor, x: &Tensor, op: &str, f: fn(&mut f32, f32)) -> Result<()> {
+pub(crate) fn broadcast_assign(
+    acc: &mut Tensor,
+    x: &Tensor,
+    op: &str,
+    f: fn(&mut f32, f32),
+) -> Result<()> {
     let row = acc.shape().row_len();
     let broadcast = x.shape().numel() == row && x.shape().row_len() == row;
     if x.shape() != acc.shape() && !broadcast {
-        return Err(Error::shape(format!("{op}: {} into {}", x.shape(), acc.shape())));
+        return Err(Error::shape(format!(
+            "{op}: {} into {}",
+            x.shape(),
+            acc.shape()
+        )));
     }
     let xs = f32s(x)?;
     let a = f32s_mut(acc)?;
@@ -41,7 +56,10 @@ pub(crate) fn broadcast_assign(acc: &mut Tensor, x: &Tensor, op: &str, f: fn(&mu
 
 pub(crate) fn embedding(table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result<()> {
     let [vocab, dim] = table.dims() else {
-        return Err(Error::shape(format!("embedding table must be 2-D, got {}", table.shape())));
+        return Err(Error::shape(format!(
+            "embedding table must be 2-D, got {}",
+            table.shape()
+        )));
     };
     let (vocab, dim) = (*vocab, *dim);
     if out.dims() != [ids.len(), dim] {
@@ -57,7 +75,9 @@ pub(crate) fn embedding(table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result
     for (&id, o) in ids.iter().zip(f32s_mut(out)?.chunks_exact_mut(dim.max(1))) {
         let id = id as usize;
         if id >= vocab {
-            return Err(Error::shape(format!("token id {id} is outside the vocabulary of {vocab}")));
+            return Err(Error::shape(format!(
+                "token id {id} is outside the vocabulary of {vocab}"
+            )));
         }
         quant::dequantize(dtype, &data[id * row_bytes..(id + 1) * row_bytes], o)?;
     }

@@ -77,7 +77,11 @@ fn expect_f32(t: &Tensor) -> Result<()> {
 
 pub(crate) fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
     if a.shape() != b.shape() {
-        return Err(Error::shape(format!("{op}: {} vs {}", a.shape(), b.shape())));
+        return Err(Error::shape(format!(
+            "{op}: {} vs {}",
+            a.shape(),
+            b.shape()
+        )));
     }
     Ok(())
 }
@@ -93,7 +97,11 @@ impl Backend for CpuBackend {
 
     fn zeros(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
         let bytes = shape.rows() * dtype.row_bytes(shape.row_len())?;
-        Ok(Tensor::from_storage(Box::new(CpuStorage::zeroed(bytes)), dtype, shape))
+        Ok(Tensor::from_storage(
+            Box::new(CpuStorage::zeroed(bytes)),
+            dtype,
+            shape,
+        ))
     }
 
     fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor> {
@@ -104,7 +112,11 @@ impl Backend for CpuBackend {
                 data.len()
             )));
         }
-        Ok(Tensor::from_storage(Box::new(CpuStorage::from_host(data)), dtype, shape))
+        Ok(Tensor::from_storage(
+            Box::new(CpuStorage::from_host(data)),
+            dtype,
+            shape,
+        ))
     }
 
     fn download(&self, t: &Tensor) -> Result<Vec<u8>> {
@@ -112,7 +124,8 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.pool.install(|| matmul::matmul(x, w, out, self.threads()))
+        self.pool
+            .install(|| matmul::matmul(x, w, out, self.threads()))
     }
 
     fn embedding(&self, table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result<()> {
@@ -123,15 +136,29 @@ impl Backend for CpuBackend {
         self.pool.install(|| norm::rms_norm(x, weight, eps, out))
     }
 
-    fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
-        self.pool.install(|| norm::layer_norm(x, weight, bias, eps, out))
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.pool
+            .install(|| norm::layer_norm(x, weight, bias, eps, out))
     }
 
     fn softmax(&self, x: &mut Tensor) -> Result<()> {
         self.pool.install(|| norm::softmax(x))
     }
 
-    fn rope(&self, x: &mut Tensor, pos0: usize, inv_freq: &Tensor, layout: RopeLayout) -> Result<()> {
+    fn rope(
+        &self,
+        x: &mut Tensor,
+        pos0: usize,
+        inv_freq: &Tensor,
+        layout: RopeLayout,
+    ) -> Result<()> {
         self.pool.install(|| rope::rope(x, pos0, inv_freq, layout))
     }
 
@@ -157,7 +184,9 @@ impl Backend for CpuBackend {
     }
 
     fn gelu(&self, x: &mut Tensor) -> Result<()> {
-        f32s_mut(x)?.iter_mut().for_each(|v| *v = elementwise::gelu(*v));
+        f32s_mut(x)?
+            .iter_mut()
+            .for_each(|v| *v = elementwise::gelu(*v));
         Ok(())
     }
 }

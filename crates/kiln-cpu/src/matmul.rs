@@ -20,7 +20,10 @@ const GEMM_WEIGHT_CHUNK: usize = 256;
 
 pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -> Result<()> {
     let &[m, k] = w.dims() else {
-        return Err(Error::shape(format!("matmul weight must be [m, k], got {}", w.shape())));
+        return Err(Error::shape(format!(
+            "matmul weight must be [m, k], got {}",
+            w.shape()
+        )));
     };
     let n = x.shape().rows();
     if x.shape().row_len() != k || out.shape().row_len() != m || out.shape().rows() != n {
@@ -43,15 +46,21 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         }
         DType::F32 => {
             let ws: &[f32] = cast(wb)?;
-            by_rows(out, n, m, |r, i| dot::dot_f32(&ws[r * k..][..k], &xs[i * k..][..k]));
+            by_rows(out, n, m, |r, i| {
+                dot::dot_f32(&ws[r * k..][..k], &xs[i * k..][..k])
+            });
         }
         DType::F16 => {
             let ws: &[f16] = cast(wb)?;
-            by_rows(out, n, m, |r, i| dot::dot_f16(&ws[r * k..][..k], &xs[i * k..][..k]));
+            by_rows(out, n, m, |r, i| {
+                dot::dot_f16(&ws[r * k..][..k], &xs[i * k..][..k])
+            });
         }
         DType::BF16 => {
             let ws: &[bf16] = cast(wb)?;
-            by_rows(out, n, m, |r, i| dot::dot_bf16(&ws[r * k..][..k], &xs[i * k..][..k]));
+            by_rows(out, n, m, |r, i| {
+                dot::dot_bf16(&ws[r * k..][..k], &xs[i * k..][..k])
+            });
         }
         DType::Q8_0 | DType::Q4_0 => {
             let nb = k / QK;
@@ -84,7 +93,8 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
 }
 
 fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T]> {
-    bytemuck::try_cast_slice(bytes).map_err(|e| Error::Device(format!("misaligned weight data: {e}")))
+    bytemuck::try_cast_slice(bytes)
+        .map_err(|e| Error::Device(format!("misaligned weight data: {e}")))
 }
 
 /// Quantize each activation row to Q8_0 blocks (rows are whole blocks: checked by the
@@ -129,7 +139,16 @@ fn by_rows(out: &mut [f32], n: usize, m: usize, f: impl Fn(usize, usize) -> f32 
 }
 
 #[allow(clippy::too_many_arguments)]
-fn gemm_f32(xs: &[f32], wb: &[u8], dtype: DType, out: &mut [f32], n: usize, m: usize, k: usize, threads: usize) {
+fn gemm_f32(
+    xs: &[f32],
+    wb: &[u8],
+    dtype: DType,
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+    k: usize,
+    threads: usize,
+) {
     let parallelism = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
@@ -142,13 +161,24 @@ fn gemm_f32(xs: &[f32], wb: &[u8], dtype: DType, out: &mut [f32], n: usize, m: u
         // at this chunk's first column with row stride m, n rows of `rows` columns.
         unsafe {
             gemm::gemm(
-                n, rows, k,
-                out.as_mut_ptr(), 1, m as isize,
+                n,
+                rows,
+                k,
+                out.as_mut_ptr(),
+                1,
+                m as isize,
                 false,
-                xs.as_ptr(), 1, k as isize,
-                w.as_ptr(), k as isize, 1,
-                0.0, 1.0,
-                false, false, false,
+                xs.as_ptr(),
+                1,
+                k as isize,
+                w.as_ptr(),
+                k as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
                 parallelism,
             );
         }

@@ -7,7 +7,10 @@ const SERIAL_ELEMENTS: usize = 1 << 14;
 
 fn check_row_param(p: &Tensor, row: usize, what: &str) -> Result<()> {
     if p.shape().numel() != row {
-        return Err(Error::shape(format!("{what} has {} values, rows have {row}", p.shape().numel())));
+        return Err(Error::shape(format!(
+            "{what} has {} values, rows have {row}",
+            p.shape().numel()
+        )));
     }
     Ok(())
 }
@@ -18,7 +21,9 @@ fn per_row(x: &[f32], out: &mut [f32], row: usize, f: impl Fn(&[f32], &mut [f32]
         return;
     }
     if x.len() < SERIAL_ELEMENTS {
-        x.chunks_exact(row).zip(out.chunks_exact_mut(row)).for_each(|(x, o)| f(x, o));
+        x.chunks_exact(row)
+            .zip(out.chunks_exact_mut(row))
+            .for_each(|(x, o)| f(x, o));
     } else {
         x.par_chunks_exact(row)
             .zip(out.par_chunks_exact_mut(row))
@@ -42,7 +47,13 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) 
     Ok(())
 }
 
-pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+pub(crate) fn layer_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f32,
+    out: &mut Tensor,
+) -> Result<()> {
     same_shape(x, out, "layer_norm")?;
     let row = x.shape().row_len();
     check_row_param(weight, row, "layer_norm weight")?;

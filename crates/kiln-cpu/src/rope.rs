@@ -1,9 +1,17 @@
 use crate::{f32s, f32s_mut};
 use kiln_core::{Error, Result, RopeLayout, Tensor};
 
-pub(crate) fn rope(x: &mut Tensor, pos0: usize, inv_freq: &Tensor, layout: RopeLayout) -> Result<()> {
+pub(crate) fn rope(
+    x: &mut Tensor,
+    pos0: usize,
+    inv_freq: &Tensor,
+    layout: RopeLayout,
+) -> Result<()> {
     let &[tokens, heads, head_dim] = x.dims() else {
-        return Err(Error::shape(format!("rope takes [tokens, heads, head_dim], got {}", x.shape())));
+        return Err(Error::shape(format!(
+            "rope takes [tokens, heads, head_dim], got {}",
+            x.shape()
+        )));
     };
     let freqs = f32s(inv_freq)?;
     let half = freqs.len();

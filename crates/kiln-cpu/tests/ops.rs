@@ -9,13 +9,19 @@ fn backend() -> CpuBackend {
 }
 
 fn random(n: usize, rng: &mut StdRng, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0) * scale).collect()
+    (0..n)
+        .map(|_| rng.random_range(-1.0f32..1.0) * scale)
+        .collect()
 }
 
 fn upload(b: &CpuBackend, dtype: DType, dims: &[usize], values: &[f32]) -> Tensor {
     let bytes = quant::quantize(dtype, values).unwrap();
-    b.upload(dtype, Shape::new(dims.to_vec()).unwrap(), HostBytes::from_vec(bytes))
-        .unwrap()
+    b.upload(
+        dtype,
+        Shape::new(dims.to_vec()).unwrap(),
+        HostBytes::from_vec(bytes),
+    )
+    .unwrap()
 }
 
 fn read(b: &CpuBackend, t: &Tensor) -> Vec<f32> {
@@ -24,7 +30,8 @@ fn read(b: &CpuBackend, t: &Tensor) -> Vec<f32> {
 }
 
 fn zeros(b: &CpuBackend, dims: &[usize]) -> Tensor {
-    b.zeros(DType::F32, Shape::new(dims.to_vec()).unwrap()).unwrap()
+    b.zeros(DType::F32, Shape::new(dims.to_vec()).unwrap())
+        .unwrap()
 }
 
 /// Fill an output with NaN first so that an element the op forgets to write shows.
@@ -49,7 +56,11 @@ fn matmul_every_dtype_against_f64() {
     let mut rng = StdRng::seed_from_u64(1);
     for dtype in DType::ALL {
         let bs = dtype.block_size().max(1);
-        let ks: Vec<usize> = if bs == 1 { vec![1, 7, 33, 1000] } else { vec![bs, bs * 3, bs * 17] };
+        let ks: Vec<usize> = if bs == 1 {
+            vec![1, 7, 33, 1000]
+        } else {
+            vec![bs, bs * 3, bs * 17]
+        };
         for &k in &ks {
             for &(n, m) in &[(1usize, 1usize), (1, 37), (3, 17), (9, 70)] {
                 let wv = random(m * k, &mut rng, 1.0);
@@ -60,7 +71,9 @@ fn matmul_every_dtype_against_f64() {
                 b.matmul(&x, &w, &mut out).unwrap();
                 let got = read(&b, &out);
                 // Reference: the weights as stored (dequantized), the activations exact.
-                let wd = quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &wv).unwrap(), m * k).unwrap();
+                let wd =
+                    quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &wv).unwrap(), m * k)
+                        .unwrap();
                 for i in 0..n {
                     for r in 0..m {
                         let (mut dot, mut mag) = (0f64, 0f64);
@@ -154,10 +167,16 @@ fn rope_both_layouts_against_f64() {
     let b = backend();
     let mut rng = StdRng::seed_from_u64(3);
     for layout in [RopeLayout::Interleaved, RopeLayout::Neox] {
-        for &(tokens, heads, head_dim, rot) in &[(1usize, 1usize, 2usize, 2usize), (5, 3, 10, 10), (4, 2, 16, 8)] {
+        for &(tokens, heads, head_dim, rot) in &[
+            (1usize, 1usize, 2usize, 2usize),
+            (5, 3, 10, 10),
+            (4, 2, 16, 8),
+        ] {
             let xv = random(tokens * heads * head_dim, &mut rng, 2.0);
             let half = rot / 2;
-            let freqs: Vec<f32> = (0..half).map(|i| 10000f32.powf(-2.0 * i as f32 / rot as f32)).collect();
+            let freqs: Vec<f32> = (0..half)
+                .map(|i| 10000f32.powf(-2.0 * i as f32 / rot as f32))
+                .collect();
             let mut x = upload(&b, DType::F32, &[tokens, heads, head_dim], &xv);
             let f = upload(&b, DType::F32, &[half], &freqs);
             let pos0 = 1234;
@@ -166,8 +185,8 @@ fn rope_both_layouts_against_f64() {
             for t in 0..tokens {
                 for h in 0..heads {
                     let base = (t * heads + h) * head_dim;
-                    for i in 0..half {
-                        let theta = (pos0 + t) as f64 * freqs[i] as f64;
+                    for (i, &f) in freqs.iter().enumerate() {
+                        let theta = (pos0 + t) as f64 * f as f64;
                         let (a, c) = match layout {
                             RopeLayout::Interleaved => (2 * i, 2 * i + 1),
                             RopeLayout::Neox => (i, i + half),
@@ -203,10 +222,16 @@ fn elementwise_against_f64() {
         .collect();
     assert_close(&read(&b, &out), &want, 1e-5, "silu_mul");
 
-    let gelu = |x: f64| 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh());
+    let gelu = |x: f64| {
+        0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+    };
     let mut out = poisoned(&b, &[rows, dim]);
     b.gelu_mul(&g, &u, &mut out).unwrap();
-    let want: Vec<f64> = gv.iter().zip(&uv).map(|(&g, &u)| gelu(g as f64) * u as f64).collect();
+    let want: Vec<f64> = gv
+        .iter()
+        .zip(&uv)
+        .map(|(&g, &u)| gelu(g as f64) * u as f64)
+        .collect();
     assert_close(&read(&b, &out), &want, 1e-5, "gelu_mul");
 
     let mut x = upload(&b, DType::F32, &[rows, dim], &gv);
@@ -216,13 +241,21 @@ fn elementwise_against_f64() {
 
     let mut acc = upload(&b, DType::F32, &[rows, dim], &gv);
     b.add_assign(&mut acc, &u).unwrap();
-    let want: Vec<f64> = gv.iter().zip(&uv).map(|(&a, &b)| a as f64 + b as f64).collect();
+    let want: Vec<f64> = gv
+        .iter()
+        .zip(&uv)
+        .map(|(&a, &b)| a as f64 + b as f64)
+        .collect();
     assert_close(&read(&b, &acc), &want, 1e-6, "add_assign");
 
     let row = upload(&b, DType::F32, &[dim], &uv[..dim]);
     let mut acc = upload(&b, DType::F32, &[rows, dim], &gv);
     b.mul_assign(&mut acc, &row).unwrap();
-    let want: Vec<f64> = gv.iter().enumerate().map(|(i, &a)| a as f64 * uv[i % dim] as f64).collect();
+    let want: Vec<f64> = gv
+        .iter()
+        .enumerate()
+        .map(|(i, &a)| a as f64 * uv[i % dim] as f64)
+        .collect();
     assert_close(&read(&b, &acc), &want, 1e-6, "mul_assign broadcast");
 
     b.scale(&mut acc, -0.5).unwrap();
@@ -244,13 +277,17 @@ fn embedding_dequantizes_rows_and_checks_ids() {
         let ids = [3u32, 0, 10, 3];
         let mut out = poisoned(&b, &[ids.len(), dim]);
         b.embedding(&table, &ids, &mut out).unwrap();
-        let stored = quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &tv).unwrap(), vocab * dim).unwrap();
+        let stored =
+            quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &tv).unwrap(), vocab * dim)
+                .unwrap();
         let want: Vec<f64> = ids
             .iter()
             .flat_map(|&id| stored[id as usize * dim..][..dim].iter().map(|&v| v as f64))
             .collect();
         assert_close(&read(&b, &out), &want, 0.0, "embedding");
-        let err = b.embedding(&table, &[11], &mut zeros(&b, &[1, dim])).unwrap_err();
+        let err = b
+            .embedding(&table, &[11], &mut zeros(&b, &[1, dim]))
+            .unwrap_err();
         assert!(err.to_string().contains("token id 11"), "{err}");
     }
 }
@@ -258,11 +295,20 @@ fn embedding_dequantizes_rows_and_checks_ids() {
 #[test]
 fn upload_checks_sizes_and_writes_copy_shared_data() {
     let b = backend();
-    let bad = b.upload(DType::Q8_0, Shape::new(vec![2, 32]).unwrap(), HostBytes::from_vec(vec![0; 67]));
+    let bad = b.upload(
+        DType::Q8_0,
+        Shape::new(vec![2, 32]).unwrap(),
+        HostBytes::from_vec(vec![0; 67]),
+    );
     assert!(bad.is_err());
     let source = HostBytes::from_vec(quant::quantize(DType::F32, &[1.0, 2.0]).unwrap());
-    let mut t = b.upload(DType::F32, Shape::new(vec![2]).unwrap(), source.clone()).unwrap();
+    let mut t = b
+        .upload(DType::F32, Shape::new(vec![2]).unwrap(), source.clone())
+        .unwrap();
     b.scale(&mut t, 2.0).unwrap();
     assert_eq!(read(&b, &t), vec![2.0, 4.0]);
-    assert_eq!(source.as_slice(), quant::quantize(DType::F32, &[1.0, 2.0]).unwrap());
+    assert_eq!(
+        source.as_slice(),
+        quant::quantize(DType::F32, &[1.0, 2.0]).unwrap()
+    );
 }

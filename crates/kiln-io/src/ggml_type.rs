@@ -80,7 +80,7 @@ impl GgmlType {
     /// Bytes of `n` elements laid out as rows of `row_len`; `None` when a row is not a
     /// whole number of blocks or the size overflows.
     pub fn bytes_for(self, row_len: u64, rows: u64) -> Option<u64> {
-        if row_len % self.block_size != 0 {
+        if !row_len.is_multiple_of(self.block_size) {
             return None;
         }
         (row_len / self.block_size)

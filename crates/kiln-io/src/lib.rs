@@ -8,8 +8,8 @@
 //! Readers treat every file as hostile: they never panic, never allocate more than the
 //! file's size can justify, never read out of bounds, and report what is wrong and where.
 
-pub mod gguf;
 pub mod ggml_type;
+pub mod gguf;
 pub mod hf_config;
 pub mod safetensors;
 
@@ -30,7 +30,10 @@ pub(crate) fn map_file(path: &Path) -> Result<FileBytes> {
     let file = File::open(path).map_err(|e| Error::io(path.display(), e))?;
     let meta = file.metadata().map_err(|e| Error::io(path.display(), e))?;
     if !meta.is_file() {
-        return Err(Error::format(format!("{}: not a regular file", path.display())));
+        return Err(Error::format(format!(
+            "{}: not a regular file",
+            path.display()
+        )));
     }
     // SAFETY: the map is read-only. Another process truncating the file while it is
     // mapped would fault; that is the accepted contract of mmap-based model loaders.

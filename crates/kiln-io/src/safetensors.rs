@@ -107,8 +107,9 @@ impl SafetensorsModel {
         let mut metadata = BTreeMap::new();
         for (file_idx, (path, map)) in parts.into_iter().enumerate() {
             let bytes: &[u8] = (*map).as_ref();
-            let st = SafeTensors::deserialize(bytes)
-                .map_err(|e| Error::format(format!("{}: invalid safetensors file: {e}", path.display())))?;
+            let st = SafeTensors::deserialize(bytes).map_err(|e| {
+                Error::format(format!("{}: invalid safetensors file: {e}", path.display()))
+            })?;
             if file_idx == 0 {
                 let (_, header) = SafeTensors::read_metadata(bytes)
                     .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
@@ -182,8 +183,8 @@ fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
         weight_map: BTreeMap<String, String>,
     }
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path.display(), e))?;
-    let index: Index =
-        serde_json::from_str(&text).map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
+    let index: Index = serde_json::from_str(&text)
+        .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
     let mut files: Vec<String> = index.weight_map.values().cloned().collect();
     files.sort();
     files.dedup();
@@ -216,8 +217,14 @@ mod tests {
     fn single_and_sharded_checkpoints() {
         let dir = tempfile::tempdir().unwrap();
         let a: Vec<u8> = (0..24u8).collect();
-        write_st(&dir.path().join("s1.safetensors"), &[("a", Dtype::F32, vec![2, 3], a.clone())]);
-        write_st(&dir.path().join("s2.safetensors"), &[("b", Dtype::BF16, vec![4], vec![1; 8])]);
+        write_st(
+            &dir.path().join("s1.safetensors"),
+            &[("a", Dtype::F32, vec![2, 3], a.clone())],
+        );
+        write_st(
+            &dir.path().join("s2.safetensors"),
+            &[("b", Dtype::BF16, vec![4], vec![1; 8])],
+        );
         std::fs::write(
             dir.path().join(INDEX_FILE),
             r#"{"metadata":{},"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#,
@@ -226,7 +233,10 @@ mod tests {
         let m = SafetensorsModel::open_dir(dir.path()).unwrap();
         assert_eq!(m.tensors.len(), 2);
         let ta = m.tensor("a").unwrap();
-        assert_eq!((ta.kiln_dtype(), ta.shape.as_slice()), (Some(DType::F32), &[2usize, 3][..]));
+        assert_eq!(
+            (ta.kiln_dtype(), ta.shape.as_slice()),
+            (Some(DType::F32), &[2usize, 3][..])
+        );
         assert_eq!(m.tensor_data(ta), &a[..]);
         assert_eq!(m.tensor("b").unwrap().dtype_name(), "bf16");
 
@@ -235,10 +245,16 @@ mod tests {
             r#"{"weight_map":{"a":"s1.safetensors","c":"s2.safetensors"}}"#,
         )
         .unwrap();
-        let err = SafetensorsModel::open_dir(dir.path()).err().unwrap().to_string();
+        let err = SafetensorsModel::open_dir(dir.path())
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("'c'"), "{err}");
-        std::fs::write(dir.path().join(INDEX_FILE), r#"{"weight_map":{"a":"../x.safetensors"}}"#)
-            .unwrap();
+        std::fs::write(
+            dir.path().join(INDEX_FILE),
+            r#"{"weight_map":{"a":"../x.safetensors"}}"#,
+        )
+        .unwrap();
         assert!(SafetensorsModel::open_dir(dir.path()).is_err());
     }
 }

@@ -31,7 +31,11 @@ fn gguf_py_available() -> bool {
 }
 
 fn run_script(args: &[&Path]) -> String {
-    let out = Command::new("python3").arg(script()).args(args).output().unwrap();
+    let out = Command::new("python3")
+        .arg(script())
+        .args(args)
+        .output()
+        .unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -92,7 +96,13 @@ fn kiln_reads_and_decodes_what_gguf_py_writes() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (gguf, json) = (dir.path().join("py.gguf"), dir.path().join("py.json"));
-    run_script(&[Path::new("write"), &gguf, &json, Path::new("--seed"), Path::new("7")]);
+    run_script(&[
+        Path::new("write"),
+        &gguf,
+        &json,
+        Path::new("--seed"),
+        Path::new("7"),
+    ]);
     let expect: Json = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let file = GgufFile::open(&gguf).unwrap();
 
@@ -103,25 +113,42 @@ fn kiln_reads_and_decodes_what_gguf_py_writes() {
 
     let src_info = file.tensor("src").unwrap();
     let src = quant::dequantize_to_vec(DType::F32, file.tensor_data(src_info), 3 * 512).unwrap();
-    let py_quantizes: Vec<&str> =
-        expect["py_quantizes"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    let py_quantizes: Vec<&str> = expect["py_quantizes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
     let mut checked = 0;
     for (name, e) in expect["tensors"].as_object().unwrap() {
-        let t = file.tensor(name).unwrap_or_else(|| panic!("tensor {name} missing"));
+        let t = file
+            .tensor(name)
+            .unwrap_or_else(|| panic!("tensor {name} missing"));
         let type_name = e["type"].as_str().unwrap();
         assert_eq!(t.ggml_type.name, type_name, "{name}");
-        let shape: Vec<usize> =
-            e["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+        let shape: Vec<usize> = e["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect();
         assert_eq!(t.shape().unwrap().dims(), &shape[..], "{name}");
         let dtype = t.ggml_type.dtype().unwrap();
         let want = hex_f32(e["values"].as_str().unwrap());
         let got = quant::dequantize_to_vec(dtype, file.tensor_data(t), want.len()).unwrap();
         for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-            assert_eq!(a.to_bits(), b.to_bits(), "{name}: element {i}: gguf-py {a}, kiln {b}");
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "{name}: element {i}: gguf-py {a}, kiln {b}"
+            );
         }
         if py_quantizes.contains(&type_name) {
             let ours = quant::quantize(dtype, &src).unwrap();
-            assert!(ours == file.tensor_data(t), "{type_name}: kiln's quantization differs from gguf-py's");
+            assert!(
+                ours == file.tensor_data(t),
+                "{type_name}: kiln's quantization differs from gguf-py's"
+            );
         }
         checked += 1;
     }
@@ -145,18 +172,31 @@ fn gguf_py_reads_and_decodes_what_kiln_writes() {
     }
     let (rows, cols) = (4, 768);
     let mut rng = StdRng::seed_from_u64(11);
-    let mut src: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    let mut src: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.random_range(-2.0f32..2.0))
+        .collect();
     src[300..332].fill(0.0);
     src[1000] = 40.0;
-    w.add_tensor("src", DType::F32, &[rows, cols], quant::quantize(DType::F32, &src).unwrap())
-        .unwrap();
+    w.add_tensor(
+        "src",
+        DType::F32,
+        &[rows, cols],
+        quant::quantize(DType::F32, &src).unwrap(),
+    )
+    .unwrap();
     for dtype in DType::ALL.into_iter().filter(|&d| d != DType::F32) {
         let q = quant::quantize(dtype, &src).unwrap();
         let deq = quant::dequantize_to_vec(dtype, &q, src.len()).unwrap();
-        w.add_tensor(&format!("t.{}", dtype.name()), dtype, &[rows, cols], q).unwrap();
-        let deq = quant::quantize(DType::F32, &deq).unwrap();
-        w.add_tensor(&format!("deq.{}", dtype.name()), DType::F32, &[rows, cols], deq)
+        w.add_tensor(&format!("t.{}", dtype.name()), dtype, &[rows, cols], q)
             .unwrap();
+        let deq = quant::quantize(DType::F32, &deq).unwrap();
+        w.add_tensor(
+            &format!("deq.{}", dtype.name()),
+            DType::F32,
+            &[rows, cols],
+            deq,
+        )
+        .unwrap();
     }
     let kiln_gguf = dir.path().join("kiln.gguf");
     w.write_file(&kiln_gguf).unwrap();

@@ -104,7 +104,7 @@ pub(crate) fn nearest_int(v: f32) -> i32 {
 /// View bytes as blocks, copying only when the bytes are not aligned for the block type.
 pub fn as_blocks<B: Pod>(bytes: &[u8]) -> Result<Cow<'_, [B]>> {
     let size = std::mem::size_of::<B>();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(Error::shape(format!(
             "{} bytes is not a whole number of {size}-byte blocks",
             bytes.len()

@@ -107,7 +107,11 @@ pub(super) fn quantize_block(x: &[f32; QK_K]) -> BlockQ4K {
         }
     }
 
-    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let mut packed = [0u8; 12];
     for j in 0..QK_K / 32 {

@@ -3,7 +3,9 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut rng = StdRng::seed_from_u64(seed);
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0) * scale).collect()
+    (0..n)
+        .map(|_| rng.random_range(-1.0f32..1.0) * scale)
+        .collect()
 }
 
 /// Root-mean-square error of quantize → dequantize, relative to the signal's RMS.
@@ -49,7 +51,10 @@ fn zero_and_constant_blocks_survive() {
             let q = quantize(dtype, &x).unwrap();
             let y = dequantize_to_vec(dtype, &q, n).unwrap();
             for v in &y {
-                assert!((v - fill).abs() <= fill.abs() * 0.01 + 1e-6, "{dtype} {fill}: got {v}");
+                assert!(
+                    (v - fill).abs() <= fill.abs() * 0.01 + 1e-6,
+                    "{dtype} {fill}: got {v}"
+                );
             }
         }
     }

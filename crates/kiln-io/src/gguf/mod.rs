@@ -41,7 +41,9 @@ impl TensorInfo {
             .ne
             .iter()
             .rev()
-            .map(|&d| usize::try_from(d).map_err(|_| Error::shape(format!("dimension {d} too large"))))
+            .map(|&d| {
+                usize::try_from(d).map_err(|_| Error::shape(format!("dimension {d} too large")))
+            })
             .collect::<Result<Vec<_>>>()?;
         Shape::new(dims)
     }

@@ -79,7 +79,9 @@ pub(super) fn parse(buf: &[u8]) -> Res<Parsed> {
     let mut c = Cursor { buf, pos: 0 };
     if buf.len() < 4 || &buf[..4] != MAGIC {
         let shown = &buf[..buf.len().min(4)];
-        return Err(format!("not a GGUF file (starts with {shown:?}, expected \"GGUF\")"));
+        return Err(format!(
+            "not a GGUF file (starts with {shown:?}, expected \"GGUF\")"
+        ));
     }
     c.pos = 4;
     let version = c.u32("the version")?;
@@ -87,9 +89,16 @@ pub(super) fn parse(buf: &[u8]) -> Res<Parsed> {
         2 | 3 => {}
         1 => return Err("GGUF version 1 is not supported (kiln reads versions 2 and 3)".into()),
         v if v.swap_bytes() <= 3 => {
-            return Err(format!("big-endian GGUF (version {}) is not supported", v.swap_bytes()))
+            return Err(format!(
+                "big-endian GGUF (version {}) is not supported",
+                v.swap_bytes()
+            ))
         }
-        v => return Err(format!("unsupported GGUF version {v} (kiln reads versions 2 and 3)")),
+        v => {
+            return Err(format!(
+                "unsupported GGUF version {v} (kiln reads versions 2 and 3)"
+            ))
+        }
     }
     let n_tensors = c.u64("the tensor count")?;
     let n_kv = c.u64("the metadata count")?;
@@ -135,7 +144,9 @@ pub(super) fn parse(buf: &[u8]) -> Res<Parsed> {
         }
         let n_dims = c.u32(&what)? as usize;
         if n_dims > MAX_DIMS {
-            return Err(format!("{what} has {n_dims} dimensions (at most {MAX_DIMS})"));
+            return Err(format!(
+                "{what} has {n_dims} dimensions (at most {MAX_DIMS})"
+            ));
         }
         let mut ne = Vec::with_capacity(n_dims);
         for _ in 0..n_dims {
@@ -149,10 +160,11 @@ pub(super) fn parse(buf: &[u8]) -> Res<Parsed> {
             .ok_or_else(|| format!("{what} has dimensions {ne:?} whose product overflows"))?;
         let type_at = c.pos;
         let type_id = c.u32(&what)?;
-        let ggml_type = GgmlType::from_id(type_id)
-            .ok_or_else(|| format!("at byte {type_at}: {what} has unknown tensor type {type_id}"))?;
+        let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| {
+            format!("at byte {type_at}: {what} has unknown tensor type {type_id}")
+        })?;
         let row_len = ne.first().copied().unwrap_or(1);
-        let rows = if row_len == 0 { 0 } else { numel / row_len };
+        let rows = numel.checked_div(row_len).unwrap_or(0);
         let size_bytes = ggml_type.bytes_for(row_len, rows).ok_or_else(|| {
             format!(
                 "{what}: rows of {row_len} elements are not a whole number of {} blocks of {}",
@@ -182,7 +194,12 @@ pub(super) fn parse(buf: &[u8]) -> Res<Parsed> {
 }
 
 /// Each tensor's data must be aligned, inside the file, and apart from every other's.
-fn check_tensor_data(tensors: &[TensorInfo], alignment: u64, data_offset: u64, file_len: u64) -> Res<()> {
+fn check_tensor_data(
+    tensors: &[TensorInfo],
+    alignment: u64,
+    data_offset: u64,
+    file_len: u64,
+) -> Res<()> {
     let mut spans = Vec::with_capacity(tensors.len());
     for t in tensors {
         if t.offset % alignment != 0 {
@@ -236,12 +253,19 @@ fn read_bool(c: &mut Cursor, what: &str) -> Res<bool> {
     match c.array::<1>(what)?[0] {
         0 => Ok(false),
         1 => Ok(true),
-        b => Err(format!("at byte {at}: {what} has bool value {b} (must be 0 or 1)")),
+        b => Err(format!(
+            "at byte {at}: {what} has bool value {b} (must be 0 or 1)"
+        )),
     }
 }
 
 /// Decode `n` fixed-size little-endian items.
-fn fixed<const N: usize, T>(c: &mut Cursor, n: usize, what: &str, f: fn([u8; N]) -> T) -> Res<Vec<T>> {
+fn fixed<const N: usize, T>(
+    c: &mut Cursor,
+    n: usize,
+    what: &str,
+    f: fn([u8; N]) -> T,
+) -> Res<Vec<T>> {
     let bytes = c.take((n * N) as u64, what)?;
     Ok(bytes
         .chunks_exact(N)
@@ -251,7 +275,9 @@ fn fixed<const N: usize, T>(c: &mut Cursor, n: usize, what: &str, f: fn([u8; N])
 
 fn read_array(c: &mut Cursor, depth: usize, what: &str) -> Res<Array> {
     if depth >= MAX_ARRAY_DEPTH {
-        return Err(format!("{what}: arrays nested deeper than {MAX_ARRAY_DEPTH}"));
+        return Err(format!(
+            "{what}: arrays nested deeper than {MAX_ARRAY_DEPTH}"
+        ));
     }
     let at = c.pos;
     let ty = c.u32(what)?;

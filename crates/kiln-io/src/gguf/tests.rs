@@ -3,7 +3,8 @@ use kiln_core::{quant, DType};
 
 fn sample_writer() -> GgufWriter {
     let mut w = GgufWriter::new();
-    w.set("general.architecture", Value::String("llama".into())).unwrap();
+    w.set("general.architecture", Value::String("llama".into()))
+        .unwrap();
     w.set("u8", Value::U8(7)).unwrap();
     w.set("i8", Value::I8(-7)).unwrap();
     w.set("u16", Value::U16(65535)).unwrap();
@@ -15,20 +16,41 @@ fn sample_writer() -> GgufWriter {
     w.set("u64", Value::U64(u64::MAX)).unwrap();
     w.set("i64", Value::I64(i64::MIN)).unwrap();
     w.set("f64", Value::F64(-2.25)).unwrap();
-    w.set("strings", Value::Array(Array::String(vec!["a".into(), "ü🙂".into(), String::new()])))
-        .unwrap();
+    w.set(
+        "strings",
+        Value::Array(Array::String(vec!["a".into(), "ü🙂".into(), String::new()])),
+    )
+    .unwrap();
     w.set(
         "nested",
-        Value::Array(Array::Array(vec![Array::I32(vec![1, 2]), Array::F64(vec![])])),
+        Value::Array(Array::Array(vec![
+            Array::I32(vec![1, 2]),
+            Array::F64(vec![]),
+        ])),
     )
     .unwrap();
     let x: Vec<f32> = (0..512).map(|i| (i as f32 * 0.37).sin()).collect();
-    w.add_tensor("f32", DType::F32, &[2, 256], quant::quantize(DType::F32, &x).unwrap())
-        .unwrap();
-    w.add_tensor("q4k", DType::Q4_K, &[2, 256], quant::quantize(DType::Q4_K, &x).unwrap())
-        .unwrap();
-    w.add_tensor("q8", DType::Q8_0, &[512], quant::quantize(DType::Q8_0, &x).unwrap())
-        .unwrap();
+    w.add_tensor(
+        "f32",
+        DType::F32,
+        &[2, 256],
+        quant::quantize(DType::F32, &x).unwrap(),
+    )
+    .unwrap();
+    w.add_tensor(
+        "q4k",
+        DType::Q4_K,
+        &[2, 256],
+        quant::quantize(DType::Q4_K, &x).unwrap(),
+    )
+    .unwrap();
+    w.add_tensor(
+        "q8",
+        DType::Q8_0,
+        &[512],
+        quant::quantize(DType::Q8_0, &x).unwrap(),
+    )
+    .unwrap();
     w
 }
 
@@ -46,7 +68,10 @@ fn writer_output_reads_back() {
     assert_eq!(f.get("u16").and_then(Value::as_u64), Some(65535));
     assert_eq!(
         f.get("nested"),
-        Some(&Value::Array(Array::Array(vec![Array::I32(vec![1, 2]), Array::F64(vec![])])))
+        Some(&Value::Array(Array::Array(vec![
+            Array::I32(vec![1, 2]),
+            Array::F64(vec![])
+        ])))
     );
     let t = f.tensor("q4k").unwrap();
     assert_eq!(t.ne, vec![256, 2]);
@@ -60,7 +85,10 @@ fn writer_output_reads_back() {
     let mut bytes = Vec::new();
     w.write_to(&mut bytes).unwrap();
     let q8 = f.tensor("q8").unwrap();
-    assert_eq!(f.tensor_data(q8), &bytes[(f.data_offset + q8.offset) as usize..][..544]);
+    assert_eq!(
+        f.tensor_data(q8),
+        &bytes[(f.data_offset + q8.offset) as usize..][..544]
+    );
 }
 
 #[test]
@@ -91,5 +119,7 @@ fn writer_refuses_what_readers_would() {
     assert!(w.add_tensor("a", DType::Q8_0, &[33], vec![0; 34]).is_err());
     assert!(w.add_tensor("a", DType::F32, &[2], vec![0; 8]).is_ok());
     assert!(w.add_tensor("a", DType::F32, &[2], vec![0; 8]).is_err());
-    assert!(w.add_tensor("b", DType::F32, &[1, 1, 1, 1, 1], vec![0; 4]).is_err());
+    assert!(w
+        .add_tensor("b", DType::F32, &[1, 1, 1, 1, 1], vec![0; 4])
+        .is_err());
 }

@@ -37,7 +37,9 @@ impl GgufWriter {
     /// Set `general.alignment` (a power of two).
     pub fn set_alignment(&mut self, alignment: u32) -> Result<()> {
         if !alignment.is_power_of_two() {
-            return Err(Error::shape(format!("alignment {alignment} is not a power of two")));
+            return Err(Error::shape(format!(
+                "alignment {alignment} is not a power of two"
+            )));
         }
         self.alignment = alignment as u64;
         self.set("general.alignment", Value::U32(alignment))
@@ -54,15 +56,29 @@ impl GgufWriter {
     }
 
     /// Add a tensor of a kiln dtype; `shape` is outermost first, `data` its encoding.
-    pub fn add_tensor(&mut self, name: &str, dtype: DType, shape: &[usize], data: Vec<u8>) -> Result<()> {
+    pub fn add_tensor(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        data: Vec<u8>,
+    ) -> Result<()> {
         let ne = shape.iter().rev().map(|&d| d as u64).collect();
         self.add_raw_tensor(name, GgmlType::from_dtype(dtype), ne, data)
     }
 
     /// Add a tensor of any ggml type, with dimensions in ggml order (innermost first).
-    pub fn add_raw_tensor(&mut self, name: &str, ggml_type: GgmlType, ne: Vec<u64>, data: Vec<u8>) -> Result<()> {
+    pub fn add_raw_tensor(
+        &mut self,
+        name: &str,
+        ggml_type: GgmlType,
+        ne: Vec<u64>,
+        data: Vec<u8>,
+    ) -> Result<()> {
         if ne.len() > MAX_DIMS {
-            return Err(Error::shape(format!("tensor '{name}' has more than {MAX_DIMS} dimensions")));
+            return Err(Error::shape(format!(
+                "tensor '{name}' has more than {MAX_DIMS} dimensions"
+            )));
         }
         if self.tensors.iter().any(|t| t.name == name) {
             return Err(Error::shape(format!("tensor '{name}' added twice")));
@@ -70,7 +86,7 @@ impl GgufWriter {
         let row_len = ne.first().copied().unwrap_or(1);
         let numel = ne.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let want = numel.and_then(|n| {
-            let rows = if row_len == 0 { 0 } else { n / row_len };
+            let rows = n.checked_div(row_len).unwrap_or(0);
             ggml_type.bytes_for(row_len, rows)
         });
         if want != Some(data.len() as u64) {
@@ -110,7 +126,8 @@ impl GgufWriter {
             header.extend_from_slice(&offset.to_le_bytes());
             offset = (offset + t.data.len() as u64).next_multiple_of(self.alignment);
         }
-        let pad = |len: usize| vec![0u8; (len as u64).next_multiple_of(self.alignment) as usize - len];
+        let pad =
+            |len: usize| vec![0u8; (len as u64).next_multiple_of(self.alignment) as usize - len];
         if !self.tensors.is_empty() {
             header.extend(pad(header.len()));
         }
