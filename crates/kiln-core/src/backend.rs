@@ -32,6 +32,9 @@ pub trait Backend: Send + Sync {
     /// The tensor's bytes, in its dtype's encoding.
     fn download(&self, t: &Tensor) -> Result<Vec<u8>>;
 
+    /// Set every element of an F32 tensor to `value`.
+    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()>;
+
     /// `out[n, m] = x[n, k] · w[m, k]ᵀ`, with `x` and `out` F32 and `w` any dtype.
     /// One row of `x` is a matrix-vector product; more rows are a matrix product.
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()>;
@@ -83,4 +86,11 @@ pub trait Backend: Send + Sync {
 
     /// `x = gelu(x)` (tanh approximation), in place.
     fn gelu(&self, x: &mut Tensor) -> Result<()>;
+}
+
+/// Copy a tensor held by backend `from` to backend `to` (through host memory: backends
+/// know nothing of each other). The result has the same dtype, shape and bytes.
+pub fn to_device(t: &Tensor, from: &dyn Backend, to: &dyn Backend) -> Result<Tensor> {
+    let bytes = from.download(t)?;
+    to.upload(t.dtype(), t.shape().clone(), HostBytes::from_vec(bytes))
 }

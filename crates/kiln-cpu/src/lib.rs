@@ -123,6 +123,11 @@ impl Backend for CpuBackend {
         Ok(storage(t)?.bytes().to_vec())
     }
 
+    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        f32s_mut(t)?.fill(value);
+        Ok(())
+    }
+
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
         self.pool
             .install(|| matmul::matmul(x, w, out, self.threads()))

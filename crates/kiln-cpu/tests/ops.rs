@@ -1,6 +1,6 @@
 //! Every CPU op against a plain float64 reference on fresh random inputs of awkward sizes.
 
-use kiln_core::{quant, Backend, DType, HostBytes, RopeLayout, Shape, Tensor};
+use kiln_core::{quant, to_device, Backend, DType, HostBytes, RopeLayout, Shape, Tensor};
 use kiln_cpu::CpuBackend;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -311,4 +311,23 @@ fn upload_checks_sizes_and_writes_copy_shared_data() {
         source.as_slice(),
         quant::quantize(DType::F32, &[1.0, 2.0]).unwrap()
     );
+}
+
+#[test]
+fn buffers_are_created_filled_copied_between_devices_and_read_back() {
+    let (a, b) = (backend(), CpuBackend::new(Some(1)).unwrap());
+    let mut t = zeros(&a, &[3, 5]);
+    assert_eq!(read(&a, &t), vec![0.0; 15]);
+    a.fill(&mut t, 2.5).unwrap();
+    let copy = to_device(&t, &a, &b).unwrap();
+    assert_eq!((copy.dtype(), copy.dims()), (DType::F32, &[3usize, 5][..]));
+    assert_eq!(read(&b, &copy), vec![2.5; 15]);
+    // Quantized data crosses byte for byte.
+    let mut rng = StdRng::seed_from_u64(6);
+    let q = upload(&a, DType::Q4_K, &[2, 256], &random(512, &mut rng, 1.0));
+    let q2 = to_device(&q, &a, &b).unwrap();
+    assert_eq!(a.download(&q).unwrap(), b.download(&q2).unwrap());
+    // Filling a quantized tensor is refused, not silently wrong.
+    let mut q = q;
+    assert!(a.fill(&mut q, 1.0).is_err());
 }
