@@ -16,6 +16,17 @@ pub enum RopeLayout {
     Neox,
 }
 
+/// How attention scores are formed beyond `q·k`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionParams {
+    /// Multiplies `q·k` (usually `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// Gemma 2: scores become `cap · tanh(scores / cap)` before the softmax.
+    pub softcap: Option<f32>,
+    /// Sliding window: a query at position `p` sees keys at positions `> p - window`.
+    pub window: Option<usize>,
+}
+
 pub trait Backend: Send + Sync {
     fn device(&self) -> Device;
 
@@ -86,6 +97,31 @@ pub trait Backend: Send + Sync {
 
     /// `x = gelu(x)` (tanh approximation), in place.
     fn gelu(&self, x: &mut Tensor) -> Result<()>;
+
+    /// `x = cap · tanh(x / cap)`, in place (Gemma 2's final logit soft-capping).
+    fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()>;
+
+    /// Copy the rows of `src` (its outermost dimension) into `dst` from row `row0` on;
+    /// both F32, rows of equal size. Writes keys and values into a KV cache.
+    fn write_rows(&self, src: &Tensor, dst: &mut Tensor, row0: usize) -> Result<()>;
+
+    /// `dst[i, :] = src[i, col0 .. col0 + dst_cols]` for 2-D F32 tensors: splits the
+    /// output of a fused projection (QKV, gate+up).
+    fn slice_cols(&self, src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()>;
+
+    /// Causal attention of `q` `[n, heads, head_dim]` (tokens at positions `pos0..pos0+n`)
+    /// over the cached keys and values `[capacity, kv_heads, head_dim]` of positions
+    /// `0..pos0+n`, into `out` `[n, heads, head_dim]`. Query head `h` reads KV head
+    /// `h / (heads / kv_heads)` (grouped-query attention).
+    fn attention(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        pos0: usize,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()>;
 }
 
 /// Copy a tensor held by backend `from` to backend `to` (through host memory: backends

@@ -83,3 +83,47 @@ pub(crate) fn embedding(table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result
     }
     Ok(())
 }
+
+pub(crate) fn write_rows(src: &Tensor, dst: &mut Tensor, row0: usize) -> Result<()> {
+    let dst_row: usize = dst.dims().iter().skip(1).product();
+    let src_row: usize = src.dims().iter().skip(1).product();
+    let rows = src.dims().first().copied().unwrap_or(1);
+    let dst_rows = dst.dims().first().copied().unwrap_or(1);
+    if src_row != dst_row || row0 + rows > dst_rows {
+        return Err(Error::shape(format!(
+            "write_rows: {} into rows {row0}.. of {}",
+            src.shape(),
+            dst.shape()
+        )));
+    }
+    let s = f32s(src)?;
+    f32s_mut(dst)?[row0 * dst_row..(row0 + rows) * dst_row].copy_from_slice(s);
+    Ok(())
+}
+
+pub(crate) fn slice_cols(src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()> {
+    let (&[n, cols], &[dn, dcols]) = (src.dims(), dst.dims()) else {
+        return Err(Error::shape(format!(
+            "slice_cols takes 2-D tensors, got {} and {}",
+            src.shape(),
+            dst.shape()
+        )));
+    };
+    if n != dn || col0 + dcols > cols {
+        return Err(Error::shape(format!(
+            "slice_cols: columns {col0}..{} of {} into {}",
+            col0 + dcols,
+            src.shape(),
+            dst.shape()
+        )));
+    }
+    let s = f32s(src)?;
+    let d = f32s_mut(dst)?;
+    if dcols == 0 {
+        return Ok(());
+    }
+    for (row, out) in d.chunks_exact_mut(dcols).enumerate() {
+        out.copy_from_slice(&s[row * cols + col0..][..dcols]);
+    }
+    Ok(())
+}

@@ -5,6 +5,7 @@
 //! run time ([`dot`]), rows spread over a rayon pool. F32/F16/BF16 matrix products with
 //! several rows go to the `gemm` crate. The remaining ops are plain f32 loops.
 
+mod attention;
 pub mod dot;
 mod elementwise;
 mod matmul;
@@ -14,7 +15,9 @@ mod storage;
 
 pub use storage::CpuStorage;
 
-use kiln_core::{Backend, DType, Device, Error, HostBytes, Result, RopeLayout, Shape, Tensor};
+use kiln_core::{
+    AttentionParams, Backend, DType, Device, Error, HostBytes, Result, RopeLayout, Shape, Tensor,
+};
 
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
@@ -193,5 +196,33 @@ impl Backend for CpuBackend {
             .iter_mut()
             .for_each(|v| *v = elementwise::gelu(*v));
         Ok(())
+    }
+
+    fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        f32s_mut(x)?
+            .iter_mut()
+            .for_each(|v| *v = cap * (*v / cap).tanh());
+        Ok(())
+    }
+
+    fn write_rows(&self, src: &Tensor, dst: &mut Tensor, row0: usize) -> Result<()> {
+        elementwise::write_rows(src, dst, row0)
+    }
+
+    fn slice_cols(&self, src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()> {
+        elementwise::slice_cols(src, col0, dst)
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        pos0: usize,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.pool
+            .install(|| attention::attention(q, k_cache, v_cache, pos0, params, out))
     }
 }

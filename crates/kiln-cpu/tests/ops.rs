@@ -1,6 +1,8 @@
 //! Every CPU op against a plain float64 reference on fresh random inputs of awkward sizes.
 
-use kiln_core::{quant, to_device, Backend, DType, HostBytes, RopeLayout, Shape, Tensor};
+use kiln_core::{
+    quant, to_device, AttentionParams, Backend, DType, HostBytes, RopeLayout, Shape, Tensor,
+};
 use kiln_cpu::CpuBackend;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -330,4 +332,106 @@ fn buffers_are_created_filled_copied_between_devices_and_read_back() {
     // Filling a quantized tensor is refused, not silently wrong.
     let mut q = q;
     assert!(a.fill(&mut q, 1.0).is_err());
+}
+
+#[test]
+fn attention_against_f64() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(7);
+    let (heads, kv_heads, hd, capacity) = (6, 2, 5, 40);
+    let cases = [
+        (0usize, 7usize, None, None),
+        (9, 1, None, Some(30.0f32)),
+        (3, 11, Some(4usize), None),
+        (20, 3, Some(6), Some(5.0)),
+    ];
+    for (pos0, n, window, softcap) in cases {
+        let end = pos0 + n;
+        let kv = random(capacity * kv_heads * hd, &mut rng, 1.5);
+        let vv = random(capacity * kv_heads * hd, &mut rng, 1.0);
+        let qv = random(n * heads * hd, &mut rng, 1.5);
+        let k = upload(&b, DType::F32, &[capacity, kv_heads, hd], &kv);
+        let v = upload(&b, DType::F32, &[capacity, kv_heads, hd], &vv);
+        let q = upload(&b, DType::F32, &[n, heads, hd], &qv);
+        let mut out = poisoned(&b, &[n, heads, hd]);
+        let params = AttentionParams {
+            scale: 0.37,
+            softcap,
+            window,
+        };
+        b.attention(&q, &k, &v, pos0, &params, &mut out).unwrap();
+        let mut want = vec![0f64; n * heads * hd];
+        for i in 0..n {
+            let pos = pos0 + i;
+            for h in 0..heads {
+                let g = h / (heads / kv_heads);
+                let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let scores: Vec<f64> = (first..=pos)
+                    .map(|j| {
+                        let mut s = 0f64;
+                        for d in 0..hd {
+                            s += qv[(i * heads + h) * hd + d] as f64
+                                * kv[(j * kv_heads + g) * hd + d] as f64;
+                        }
+                        s *= 0.37;
+                        softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for (w, j) in e.iter().zip(first..=pos) {
+                    for d in 0..hd {
+                        want[(i * heads + h) * hd + d] +=
+                            w / sum * vv[(j * kv_heads + g) * hd + d] as f64;
+                    }
+                }
+            }
+        }
+        assert_close(
+            &read(&b, &out),
+            &want,
+            1e-5,
+            &format!("attention pos0={pos0} n={n}"),
+        );
+        assert!(end <= capacity);
+    }
+    // Past the cache's capacity is an error, not an out-of-bounds read.
+    let q = zeros(&b, &[2, heads, hd]);
+    let k = zeros(&b, &[4, kv_heads, hd]);
+    let mut out = zeros(&b, &[2, heads, hd]);
+    let p = AttentionParams {
+        scale: 1.0,
+        softcap: None,
+        window: None,
+    };
+    assert!(b.attention(&q, &k, &k, 3, &p, &mut out).is_err());
+}
+
+#[test]
+fn rows_columns_and_softcap() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(8);
+    let sv = random(3 * 10, &mut rng, 4.0);
+    let src = upload(&b, DType::F32, &[3, 10], &sv);
+    let mut dst = poisoned(&b, &[3, 4]);
+    b.slice_cols(&src, 5, &mut dst).unwrap();
+    let want: Vec<f64> = (0..3)
+        .flat_map(|r| sv[r * 10 + 5..r * 10 + 9].iter().map(|&v| v as f64))
+        .collect();
+    assert_close(&read(&b, &dst), &want, 0.0, "slice_cols");
+    assert!(b.slice_cols(&src, 7, &mut dst).is_err());
+
+    let mut cache = zeros(&b, &[6, 2, 5]);
+    let rows = upload(&b, DType::F32, &[2, 2, 5], &sv[..20]);
+    b.write_rows(&rows, &mut cache, 3).unwrap();
+    let got = read(&b, &cache);
+    assert_eq!(&got[30..50], &sv[..20]);
+    assert!(got[..30].iter().chain(&got[50..]).all(|&v| v == 0.0));
+    assert!(b.write_rows(&rows, &mut cache, 5).is_err());
+
+    let mut x = upload(&b, DType::F32, &[3, 10], &sv);
+    b.softcap(&mut x, 3.0).unwrap();
+    let want: Vec<f64> = sv.iter().map(|&v| 3.0 * (v as f64 / 3.0).tanh()).collect();
+    assert_close(&read(&b, &x), &want, 1e-6, "softcap");
 }
