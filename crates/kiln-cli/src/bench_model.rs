@@ -1,0 +1,161 @@
+//! `kiln bench -m MODEL | --synthetic SHAPE --type TYPE`: llama-bench's tests.
+//! `pp<p>`: a prompt of p tokens in one pass; `tg<n>`: n tokens generated one at a time
+//! from an empty context. Each test runs once to warm up, then `r` times; the table gives
+//! the mean and standard deviation of tokens per second.
+
+use crate::model_file::{self, DeviceChoice};
+use kiln_core::{Error, Result};
+use kiln_models::{Logits, Model, SyntheticShape, SyntheticType};
+use std::path::PathBuf;
+use std::time::Instant;
+
+pub struct ModelBench {
+    pub model: Option<PathBuf>,
+    pub synthetic: Option<String>,
+    pub ty: String,
+    pub prompt: usize,
+    pub gen: usize,
+    pub reps: usize,
+    pub threads: Option<usize>,
+    pub device: DeviceChoice,
+    pub json: bool,
+}
+
+struct Row {
+    model: String,
+    ty: String,
+    device: String,
+    test: String,
+    mean: f64,
+    stddev: f64,
+}
+
+fn mean_std(v: &[f64]) -> (f64, f64) {
+    let mean = v.iter().sum::<f64>() / v.len() as f64;
+    let var = if v.len() > 1 {
+        v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (v.len() - 1) as f64
+    } else {
+        0.0
+    };
+    (mean, var.sqrt())
+}
+
+pub fn run(b: &ModelBench) -> Result<String> {
+    let backend = model_file::backend(b.device, b.threads)?;
+    let device = backend.describe();
+    let (mut model, name, ty) = match (&b.model, &b.synthetic) {
+        (Some(path), None) => {
+            let (m, _) = model_file::open(path, backend)?;
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            (m, name, "file".to_string())
+        }
+        (None, Some(shape)) => {
+            let s = SyntheticShape::from_name(shape).ok_or_else(|| {
+                Error::unsupported(format!(
+                    "unknown synthetic shape '{shape}' (tinyllama-1.1b, llama3-8b)"
+                ))
+            })?;
+            let t = SyntheticType::from_name(&b.ty).ok_or_else(|| {
+                Error::unsupported(format!(
+                    "unknown --type '{}' (f32, f16, bf16, q8_0, q4_0, q4_k_m)",
+                    b.ty
+                ))
+            })?;
+            eprintln!(
+                "building a random {} model with {} weights...",
+                s.name(),
+                t.name()
+            );
+            (
+                Model::synthetic(s, t, backend)?,
+                s.name().to_string(),
+                t.name(),
+            )
+        }
+        _ => {
+            return Err(Error::unsupported(
+                "give either -m MODEL or --synthetic SHAPE",
+            ))
+        }
+    };
+    let vocab = model.config.vocab_size as u64;
+    let mut seed = 12345u64;
+    let mut token = move || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 33) % vocab) as u32
+    };
+    let ctx =
+        (b.prompt.max(b.gen) + 1).min(model.config.max_positions.max(b.prompt.max(b.gen) + 1));
+    let mut cache = model.new_cache(ctx)?;
+    let mut rows = Vec::new();
+    if b.prompt > 0 {
+        let ids: Vec<u32> = (0..b.prompt).map(|_| token()).collect();
+        let mut speeds = Vec::new();
+        for rep in 0..=b.reps {
+            let t = Instant::now();
+            model.forward(&ids, 0, &mut cache, Logits::Last)?;
+            if rep > 0 {
+                speeds.push(b.prompt as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        let (mean, stddev) = mean_std(&speeds);
+        rows.push(Row {
+            model: name.clone(),
+            ty: ty.clone(),
+            device: device.clone(),
+            test: format!("pp{}", b.prompt),
+            mean,
+            stddev,
+        });
+    }
+    if b.gen > 0 {
+        let mut speeds = Vec::new();
+        for rep in 0..=b.reps {
+            let mut next = token();
+            let t = Instant::now();
+            for pos in 0..b.gen {
+                let logits = model.forward(&[next], pos, &mut cache, Logits::Last)?;
+                next = kiln_models::sampler::argmax(&logits);
+            }
+            if rep > 0 {
+                speeds.push(b.gen as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        let (mean, stddev) = mean_std(&speeds);
+        rows.push(Row {
+            model: name,
+            ty,
+            device,
+            test: format!("tg{}", b.gen),
+            mean,
+            stddev,
+        });
+    }
+    Ok(if b.json {
+        let rows: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "model": r.model, "type": r.ty, "device": r.device, "test": r.test,
+                    "tokens_per_s": r.mean, "stddev": r.stddev, "repetitions": b.reps,
+                })
+            })
+            .collect();
+        format!("{}\n", serde_json::Value::Array(rows))
+    } else {
+        let mut out =
+            String::from("| model | type | device | test | t/s |\n|---|---|---|---|---:|\n");
+        for r in &rows {
+            out += &format!(
+                "| {} | {} | {} | {} | {:.2} ± {:.2} |\n",
+                r.model, r.ty, r.device, r.test, r.mean, r.stddev
+            );
+        }
+        out
+    })
+}

@@ -1,0 +1,39 @@
+//! Opening a model and its tokenizer from a path, on the chosen backend.
+
+use kiln_core::{Backend, Error, Result};
+use kiln_cpu::CpuBackend;
+use kiln_io::gguf::GgufFile;
+use kiln_io::{detect_format, FileFormat};
+use kiln_models::Model;
+use kiln_tokenizer::Tokenizer;
+use std::path::Path;
+use std::sync::Arc;
+
+/// `--device`: where the model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceChoice {
+    /// The best device present (the CPU until a GPU backend exists).
+    Auto,
+    Cpu,
+}
+
+pub fn backend(device: DeviceChoice, threads: Option<usize>) -> Result<Arc<dyn Backend>> {
+    match device {
+        DeviceChoice::Auto | DeviceChoice::Cpu => Ok(Arc::new(CpuBackend::new(threads)?)),
+    }
+}
+
+pub fn open(path: &Path, backend: Arc<dyn Backend>) -> Result<(Model, Tokenizer)> {
+    match detect_format(path)? {
+        FileFormat::Gguf => {
+            let file = GgufFile::open(path)?;
+            let tokenizer = Tokenizer::from_gguf(&file)?;
+            Ok((Model::from_gguf(&file, backend)?, tokenizer))
+        }
+        FileFormat::HfDirectory => Ok((Model::from_hf_dir(path, backend)?, Tokenizer::from_hf_dir(path)?)),
+        FileFormat::Safetensors => Err(Error::unsupported(format!(
+            "{}: give the Hugging Face directory that holds this file (kiln needs its config.json and tokenizer)",
+            path.display()
+        ))),
+    }
+}

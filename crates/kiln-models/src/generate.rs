@@ -1,0 +1,214 @@
+//! Text generation: prefill the prompt, then sample one token at a time, streaming text,
+//! stopping at an end-of-generation token, a stop string, or the token budget.
+
+use crate::model::{Logits, Model};
+use crate::sampler::Sampler;
+use kiln_core::{Error, Result};
+use kiln_tokenizer::Tokenizer;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// An end-of-generation token.
+    Eos,
+    /// One of the stop strings appeared.
+    StopString,
+    /// The requested number of tokens.
+    Length,
+    /// The context is full.
+    Context,
+}
+
+pub struct Generation {
+    pub prompt_tokens: Vec<u32>,
+    /// Generated ids (the stopping EOS excluded).
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub stop: StopReason,
+    pub prompt_time: Duration,
+    pub gen_time: Duration,
+}
+
+pub struct GenerateOptions<'a> {
+    pub max_tokens: usize,
+    /// Context size (positions in the KV cache).
+    pub context: usize,
+    pub stop_strings: &'a [String],
+}
+
+/// Turns token bytes into text as it becomes valid UTF-8, holding back text that could
+/// still become a stop string.
+struct TextStream<'a> {
+    pending: Vec<u8>,
+    text: String,
+    emitted: usize,
+    stops: &'a [String],
+}
+
+impl<'a> TextStream<'a> {
+    fn new(stops: &'a [String]) -> Self {
+        TextStream {
+            pending: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            stops,
+        }
+    }
+
+    /// Add a token's bytes; returns true when a stop string completed (the text is then
+    /// cut before it).
+    fn push(&mut self, bytes: &[u8]) -> bool {
+        self.pending.extend_from_slice(bytes);
+        let valid = match std::str::from_utf8(&self.pending) {
+            Ok(s) => s.len(),
+            Err(e) if e.error_len().is_some() => {
+                // Invalid bytes that no continuation can fix: show them as U+FFFD.
+                let lossy = String::from_utf8_lossy(&self.pending).into_owned();
+                self.text.push_str(&lossy);
+                self.pending.clear();
+                return self.cut_at_stop();
+            }
+            Err(e) => e.valid_up_to(),
+        };
+        let s = std::str::from_utf8(&self.pending[..valid]).expect("checked");
+        self.text.push_str(s);
+        self.pending.drain(..valid);
+        self.cut_at_stop()
+    }
+
+    fn cut_at_stop(&mut self) -> bool {
+        for stop in self.stops.iter().filter(|s| !s.is_empty()) {
+            // Only the new text (plus a stop's length of context) can hold a new match.
+            let from = self.emitted.saturating_sub(stop.len());
+            let from = (from..=self.text.len())
+                .find(|&i| self.text.is_char_boundary(i))
+                .unwrap_or(0);
+            if let Some(i) = self.text[from..].find(stop.as_str()) {
+                self.text.truncate(from + i);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Text that can be shown now: all of it but a tail that could begin a stop string.
+    fn ready(&mut self) -> &str {
+        let mut end = self.text.len();
+        for stop in self.stops.iter().filter(|s| !s.is_empty()) {
+            for k in (1..stop.len()).rev() {
+                if self.text.len() >= k
+                    && self.text.is_char_boundary(self.text.len() - k)
+                    && stop
+                        .as_bytes()
+                        .starts_with(&self.text.as_bytes()[self.text.len() - k..])
+                {
+                    end = end.min(self.text.len() - k);
+                    break;
+                }
+            }
+        }
+        let end = end.max(self.emitted);
+        let out = &self.text[self.emitted..end];
+        self.emitted = end;
+        out
+    }
+
+    fn rest(&mut self) -> &str {
+        let out = &self.text[self.emitted..];
+        self.emitted = self.text.len();
+        out
+    }
+}
+
+/// Generate from `prompt` (token ids, BOS included when wanted), calling `on_text` with
+/// each piece of text as it is decided.
+pub fn generate(
+    model: &mut Model,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    opts: &GenerateOptions,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(Error::shape("the prompt is empty"));
+    }
+    if prompt.len() >= opts.context {
+        return Err(Error::shape(format!(
+            "the prompt has {} tokens; the context holds {} (raise --ctx-size, up to the model's {})",
+            prompt.len(),
+            opts.context,
+            model.config.max_positions
+        )));
+    }
+    let mut cache = model.new_cache(opts.context)?;
+    let eos = tokenizer.eos_ids();
+    let mut history = prompt.to_vec();
+    let mut stream = TextStream::new(opts.stop_strings);
+    let mut tokens = Vec::new();
+
+    let start = Instant::now();
+    let mut logits = model.forward(prompt, 0, &mut cache, Logits::Last)?;
+    let prompt_time = start.elapsed();
+    let start = Instant::now();
+    let mut stop = StopReason::Length;
+    while tokens.len() < opts.max_tokens {
+        let next = sampler.sample(&mut logits, &history);
+        if eos.contains(&next) {
+            stop = StopReason::Eos;
+            break;
+        }
+        tokens.push(next);
+        history.push(next);
+        if stream.push(&tokenizer.token_bytes(next)) {
+            stop = StopReason::StopString;
+            break;
+        }
+        on_text(stream.ready());
+        if tokens.len() == opts.max_tokens {
+            break;
+        }
+        if history.len() >= opts.context {
+            stop = StopReason::Context;
+            break;
+        }
+        logits = model.forward(&[next], history.len() - 1, &mut cache, Logits::Last)?;
+    }
+    let gen_time = start.elapsed();
+    if stop != StopReason::StopString {
+        stream.push(&[]);
+    }
+    on_text(stream.rest());
+    Ok(Generation {
+        prompt_tokens: prompt.to_vec(),
+        tokens,
+        text: stream.text,
+        stop,
+        prompt_time,
+        gen_time,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TextStream;
+
+    #[test]
+    fn stream_holds_back_partial_stops_and_utf8() {
+        let stops = vec!["END".to_string()];
+        let mut s = TextStream::new(&stops);
+        assert!(!s.push(b"hello E"));
+        assert_eq!(s.ready(), "hello ");
+        assert!(!s.push(b"N"));
+        assert_eq!(s.ready(), "");
+        assert!(s.push(b"D tail"));
+        assert_eq!(s.rest(), "");
+        assert_eq!(s.text, "hello ");
+
+        let mut s = TextStream::new(&[]);
+        assert!(!s.push(&"é".as_bytes()[..1]));
+        assert_eq!(s.ready(), "");
+        assert!(!s.push(&"é".as_bytes()[1..]));
+        assert_eq!(s.ready(), "é");
+    }
+}

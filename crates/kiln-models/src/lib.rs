@@ -1,0 +1,99 @@
+//! kiln's architectures, written once against [`kiln_core::Backend`].
+//!
+//! [`Model::load`] reads a GGUF file or a Hugging Face directory, settles the format's
+//! conventions, and uploads the weights in their stored dtype; [`Model::forward`] runs
+//! tokens through it.
+
+mod config;
+pub mod generate;
+mod load;
+mod model;
+pub mod sampler;
+mod source;
+mod synthetic;
+mod weights;
+
+pub use config::{Arch, Ffn, Llama3Scaling, ModelConfig, Norm, Rope};
+pub use generate::{generate, GenerateOptions, Generation, StopReason};
+pub use model::{KvCache, Logits, Model};
+pub use sampler::{Sampler, SamplerConfig};
+pub use synthetic::{SyntheticShape, SyntheticType};
+
+use kiln_core::{Backend, Error, Result};
+use kiln_io::gguf::GgufFile;
+use kiln_io::hf_config::HfConfig;
+use kiln_io::safetensors::SafetensorsModel;
+use kiln_io::{detect_format, FileFormat};
+use std::path::Path;
+use std::sync::Arc;
+
+impl Model {
+    /// Load a model from a `.gguf` file or a Hugging Face model directory.
+    pub fn load(path: &Path, backend: Arc<dyn Backend>) -> Result<Model> {
+        match detect_format(path)? {
+            FileFormat::Gguf => Self::from_gguf(&GgufFile::open(path)?, backend),
+            FileFormat::HfDirectory => Self::from_hf_dir(path, backend),
+            FileFormat::Safetensors => Err(Error::unsupported(format!(
+                "{}: a lone safetensors file has no config; give its Hugging Face directory",
+                path.display()
+            ))),
+        }
+    }
+
+    pub fn from_gguf(file: &GgufFile, backend: Arc<dyn Backend>) -> Result<Model> {
+        let config = load::config_from_gguf(file)?;
+        let weights = load::WeightLoader {
+            src: &source::GgufSource(file),
+            backend: backend.as_ref(),
+            cfg: &config,
+            norm_plus_one: false,
+            transpose_linear: false,
+        }
+        .load()?;
+        Ok(Model::new(config, weights, backend))
+    }
+
+    /// A random-weight model of a known shape (see [`SyntheticShape`]).
+    pub fn synthetic(
+        shape: SyntheticShape,
+        ty: SyntheticType,
+        backend: Arc<dyn Backend>,
+    ) -> Result<Model> {
+        let config = shape.config();
+        let src = synthetic::SyntheticSource::new(config.clone(), ty);
+        let weights = load::WeightLoader {
+            src: &src,
+            backend: backend.as_ref(),
+            cfg: &config,
+            norm_plus_one: false,
+            transpose_linear: false,
+        }
+        .load()?;
+        Ok(Model::new(config, weights, backend))
+    }
+
+    pub fn from_hf_dir(dir: &Path, backend: Arc<dyn Backend>) -> Result<Model> {
+        let name = dir.display().to_string();
+        let hf = HfConfig::load(&dir.join("config.json"))?;
+        let config = load::config_from_hf(&hf, &name)?;
+        let st = SafetensorsModel::open_dir(dir)?;
+        let gpt2_prefix = if st.tensor("transformer.wte.weight").is_some() {
+            "transformer."
+        } else {
+            ""
+        };
+        let weights = load::WeightLoader {
+            src: &source::HfSource {
+                model: &st,
+                dir: name,
+                gpt2_prefix,
+            },
+            backend: backend.as_ref(),
+            cfg: &config,
+            norm_plus_one: matches!(config.arch, Arch::Gemma | Arch::Gemma2),
+            transpose_linear: config.arch == Arch::Gpt2,
+        }
+        .load()?;
+        Ok(Model::new(config, weights, backend))
+    }
+}

@@ -1,0 +1,225 @@
+//! Random-weight models of real shapes, built without a file, for `kiln bench
+//! --synthetic`. Random weights time the same as trained ones: only the shapes and dtypes
+//! matter. Weights are drawn N(0, 0.02) like the anchors' models; to keep start-up fast,
+//! each matrix repeats a pool of 64 distinct quantized rows (far larger than any cache,
+//! so the repetition does not change what is measured).
+
+use crate::config::{Arch, Ffn, ModelConfig, Norm, Rope};
+use crate::source::{GgufNames, RawTensor, Role, Source};
+use kiln_core::{quant, DType, Error, HostBytes, Result, RopeLayout, Shape};
+use std::collections::HashMap;
+
+/// The shapes `kiln bench --synthetic` knows (those of `../shared/anchors.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyntheticShape {
+    TinyLlama,
+    Llama3_8b,
+}
+
+impl SyntheticShape {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "tinyllama-1.1b" => Some(SyntheticShape::TinyLlama),
+            "llama3-8b" => Some(SyntheticShape::Llama3_8b),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SyntheticShape::TinyLlama => "tinyllama-1.1b",
+            SyntheticShape::Llama3_8b => "llama3-8b",
+        }
+    }
+
+    pub fn config(self) -> ModelConfig {
+        // (vocab, dim, ffn, layers, heads, kv heads, rope theta, context)
+        let (vocab, dim, ffn, layers, heads, kv, theta, ctx) = match self {
+            SyntheticShape::TinyLlama => (32000, 2048, 5632, 22, 32, 4, 10000.0, 2048),
+            SyntheticShape::Llama3_8b => (128256, 4096, 14336, 32, 32, 8, 500000.0, 8192),
+        };
+        let head_dim = dim / heads;
+        ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: vocab,
+            dim,
+            n_layers: layers,
+            n_heads: heads,
+            n_kv_heads: kv,
+            head_dim,
+            ffn_dim: ffn,
+            max_positions: ctx,
+            norm: Norm::Rms { eps: 1e-5 },
+            ffn: Ffn::SwiGlu,
+            rope: Some(Rope {
+                theta,
+                dims: head_dim,
+                layout: RopeLayout::Interleaved,
+                llama3: None,
+                freq_factors: None,
+            }),
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            attn_softcap: None,
+            final_softcap: None,
+            sliding_window: None,
+            sliding_layers: vec![false; layers],
+            embed_scale: None,
+            post_norms: false,
+        }
+    }
+}
+
+/// The weight types of a synthetic model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyntheticType {
+    /// Every matrix in one dtype.
+    Uniform(DType),
+    /// llama-quantize's Q4_K_M mix: Q4_K, with Q6_K for the output and for `attn_v` and
+    /// `ffn_down` in the layers `use_more_bits` picks.
+    Q4KM,
+}
+
+impl SyntheticType {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "q4_k_m" | "Q4_K_M" => Some(SyntheticType::Q4KM),
+            other => DType::from_name(other).map(SyntheticType::Uniform),
+        }
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            SyntheticType::Q4KM => "q4_K_M".into(),
+            SyntheticType::Uniform(d) => d.name().into(),
+        }
+    }
+
+    fn dtype_for(self, name: &str, n_layers: usize) -> DType {
+        let d = match self {
+            SyntheticType::Uniform(d) => return d,
+            SyntheticType::Q4KM => DType::Q4_K,
+        };
+        // llama.cpp's `use_more_bits`: the first and last eighth, and every third between.
+        let more_bits =
+            |i: usize| i < n_layers / 8 || i >= 7 * n_layers / 8 || (i - n_layers / 8) % 3 == 2;
+        let layer = name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        match (name, layer) {
+            ("output.weight", _) => DType::Q6_K,
+            (n, Some(i))
+                if (n.ends_with("attn_v.weight") || n.ends_with("ffn_down.weight"))
+                    && more_bits(i) =>
+            {
+                DType::Q6_K
+            }
+            _ => d,
+        }
+    }
+}
+
+/// Quantized rows to tile matrices from, by (dtype, row length).
+type RowPools = HashMap<(DType, usize), std::sync::Arc<Vec<u8>>>;
+
+pub(crate) struct SyntheticSource {
+    config: ModelConfig,
+    ty: SyntheticType,
+    /// Quantized row pools, by (dtype, row length).
+    pools: std::sync::Mutex<RowPools>,
+}
+
+impl SyntheticSource {
+    pub fn new(config: ModelConfig, ty: SyntheticType) -> Self {
+        SyntheticSource {
+            config,
+            ty,
+            pools: Default::default(),
+        }
+    }
+
+    fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        let c = &self.config;
+        let base = name.strip_suffix(".weight")?;
+        let role = base.rsplit('.').next()?;
+        Some(match role {
+            "token_embd" | "output" => vec![c.vocab_size, c.dim],
+            "attn_norm" | "ffn_norm" | "output_norm" => vec![c.dim],
+            "attn_q" => vec![c.q_dim(), c.dim],
+            "attn_k" | "attn_v" => vec![c.kv_dim(), c.dim],
+            "attn_output" => vec![c.dim, c.q_dim()],
+            "ffn_gate" | "ffn_up" => vec![c.ffn_dim, c.dim],
+            "ffn_down" => vec![c.dim, c.ffn_dim],
+            _ => return None,
+        })
+    }
+
+    fn pool(&self, dtype: DType, cols: usize) -> Result<std::sync::Arc<Vec<u8>>> {
+        let mut pools = self
+            .pools
+            .lock()
+            .map_err(|_| Error::Device("synthetic pool poisoned".into()))?;
+        if let Some(p) = pools.get(&(dtype, cols)) {
+            return Ok(p.clone());
+        }
+        // A fixed-seed normal-ish draw (sum of uniforms), std 0.02.
+        let mut state = 0x2545_f491_4f6c_dd1du64 ^ (cols as u64) ^ ((dtype.ggml_id() as u64) << 40);
+        let mut uniform = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f32 / (1u64 << 53) as f32
+        };
+        let values: Vec<f32> = (0..POOL_ROWS * cols)
+            .map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * 0.02 * 1.732)
+            .collect();
+        let p = std::sync::Arc::new(quant::quantize(dtype, &values)?);
+        pools.insert((dtype, cols), p.clone());
+        Ok(p)
+    }
+}
+
+const POOL_ROWS: usize = 64;
+
+impl Source for SyntheticSource {
+    fn name(&self) -> String {
+        format!("synthetic model ({})", self.ty.name())
+    }
+
+    fn get(&self, name: &str) -> Result<Option<RawTensor>> {
+        let Some(dims) = self.shape_of(name) else {
+            return Ok(None);
+        };
+        let (rows, cols) = match dims.as_slice() {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            _ => return Ok(None),
+        };
+        // Norms are ones, in f32, as a trained model's are near.
+        if dims.len() == 1 {
+            let bytes = quant::quantize(DType::F32, &vec![1.0; cols])?;
+            return Ok(Some(RawTensor {
+                dtype: DType::F32,
+                shape: Shape::new(dims)?,
+                bytes: HostBytes::from_vec(bytes),
+            }));
+        }
+        let dtype = self.ty.dtype_for(name, self.config.n_layers);
+        let pool = self.pool(dtype, cols)?;
+        let row_bytes = dtype.row_bytes(cols)?;
+        let mut bytes = Vec::with_capacity(rows * row_bytes);
+        while bytes.len() < rows * row_bytes {
+            let take = (rows * row_bytes - bytes.len()).min(pool.len());
+            bytes.extend_from_slice(&pool[..take]);
+        }
+        Ok(Some(RawTensor {
+            dtype,
+            shape: Shape::new(dims)?,
+            bytes: HostBytes::from_vec(bytes),
+        }))
+    }
+
+    fn role_name(&self, arch: Arch, role: Role, layer: usize) -> Option<String> {
+        GgufNames.role_name(arch, role, layer)
+    }
+}
