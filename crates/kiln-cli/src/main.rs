@@ -39,6 +39,20 @@ enum Command {
     Bench(BenchArgs),
     /// List the devices kiln can use.
     Devices,
+    /// Convert a Hugging Face LLaMA-family directory to GGUF (llama.cpp's conventions).
+    Convert {
+        /// The Hugging Face model directory.
+        dir: PathBuf,
+        /// The GGUF file to write.
+        #[arg(short = 'o', long)]
+        out: PathBuf,
+        /// Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q4_K, q6_K.
+        #[arg(long = "type", default_value = "f16")]
+        ty: String,
+        /// general.name to record.
+        #[arg(long, default_value = "model")]
+        name: String,
+    },
 }
 
 #[derive(clap::Args)]
@@ -117,6 +131,11 @@ fn main() -> ExitCode {
         Command::Info { path } => info::run(&path),
         Command::Bench(a) => bench(a),
         Command::Devices => devices::run(),
+        Command::Convert { dir, out, ty, name } => match kiln_core::DType::from_name(&ty) {
+            Some(dtype) => kiln_models::convert_hf_to_gguf(&dir, &out, dtype, &name)
+                .map(|n| eprintln!("wrote {} ({n} tensors, {ty})", out.display())),
+            None => Err(kiln_core::Error::unsupported(format!("--type {ty}"))),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

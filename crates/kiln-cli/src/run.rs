@@ -2,6 +2,7 @@
 
 use crate::model_file::{self, DeviceChoice};
 use kiln_core::{Error, Result};
+use kiln_models::chat::Message;
 use kiln_models::{generate, GenerateOptions, Sampler, SamplerConfig};
 use std::io::Write;
 use std::path::PathBuf;
@@ -41,6 +42,9 @@ pub struct RunArgs {
     pub device: DeviceChoice,
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
+    /// Wrap the prompt in the model's chat template as one user turn.
+    #[arg(long)]
+    pub chat: bool,
     /// `json`: print one JSON object (prompt and generated ids, text, timings) at the end.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Text)]
     pub output: Output,
@@ -58,7 +62,30 @@ pub fn run(a: RunArgs) -> Result<()> {
     })?;
     let backend = model_file::backend(a.device, a.threads)?;
     let (mut model, tokenizer) = model_file::open(&model_path, backend)?;
-    let prompt = tokenizer.encode(&a.prompt, true)?;
+    let prompt = if a.chat {
+        let template = tokenizer.chat_template().ok_or_else(|| {
+            Error::unsupported(format!(
+                "{}: the model has no chat template",
+                model_path.display()
+            ))
+        })?;
+        let text_of = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.token_text(id))
+                .unwrap_or("")
+                .to_string()
+        };
+        let bos = text_of(tokenizer.bos_id());
+        let eos = text_of(tokenizer.eos_ids().first().copied());
+        let user = [Message {
+            role: "user".into(),
+            content: a.prompt.clone(),
+        }];
+        let text = kiln_models::chat::render(template, &user, &bos, &eos)?;
+        // The template writes BOS itself when the model wants one.
+        tokenizer.encode_with_special_tokens(&text, false)?
+    } else {
+        tokenizer.encode(&a.prompt, true)?
+    };
     let context = a
         .ctx_size
         .unwrap_or_else(|| model.config.max_positions.min(4096));
@@ -90,7 +117,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     };
     let streaming = a.output == Output::Text;
     let mut stdout = std::io::stdout().lock();
-    if streaming {
+    if streaming && !a.chat {
         let _ = write!(stdout, "{}", a.prompt);
         let _ = stdout.flush();
     }

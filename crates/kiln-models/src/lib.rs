@@ -4,7 +4,9 @@
 //! conventions, and uploads the weights in their stored dtype; [`Model::forward`] runs
 //! tokens through it.
 
+pub mod chat;
 mod config;
+mod convert;
 pub mod generate;
 mod load;
 mod model;
@@ -14,6 +16,7 @@ mod synthetic;
 mod weights;
 
 pub use config::{Arch, Ffn, Llama3Scaling, ModelConfig, Norm, Rope};
+pub use convert::convert_hf_to_gguf;
 pub use generate::{generate, GenerateOptions, Generation, StopReason};
 pub use model::{KvCache, Logits, Model};
 pub use sampler::{Sampler, SamplerConfig};

@@ -15,6 +15,7 @@ mod protobuf;
 mod sentencepiece;
 mod sentencepiece_model;
 mod spm_bpe;
+mod to_gguf;
 mod unigram;
 mod vocab;
 
@@ -88,6 +89,54 @@ impl Tokenizer {
             // BOS/EOS are added here, not by the post-processor, so that add_bos() and
             // tokenizer_config.json's flags say what happens.
             Model::Hf(h) => out.extend(h.encode(text, false)?),
+        }
+        if add_special && self.add_eos {
+            out.extend(self.eos_primary);
+        }
+        Ok(out)
+    }
+
+    /// Like `encode`, but text spelling a control or user-defined token (`<|im_start|>`,
+    /// `<start_of_turn>`, ...) becomes that token, as llama.cpp does for chat prompts
+    /// (`parse_special = true`). tokenizer.json tokenizers already do this.
+    pub fn encode_with_special_tokens(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let vocab = match &self.model {
+            Model::Spm(m) => &m.vocab,
+            Model::ByteBpe(m) => &m.vocab,
+            Model::Hf(_) => return self.encode(text, add_special),
+        };
+        let mut specials: Vec<(&str, u32)> = (0..vocab.len() as u32)
+            .filter(|&id| {
+                matches!(
+                    vocab.token_type(id),
+                    Some(vocab::TokenType::Control | vocab::TokenType::UserDefined)
+                )
+            })
+            .filter_map(|id| vocab.text(id).filter(|t| !t.is_empty()).map(|t| (t, id)))
+            .collect();
+        // Longest first, so that a special token containing another wins.
+        specials.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
+        let mut out = Vec::new();
+        if add_special && self.add_bos {
+            out.extend(self.bos);
+        }
+        let mut plain_start = 0;
+        let mut i = 0;
+        while i < text.len() {
+            match specials.iter().find(|(t, _)| text[i..].starts_with(t)) {
+                Some(&(t, id)) => {
+                    if plain_start < i {
+                        out.extend(self.encode(&text[plain_start..i], false)?);
+                    }
+                    out.push(id);
+                    i += t.len();
+                    plain_start = i;
+                }
+                None => i += text[i..].chars().next().map_or(1, char::len_utf8),
+            }
+        }
+        if plain_start < text.len() {
+            out.extend(self.encode(&text[plain_start..], false)?);
         }
         if add_special && self.add_eos {
             out.extend(self.eos_primary);
