@@ -28,6 +28,17 @@ HELD_OUT = "MPL-2.0"
 SKIP = {"GPL", "LGPL", "GFDL"}
 
 
+def save_tokenizer(out, hf_dir):
+    """The SentencePiece model as tokenizer.model, with a minimal tokenizer_config.json.
+    (transformers 5's LlamaTokenizerFast(vocab_file=...) ignores the file, and its
+    save_pretrained no longer writes tokenizer.model, so neither is used.)"""
+    import shutil
+    shutil.copy(out / "spm.model", hf_dir / "tokenizer.model")
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": True}, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--texts", required=True)
@@ -40,7 +51,7 @@ def main():
     import sentencepiece as spm
     import torch
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +67,6 @@ def main():
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, add_dummy_prefix=True,
         normalization_rule_name="identity", remove_extra_whitespaces=False,
         max_sentence_length=1 << 16, num_threads=4, minloglevel=2, seed_sentencepiece_size=100000)
-    tok = LlamaTokenizerFast(vocab_file=str(out / "spm.model"), legacy=True, add_bos_token=True)
     sp = spm.SentencePieceProcessor(model_file=str(out / "spm.model"))
 
     def ids(text):
@@ -74,7 +84,7 @@ def main():
                       bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out / "hf-untrained", safe_serialization=True)
-    tok.save_pretrained(out / "hf-untrained")
+    save_tokenizer(out, out / "hf-untrained")
     model.to(dev)
 
     def held_out_loss():
@@ -112,7 +122,7 @@ def main():
             log["steps"].append(entry)
             print(json.dumps(entry), flush=True)
     model.to("cpu").float().save_pretrained(out / "hf", safe_serialization=True)
-    tok.save_pretrained(out / "hf")
+    save_tokenizer(out, out / "hf")
     log.update({"held_out_loss_final": log["steps"][-1]["held_out_loss"],
                 "train_tokens": len(train_ids), "held_out_tokens": len(held_ids),
                 "train_files": [p.name for p in train_files], "held_out": HELD_OUT,

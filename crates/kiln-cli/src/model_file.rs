@@ -23,6 +23,17 @@ pub fn backend(device: DeviceChoice, threads: Option<usize>) -> Result<Arc<dyn B
     }
 }
 
+/// kiln's default model (models/README.md): a small LLaMA trained on license texts,
+/// embedded so that `kiln run` works with no download.
+const DEFAULT_MODEL: &[u8] = include_bytes!("../../../models/kiln-default.gguf");
+
+/// The embedded default model.
+pub fn open_default(backend: Arc<dyn Backend>) -> Result<(Model, Tokenizer)> {
+    let file = GgufFile::from_bytes("<embedded kiln-default.gguf>", DEFAULT_MODEL.to_vec())?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    Ok((Model::from_gguf(&file, backend)?, tokenizer))
+}
+
 pub fn open(path: &Path, backend: Arc<dyn Backend>) -> Result<(Model, Tokenizer)> {
     match detect_format(path)? {
         FileFormat::Gguf => {

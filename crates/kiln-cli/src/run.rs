@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct RunArgs {
-    /// Model: a .gguf file or a Hugging Face directory.
+    /// Model: a .gguf file or a Hugging Face directory (default: the embedded model).
     #[arg(short = 'm', long)]
     pub model: Option<PathBuf>,
     /// The prompt.
@@ -57,17 +57,18 @@ pub enum Output {
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
-    let model_path = a.model.clone().ok_or_else(|| {
-        Error::unsupported("no model given (-m MODEL); kiln has no embedded default model yet")
-    })?;
     let backend = model_file::backend(a.device, a.threads)?;
-    let (mut model, tokenizer) = model_file::open(&model_path, backend)?;
+    let (mut model, tokenizer) = match &a.model {
+        Some(path) => model_file::open(path, backend)?,
+        None => model_file::open_default(backend)?,
+    };
+    let model_name = a
+        .model
+        .as_ref()
+        .map_or("the default model".to_string(), |p| p.display().to_string());
     let prompt = if a.chat {
         let template = tokenizer.chat_template().ok_or_else(|| {
-            Error::unsupported(format!(
-                "{}: the model has no chat template",
-                model_path.display()
-            ))
+            Error::unsupported(format!("{model_name}: the model has no chat template"))
         })?;
         let text_of = |id: Option<u32>| {
             id.and_then(|id| tokenizer.token_text(id))

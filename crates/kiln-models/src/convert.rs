@@ -59,7 +59,7 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
         ));
     }
     let st = SafetensorsModel::open_dir(dir)?;
-    let tokenizer = Tokenizer::from_hf_dir(dir)?;
+    let tokenizer = Tokenizer::from_hf_dir_sentencepiece(dir)?;
     let arch = c.arch.name();
     let mut w = GgufWriter::new();
     let mut set = |k: &str, v: Value| w.set(k, v);

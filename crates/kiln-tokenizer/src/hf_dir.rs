@@ -52,7 +52,7 @@ fn ids_field(cfg: &Value, key: &str) -> Vec<u64> {
     }
 }
 
-pub fn load(dir: &Path) -> Result<Tokenizer> {
+pub fn load(dir: &Path, prefer_sentencepiece: bool) -> Result<Tokenizer> {
     let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
     let gen = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
     let cfg_bool = |k: &str| cfg.get(k).and_then(Value::as_bool);
@@ -67,7 +67,9 @@ pub fn load(dir: &Path) -> Result<Tokenizer> {
 
     let json_path = dir.join("tokenizer.json");
     let model_path = dir.join("tokenizer.model");
-    let (model, model_bos, model_eos) = if json_path.exists() {
+    let (model, model_bos, model_eos) = if json_path.exists()
+        && !(prefer_sentencepiece && model_path.exists())
+    {
         (Model::Hf(Box::new(HfJson::load(&json_path)?)), None, None)
     } else if model_path.exists() {
         let bytes = std::fs::read(&model_path).map_err(|e| Error::io(model_path.display(), e))?;

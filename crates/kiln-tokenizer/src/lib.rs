@@ -72,7 +72,13 @@ impl Tokenizer {
     /// tokenizer_config.json and generation_config.json supply special tokens and the
     /// chat template.
     pub fn from_hf_dir(dir: &std::path::Path) -> Result<Tokenizer> {
-        hf_dir::load(dir)
+        hf_dir::load(dir, false)
+    }
+
+    /// Like `from_hf_dir`, but the SentencePiece `tokenizer.model` wins over
+    /// tokenizer.json when both are present (to write its vocabulary to GGUF).
+    pub fn from_hf_dir_sentencepiece(dir: &std::path::Path) -> Result<Tokenizer> {
+        hf_dir::load(dir, true)
     }
 
     /// Token ids for `text`. Special-token text in `text` is plain text for the GGUF and

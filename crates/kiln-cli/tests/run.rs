@@ -1,0 +1,167 @@
+//! `kiln run`, `kiln perplexity` and `kiln bench` as a user runs them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn the_default_model_runs_and_json_output_is_complete() {
+    let o = kiln(&[
+        "run",
+        "-p",
+        "Permission is hereby granted",
+        "-n",
+        "12",
+        "--temp",
+        "0",
+        "-o",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = stdout(&o).lines().last().unwrap().to_string();
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 12);
+    assert_eq!(
+        v["prompt_tokens"][0], 1,
+        "SentencePiece prompts start with BOS"
+    );
+    assert!(v["timings"]["generation_tokens_per_s"].as_f64().unwrap() > 0.0);
+    // The model learned license texts; greedy text from this prompt reads like one.
+    assert!(v["text"].as_str().unwrap().contains("paragraph"), "{line}");
+    // Greedy is deterministic; a seed makes sampling reproducible.
+    let again = kiln(&[
+        "run",
+        "-p",
+        "Permission is hereby granted",
+        "-n",
+        "12",
+        "--temp",
+        "0",
+        "-o",
+        "json",
+    ]);
+    let again: serde_json::Value =
+        serde_json::from_str(stdout(&again).lines().last().unwrap()).unwrap();
+    assert_eq!(again["tokens"], v["tokens"]);
+    let sample = |seed: &str| {
+        let o = kiln(&[
+            "run", "-p", "You may", "-n", "16", "--temp", "1.2", "--seed", seed, "-o", "json",
+        ]);
+        stdout(&o).lines().last().unwrap().to_string()
+    };
+    let a = serde_json::from_str::<serde_json::Value>(&sample("7")).unwrap()["tokens"].clone();
+    let b = serde_json::from_str::<serde_json::Value>(&sample("7")).unwrap()["tokens"].clone();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn stop_strings_end_generation() {
+    let o = kiln(&[
+        "run",
+        "-p",
+        "Permission is hereby granted",
+        "-n",
+        "60",
+        "--temp",
+        "0",
+        "--stop",
+        "section",
+        "-o",
+        "json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
+    assert_eq!(v["stop"], "stopstring");
+    assert!(!v["text"].as_str().unwrap().contains("section"));
+}
+
+#[test]
+fn a_prompt_longer_than_the_context_is_a_clear_error() {
+    let long = "word ".repeat(400);
+    let o = kiln(&["run", "-p", &long, "-c", "64", "-n", "4"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("context holds 64"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+#[test]
+fn perplexity_matches_the_transformers_reference() {
+    let o = kiln(&[
+        "perplexity",
+        "-m",
+        "tests/fixtures/llama/llama-f32.gguf",
+        "-f",
+        "scripts/fixtures/ppl.txt",
+        "-c",
+        "128",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = stdout(&o);
+    let ppl: f64 = line
+        .trim()
+        .strip_prefix("PPL = ")
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("tests/fixtures/llama/reference.json")).unwrap(),
+    )
+    .unwrap();
+    let want = reference["ppl"].as_f64().unwrap();
+    assert!(
+        (ppl - want).abs() / want < 1e-5,
+        "kiln {ppl}, transformers {want}"
+    );
+}
+
+#[test]
+fn bench_prints_llama_bench_rows() {
+    let o = kiln(&[
+        "bench",
+        "-m",
+        "tests/data/tiny-llama.gguf",
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "2",
+        "-o",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let tests: Vec<&str> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["test"].as_str().unwrap())
+        .collect();
+    assert_eq!(tests, ["pp16", "tg4"]);
+    for r in rows.as_array().unwrap() {
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(r["stddev"].as_f64().is_some() && r["device"].as_str().unwrap().starts_with("cpu"));
+    }
+}
