@@ -27,6 +27,8 @@ TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q
          "q4_K": Q.Q4_K, "q6_K": Q.Q6_K}
 # gguf-py quantizes these; the K types it only dequantizes.
 PY_QUANTIZES = ["f16", "bf16", "q8_0", "q4_0"]
+# Formats kiln only decodes (expanding them to f32 at load): random valid blocks.
+EXPANDED = {"q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q5_K": Q.Q5_K}
 
 SCALARS = [
     ("test.u8", V.UINT8, 200), ("test.i8", V.INT8, -100), ("test.u16", V.UINT16, 60000),
@@ -56,10 +58,12 @@ def random_k_blocks(rng, qtype, n_blocks):
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
     scales = rng.uniform(-0.05, 0.05, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q4_K:  # d, dmin at the start
-        raw[:, 0:4] = scales
-    else:  # Q6_K: d at the end
+    if qtype == Q.Q6_K:  # d at the end
         raw[:, -2:] = scales[:, 0:2]
+    elif qtype == Q.Q5_0:  # d only
+        raw[:, 0:2] = scales[:, 0:2]
+    else:  # Q4_K, Q5_K, Q4_1, Q5_1: two f16 at the start
+        raw[:, 0:4] = scales
     return raw
 
 
@@ -89,6 +93,11 @@ def cmd_write(out_gguf, out_json, seed):
         w.add_tensor(f"t.{name}", data, raw_dtype=qt)
         deq = quants.dequantize(data, qt)
         tensors[f"t.{name}"] = {"type": name, "shape": [3, 512], "values": f32_hex(deq)}
+    for name, qt in EXPANDED.items():
+        block = gguf.GGML_QUANT_SIZES[qt][0]
+        data = random_k_blocks(rng, qt, 3 * 512 // block).reshape(3, -1)
+        w.add_tensor(f"x.{name}", data, raw_dtype=qt)
+        tensors[f"x.{name}"] = {"type": name, "shape": [3, 512], "values": f32_hex(quants.dequantize(data, qt))}
     cube = rng.standard_normal((2, 3, 64)).astype(np.float32)
     w.add_tensor("cube", cube)
     tensors["cube"] = {"type": "f32", "shape": [2, 3, 64], "values": f32_hex(cube)}

@@ -2,7 +2,7 @@
 //! through one interface, with each format's tensor names.
 
 use crate::config::Arch;
-use kiln_core::{DType, Error, HostBytes, Result, Shape};
+use kiln_core::{quant, DType, Error, HostBytes, Result, Shape};
 use kiln_io::gguf::GgufFile;
 use kiln_io::safetensors::SafetensorsModel;
 
@@ -54,6 +54,16 @@ impl Source for GgufSource<'_> {
         let Some(t) = self.0.tensor(name) else {
             return Ok(None);
         };
+        if let Some(format) = quant::ExpandedFormat::from_ggml_id(t.ggml_type.id) {
+            // Read but not computed with yet: expanded to f32 here.
+            let mut values = vec![0f32; t.numel() as usize];
+            format.dequantize(self.0.tensor_data(t), &mut values)?;
+            return Ok(Some(RawTensor {
+                dtype: DType::F32,
+                shape: t.shape()?,
+                bytes: HostBytes::from_vec(quant::quantize(DType::F32, &values)?),
+            }));
+        }
         let dtype = t.ggml_type.dtype().ok_or_else(|| {
             Error::unsupported(format!(
                 "{}: tensor '{name}' is {}, which kiln does not compute with yet",

@@ -7,6 +7,7 @@
 //! ggml and the `gguf` Python package, so results are bit-identical; the test suite checks
 //! this against `gguf.quants`.
 
+mod expand;
 mod float;
 mod q4_0;
 mod q4_k;
@@ -19,6 +20,7 @@ use bytemuck::{Pod, Zeroable};
 use half::f16;
 use std::borrow::Cow;
 
+pub use expand::ExpandedFormat;
 pub use float::{bf16_to_f32, f32_to_bf16};
 pub use q8_k::quantize_q8_k;
 
