@@ -31,7 +31,34 @@ const DEFAULT_MODEL: &[u8] = include_bytes!("../../../models/kiln-default.gguf")
 pub fn open_default(backend: Arc<dyn Backend>) -> Result<(Model, Tokenizer)> {
     let file = GgufFile::from_bytes("<embedded kiln-default.gguf>", DEFAULT_MODEL.to_vec())?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
-    Ok((Model::from_gguf(&file, backend)?, tokenizer))
+    Ok((Model::from_gguf(&file, backend, None)?, tokenizer))
+}
+
+/// A progress bar over `total` bytes when stderr is a terminal and the model is large
+/// enough for loading to take a moment.
+fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    if total < 256 << 20 || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("loading {bar:40} {bytes}/{total_bytes} ({eta})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    Some(bar)
+}
+
+fn dir_size(path: &Path) -> u64 {
+    std::fs::read_dir(path)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 pub fn open(path: &Path, backend: Arc<dyn Backend>) -> Result<(Model, Tokenizer)> {
@@ -39,9 +66,19 @@ pub fn open(path: &Path, backend: Arc<dyn Backend>) -> Result<(Model, Tokenizer)
         FileFormat::Gguf => {
             let file = GgufFile::open(path)?;
             let tokenizer = Tokenizer::from_gguf(&file)?;
-            Ok((Model::from_gguf(&file, backend)?, tokenizer))
+            let bar = progress_bar(file.file_size());
+            let tick = |n: u64| bar.iter().for_each(|b| b.inc(n));
+            let model = Model::from_gguf(&file, backend, Some(&tick));
+            bar.iter().for_each(|b| b.finish_and_clear());
+            Ok((model?, tokenizer))
         }
-        FileFormat::HfDirectory => Ok((Model::from_hf_dir(path, backend)?, Tokenizer::from_hf_dir(path)?)),
+        FileFormat::HfDirectory => {
+            let bar = progress_bar(dir_size(path));
+            let tick = |n: u64| bar.iter().for_each(|b| b.inc(n));
+            let model = Model::from_hf_dir(path, backend, Some(&tick));
+            bar.iter().for_each(|b| b.finish_and_clear());
+            Ok((model?, Tokenizer::from_hf_dir(path)?))
+        }
         FileFormat::Safetensors => Err(Error::unsupported(format!(
             "{}: give the Hugging Face directory that holds this file (kiln needs its config.json and tokenizer)",
             path.display()

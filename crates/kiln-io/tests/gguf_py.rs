@@ -140,7 +140,11 @@ fn kiln_reads_and_decodes_what_gguf_py_writes() {
             let mut got = vec![0f32; want.len()];
             format.dequantize(file.tensor_data(t), &mut got).unwrap();
             for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "{name}: element {i}: gguf-py {a}, kiln {b}");
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{name}: element {i}: gguf-py {a}, kiln {b}"
+                );
             }
             checked += 1;
             continue;

@@ -32,10 +32,14 @@ use std::sync::Arc;
 
 impl Model {
     /// Load a model from a `.gguf` file or a Hugging Face model directory.
-    pub fn load(path: &Path, backend: Arc<dyn Backend>) -> Result<Model> {
+    pub fn load(
+        path: &Path,
+        backend: Arc<dyn Backend>,
+        progress: Option<&dyn Fn(u64)>,
+    ) -> Result<Model> {
         match detect_format(path)? {
-            FileFormat::Gguf => Self::from_gguf(&GgufFile::open(path)?, backend),
-            FileFormat::HfDirectory => Self::from_hf_dir(path, backend),
+            FileFormat::Gguf => Self::from_gguf(&GgufFile::open(path)?, backend, progress),
+            FileFormat::HfDirectory => Self::from_hf_dir(path, backend, progress),
             FileFormat::Safetensors => Err(Error::unsupported(format!(
                 "{}: a lone safetensors file has no config; give its Hugging Face directory",
                 path.display()
@@ -43,7 +47,12 @@ impl Model {
         }
     }
 
-    pub fn from_gguf(file: &GgufFile, backend: Arc<dyn Backend>) -> Result<Model> {
+    /// `progress`, when given, is told the bytes of each tensor as it is uploaded.
+    pub fn from_gguf(
+        file: &GgufFile,
+        backend: Arc<dyn Backend>,
+        progress: Option<&dyn Fn(u64)>,
+    ) -> Result<Model> {
         let config = load::config_from_gguf(file)?;
         let weights = load::WeightLoader {
             src: &source::GgufSource(file),
@@ -51,6 +60,7 @@ impl Model {
             cfg: &config,
             norm_plus_one: false,
             transpose_linear: false,
+            progress,
         }
         .load()?;
         Ok(Model::new(config, weights, backend))
@@ -70,12 +80,17 @@ impl Model {
             cfg: &config,
             norm_plus_one: false,
             transpose_linear: false,
+            progress: None,
         }
         .load()?;
         Ok(Model::new(config, weights, backend))
     }
 
-    pub fn from_hf_dir(dir: &Path, backend: Arc<dyn Backend>) -> Result<Model> {
+    pub fn from_hf_dir(
+        dir: &Path,
+        backend: Arc<dyn Backend>,
+        progress: Option<&dyn Fn(u64)>,
+    ) -> Result<Model> {
         let name = dir.display().to_string();
         let hf = HfConfig::load(&dir.join("config.json"))?;
         let config = load::config_from_hf(&hf, &name)?;
@@ -95,6 +110,7 @@ impl Model {
             cfg: &config,
             norm_plus_one: matches!(config.arch, Arch::Gemma | Arch::Gemma2),
             transpose_linear: config.arch == Arch::Gpt2,
+            progress,
         }
         .load()?;
         Ok(Model::new(config, weights, backend))

@@ -270,9 +270,18 @@ pub(crate) struct WeightLoader<'a> {
     pub norm_plus_one: bool,
     /// Hugging Face GPT-2 Conv1D weights: transpose at load.
     pub transpose_linear: bool,
+    /// Told the bytes of each tensor as it is uploaded.
+    pub progress: Option<&'a dyn Fn(u64)>,
 }
 
 impl WeightLoader<'_> {
+    fn upload(&self, t: RawTensor) -> Result<Tensor> {
+        if let Some(p) = self.progress {
+            p(t.bytes.len() as u64);
+        }
+        self.backend.upload(t.dtype, t.shape, t.bytes)
+    }
+
     fn name(&self, role: Role, layer: usize, suffix: &str) -> Option<String> {
         self.src
             .role_name(self.cfg.arch, role, layer)
@@ -316,7 +325,7 @@ impl WeightLoader<'_> {
             t
         };
         self.check_shape(name, &t, &[rows, cols])?;
-        self.backend.upload(t.dtype, t.shape, t.bytes)
+        self.upload(t)
     }
 
     /// A 1-D parameter as F32 (norm weights and biases), `plus_one` for Gemma norms.
@@ -363,12 +372,12 @@ impl WeightLoader<'_> {
         let c = self.cfg;
         let (name, embed) = self.require(Role::Embed, 0, "weight")?;
         self.check_shape(&name, &embed, &[c.vocab_size, c.dim])?;
-        let embed = self.backend.upload(embed.dtype, embed.shape, embed.bytes)?;
+        let embed = self.upload(embed)?;
         let pos_embed = match self.get(Role::PosEmbed, 0, "weight")? {
             Some((name, t)) => {
                 let rows = t.shape.dims().first().copied().unwrap_or(0);
                 self.check_shape(&name, &t, &[rows, c.dim])?;
-                Some(self.backend.upload(t.dtype, t.shape, t.bytes)?)
+                Some(self.upload(t)?)
             }
             None if c.arch == Arch::Gpt2 => {
                 return Err(Error::format(format!(
@@ -387,7 +396,7 @@ impl WeightLoader<'_> {
             Some((name, t)) => {
                 // Never transposed: lm_head is a plain Linear even in GPT-2.
                 self.check_shape(&name, &t, &[c.vocab_size, c.dim])?;
-                Some(self.backend.upload(t.dtype, t.shape, t.bytes)?)
+                Some(self.upload(t)?)
             }
             None => None,
         };

@@ -56,13 +56,13 @@ fn run_source(
 ) -> Outcome {
     let (mut model, tokenizer) = if path.is_dir() {
         (
-            Model::from_hf_dir(path, backend).unwrap(),
+            Model::from_hf_dir(path, backend, None).unwrap(),
             Tokenizer::from_hf_dir(path).unwrap(),
         )
     } else {
         let f = GgufFile::open(path).unwrap();
         (
-            Model::from_gguf(&f, backend).unwrap(),
+            Model::from_gguf(&f, backend, None).unwrap(),
             Tokenizer::from_gguf(&f).unwrap(),
         )
     };

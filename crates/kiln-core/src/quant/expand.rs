@@ -47,7 +47,7 @@ impl ExpandedFormat {
     /// Decode `src` into `dst` (whole blocks, lengths matching).
     pub fn dequantize(self, src: &[u8], dst: &mut [f32]) -> Result<()> {
         let (bs, bb) = (self.block_size(), self.block_bytes());
-        if dst.len() % bs != 0 || src.len() != dst.len() / bs * bb {
+        if !dst.len().is_multiple_of(bs) || src.len() != dst.len() / bs * bb {
             return Err(Error::shape(format!(
                 "{} bytes of {self:?} do not hold {} values",
                 src.len(),
