@@ -10,6 +10,7 @@ pub mod dot;
 mod elementwise;
 mod matmul;
 mod norm;
+mod qgemm;
 mod rope;
 mod storage;
 

@@ -7,9 +7,9 @@
 //! matrix-vector product needs. F32/F16/BF16 weights with many activation rows go to the
 //! `gemm` crate instead, where reuse of each weight across rows makes it compute-bound.
 
-use crate::{dot, f32s, f32s_mut, storage};
+use crate::{dot, f32s, f32s_mut, qgemm, storage};
 use half::{bf16, f16};
-use kiln_core::quant::{self, as_blocks, BlockQ8K, BlockQ8_0, QK, QK_K};
+use kiln_core::quant::{self, as_blocks, BlockQ4_0, BlockQ8K, BlockQ8_0, QK, QK_K};
 use kiln_core::{DType, Error, Result, Tensor};
 use rayon::prelude::*;
 
@@ -65,6 +65,16 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         DType::Q8_0 | DType::Q4_0 => {
             let nb = k / QK;
             let xq: Vec<BlockQ8_0> = quantize_rows(xs, DType::Q8_0)?;
+            // Prefill: register-tiled VNNI kernel that reuses each unpacked weight block
+            // across several activation rows (see `qgemm`).
+            if n >= qgemm::MIN_ROWS && qgemm::available() {
+                if w.dtype() == DType::Q8_0 {
+                    qgemm::matmul::<BlockQ8_0>(&as_blocks(wb)?, &xq, out, n, m, k);
+                } else {
+                    qgemm::matmul::<BlockQ4_0>(&as_blocks(wb)?, &xq, out, n, m, k);
+                }
+                return Ok(());
+            }
             let xq = |i: usize| &xq[i * nb..][..nb];
             if w.dtype() == DType::Q8_0 {
                 let ws = as_blocks(wb)?;

@@ -10,6 +10,7 @@ mod convert;
 pub mod generate;
 mod load;
 mod model;
+mod perplexity;
 pub mod sampler;
 mod source;
 mod synthetic;
@@ -19,6 +20,7 @@ pub use config::{Arch, Ffn, Llama3Scaling, ModelConfig, Norm, Rope};
 pub use convert::convert_hf_to_gguf;
 pub use generate::{generate, GenerateOptions, Generation, StopReason};
 pub use model::{KvCache, Logits, Model};
+pub use perplexity::{perplexity, Perplexity};
 pub use sampler::{Sampler, SamplerConfig};
 pub use synthetic::{SyntheticShape, SyntheticType};
 

@@ -7,7 +7,7 @@
 use kiln_core::Backend;
 use kiln_cpu::CpuBackend;
 use kiln_io::gguf::GgufFile;
-use kiln_models::{Logits, Model};
+use kiln_models::{perplexity, Logits, Model};
 use kiln_tokenizer::Tokenizer;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -113,29 +113,15 @@ fn run_source(
     let ctx = reference["ppl_ctx"].as_u64().unwrap() as usize;
     let bos = reference["ppl_bos_id"].as_u64().map(|b| b as u32);
     let replace = reference["ppl_bos_replaced"].as_bool().unwrap_or(false);
-    let first = ctx / 2;
-    let mut cache = model.new_cache(ctx).unwrap();
-    let (mut nll, mut count) = (0f64, 0usize);
-    for chunk in text_ids.chunks_exact(ctx) {
-        let mut chunk = chunk.to_vec();
-        if let (true, Some(b)) = (replace, bos) {
-            chunk[0] = b;
-        }
-        let lg = model.forward(&chunk, 0, &mut cache, Logits::All).unwrap();
-        for pos in first..ctx - 1 {
-            let row = &lg[pos * vocab..(pos + 1) * vocab];
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-            let lse = row
-                .iter()
-                .map(|&v| (v as f64 - max).exp())
-                .sum::<f64>()
-                .ln()
-                + max;
-            nll += lse - row[chunk[pos + 1] as usize] as f64;
-            count += 1;
-        }
-    }
-    let ppl = (nll / count as f64).exp();
+    let ppl = perplexity(
+        &mut model,
+        &text_ids,
+        ctx,
+        bos.filter(|_| replace),
+        |_, _| {},
+    )
+    .unwrap()
+    .ppl;
     let ref_ppl = reference["ppl"].as_f64().unwrap();
     Outcome {
         source,
