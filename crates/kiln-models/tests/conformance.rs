@@ -194,3 +194,43 @@ fn every_fixture_matches_transformers() {
     }
     assert!(failures.is_empty(), "outside tolerance: {failures:?}");
 }
+
+/// Quantized GGUFs made by llama-quantize, against llama.cpp's own perplexity of the same
+/// file (`llama_cpp.json`, written by llama-perplexity -c 128): within 0.2%, as the
+/// project is judged. kiln tokenizes the text with the file's own vocabulary and replaces
+/// each chunk's first token with BOS only when the vocabulary adds BOS, as llama.cpp does.
+#[test]
+fn quantized_files_match_llama_cpp_perplexity() {
+    let text = std::fs::read_to_string(fixtures_dir().join("../../scripts/fixtures/ppl.txt")).unwrap();
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Some(2)).unwrap());
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir()).unwrap().map(|e| e.unwrap().path()).collect();
+    dirs.sort();
+    for dir in dirs.iter().filter(|d| d.join("llama_cpp.json").is_file()) {
+        let info: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("llama_cpp.json")).unwrap()).unwrap();
+        for (file, entry) in info["files"].as_object().unwrap() {
+            let want = entry["ppl"].as_f64().unwrap();
+            let f = GgufFile::open(dir.join(file)).unwrap();
+            let tokenizer = Tokenizer::from_gguf(&f).unwrap();
+            let mut model = Model::from_gguf(&f, backend.clone(), None).unwrap();
+            let tokens = tokenizer.encode(&text, true).unwrap();
+            let bos = tokenizer.add_bos().then(|| tokenizer.bos_id()).flatten();
+            let got = perplexity(&mut model, &tokens, 128, bos, |_, _| {}).unwrap().ppl;
+            let rel = (got - want).abs() / want;
+            let ok = rel <= 0.002;
+            eprintln!(
+                "{:24} kiln {got:10.4}  llama.cpp {want:10.4}  rel {rel:8.2e}  {:?}{}",
+                file,
+                entry["types"],
+                if ok { "" } else { "  <-- FAIL" }
+            );
+            if !ok {
+                failures.push(file.clone());
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 32, "only {checked} files with llama.cpp figures");
+    assert!(failures.is_empty(), "outside 0.2% of llama.cpp: {failures:?}");
+}
