@@ -201,14 +201,20 @@ fn every_fixture_matches_transformers() {
 /// each chunk's first token with BOS only when the vocabulary adds BOS, as llama.cpp does.
 #[test]
 fn quantized_files_match_llama_cpp_perplexity() {
-    let text = std::fs::read_to_string(fixtures_dir().join("../../scripts/fixtures/ppl.txt")).unwrap();
+    let text =
+        std::fs::read_to_string(fixtures_dir().join("../../scripts/fixtures/ppl.txt")).unwrap();
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Some(2)).unwrap());
     let mut failures = Vec::new();
     let mut checked = 0;
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir()).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     dirs.sort();
     for dir in dirs.iter().filter(|d| d.join("llama_cpp.json").is_file()) {
-        let info: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("llama_cpp.json")).unwrap()).unwrap();
+        let info: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("llama_cpp.json")).unwrap())
+                .unwrap();
         for (file, entry) in info["files"].as_object().unwrap() {
             let want = entry["ppl"].as_f64().unwrap();
             let f = GgufFile::open(dir.join(file)).unwrap();
@@ -216,7 +222,9 @@ fn quantized_files_match_llama_cpp_perplexity() {
             let mut model = Model::from_gguf(&f, backend.clone(), None).unwrap();
             let tokens = tokenizer.encode(&text, true).unwrap();
             let bos = tokenizer.add_bos().then(|| tokenizer.bos_id()).flatten();
-            let got = perplexity(&mut model, &tokens, 128, bos, |_, _| {}).unwrap().ppl;
+            let got = perplexity(&mut model, &tokens, 128, bos, |_, _| {})
+                .unwrap()
+                .ppl;
             let rel = (got - want).abs() / want;
             let ok = rel <= 0.002;
             eprintln!(
@@ -232,5 +240,8 @@ fn quantized_files_match_llama_cpp_perplexity() {
         }
     }
     assert!(checked >= 32, "only {checked} files with llama.cpp figures");
-    assert!(failures.is_empty(), "outside 0.2% of llama.cpp: {failures:?}");
+    assert!(
+        failures.is_empty(),
+        "outside 0.2% of llama.cpp: {failures:?}"
+    );
 }
