@@ -165,3 +165,10 @@ fn bench_prints_llama_bench_rows() {
         assert!(r["stddev"].as_f64().is_some() && r["device"].as_str().unwrap().starts_with("cpu"));
     }
 }
+
+#[test]
+fn a_context_the_machine_cannot_hold_is_an_error_not_an_abort() {
+    let o = kiln(&["run", "-p", "hi", "-c", "2000000000", "-n", "2"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("cannot allocate"), "{}", stderr(&o));
+}

@@ -100,16 +100,22 @@ impl Backend for CpuBackend {
     }
 
     fn zeros(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
-        let bytes = shape.rows() * dtype.row_bytes(shape.row_len())?;
+        let bytes = shape
+            .rows()
+            .checked_mul(dtype.row_bytes(shape.row_len())?)
+            .ok_or_else(|| Error::shape(format!("{shape} of {dtype} does not fit in memory")))?;
         Ok(Tensor::from_storage(
-            Box::new(CpuStorage::zeroed(bytes)),
+            Box::new(CpuStorage::try_zeroed(bytes)?),
             dtype,
             shape,
         ))
     }
 
     fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor> {
-        let want = shape.rows() * dtype.row_bytes(shape.row_len())?;
+        let want = shape
+            .rows()
+            .checked_mul(dtype.row_bytes(shape.row_len())?)
+            .ok_or_else(|| Error::shape(format!("{shape} of {dtype} does not fit in memory")))?;
         if data.len() != want {
             return Err(Error::shape(format!(
                 "{shape} of {dtype} takes {want} bytes, got {}",

@@ -1,4 +1,4 @@
-use kiln_core::{Device, HostBytes, Storage};
+use kiln_core::{Device, Error, HostBytes, Result, Storage};
 use std::any::Any;
 
 /// CPU tensor data: owned (4-byte aligned, which every block type needs), or host bytes
@@ -15,6 +15,17 @@ impl CpuStorage {
             words: vec![0; len.div_ceil(4)],
             len,
         }
+    }
+
+    /// Like `zeroed`, but a size the machine cannot hold is an error, not an abort: the
+    /// sizes of model buffers come from files and flags.
+    pub fn try_zeroed(len: usize) -> Result<Self> {
+        let mut words = Vec::new();
+        words
+            .try_reserve_exact(len.div_ceil(4))
+            .map_err(|_| Error::Device(format!("cannot allocate {len} bytes of CPU memory")))?;
+        words.resize(len.div_ceil(4), 0);
+        Ok(CpuStorage::Owned { words, len })
     }
 
     /// Use `bytes` in place when they are aligned for any block type, else copy them.

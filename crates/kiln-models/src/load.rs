@@ -38,6 +38,13 @@ pub(crate) fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     };
     let dim = need("embedding_length")?;
     let n_layers = need("block_count")?;
+    // Every layer needs tensors of its own: more layers than tensors is a broken file.
+    if n_layers > f.tensors.len() {
+        return Err(Error::format(format!(
+            "{file}: block_count {n_layers} but only {} tensors",
+            f.tensors.len()
+        )));
+    }
     let n_heads = need("attention.head_count")?;
     if n_heads == 0 || dim == 0 {
         return Err(Error::format(format!(
@@ -149,6 +156,11 @@ pub(crate) fn config_from_hf(c: &HfConfig, dir: &str) -> Result<ModelConfig> {
         return Err(Error::format(format!("{dir}: zero heads or hidden size")));
     }
     let n_layers = need(c.num_hidden_layers, "num_hidden_layers")?;
+    if n_layers > 1 << 16 {
+        return Err(Error::format(format!(
+            "{dir}: num_hidden_layers {n_layers} is not plausible"
+        )));
+    }
     let head_dim = c.head_dim.map(|v| v as usize).unwrap_or(dim / n_heads);
     let f = |k: &str| raw.get(k).and_then(Json::as_f64);
     // transformers 5 keeps rope settings in `rope_parameters`, older versions at top level
