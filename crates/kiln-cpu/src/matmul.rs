@@ -8,6 +8,7 @@
 //! `gemm` crate instead, where reuse of each weight across rows makes it compute-bound.
 
 use crate::{dot, f32s, f32s_mut, qgemm, storage};
+use bytemuck::Zeroable;
 use half::{bf16, f16};
 use kiln_core::quant::{self, as_blocks, BlockQ4_0, BlockQ8K, BlockQ8_0, QK, QK_K};
 use kiln_core::{DType, Error, Result, Tensor};
@@ -64,7 +65,7 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         }
         DType::Q8_0 | DType::Q4_0 => {
             let nb = k / QK;
-            let xq: Vec<BlockQ8_0> = quantize_rows(xs, DType::Q8_0)?;
+            let xq: Vec<BlockQ8_0> = quantize_rows(xs)?;
             // Prefill: register-tiled VNNI kernel that reuses each unpacked weight block
             // across several activation rows (see `qgemm`).
             if n >= qgemm::MIN_ROWS && qgemm::available() {
@@ -109,9 +110,11 @@ fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T]> {
 
 /// Quantize each activation row to Q8_0 blocks (rows are whole blocks: checked by the
 /// weight's shape).
-fn quantize_rows(xs: &[f32], dtype: DType) -> Result<Vec<BlockQ8_0>> {
-    let bytes = quant::quantize(dtype, xs)?;
-    Ok(as_blocks::<BlockQ8_0>(&bytes)?.into_owned())
+fn quantize_rows(xs: &[f32]) -> Result<Vec<BlockQ8_0>> {
+    // Straight into typed blocks: no intermediate byte vector to copy from.
+    let mut blocks = vec![BlockQ8_0::zeroed(); xs.len() / QK];
+    quant::quantize_into(DType::Q8_0, xs, bytemuck::cast_slice_mut(&mut blocks))?;
+    Ok(blocks)
 }
 
 /// Weight rows a thread takes at a time: enough to amortise scheduling, small enough to
