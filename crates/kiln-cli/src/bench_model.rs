@@ -1,11 +1,12 @@
 //! `kiln bench -m MODEL | --synthetic SHAPE --type TYPE`: llama-bench's tests.
 //! `pp<p>`: a prompt of p tokens in one pass; `tg<n>`: n tokens generated one at a time
 //! from an empty context. Each test runs once to warm up, then `r` times; the table gives
-//! the mean and standard deviation of tokens per second.
+//! the mean and standard deviation of tokens per second. Like llama-bench, neither test
+//! reads back logits: the next token is picked on the device.
 
 use crate::model_file::{self, DeviceChoice};
 use kiln_core::{Error, Result};
-use kiln_models::{Logits, Model, SyntheticShape, SyntheticType};
+use kiln_models::{Model, SyntheticShape, SyntheticType};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -98,7 +99,7 @@ pub fn run(b: &ModelBench) -> Result<String> {
         let mut speeds = Vec::new();
         for rep in 0..=b.reps {
             let t = Instant::now();
-            model.forward(&ids, 0, &mut cache, Logits::Last)?;
+            model.forward_argmax(&ids, 0, &mut cache)?;
             if rep > 0 {
                 speeds.push(b.prompt as f64 / t.elapsed().as_secs_f64());
             }
@@ -119,8 +120,7 @@ pub fn run(b: &ModelBench) -> Result<String> {
             let mut next = token();
             let t = Instant::now();
             for pos in 0..b.gen {
-                let logits = model.forward(&[next], pos, &mut cache, Logits::Last)?;
-                next = kiln_models::sampler::argmax(&logits);
+                next = model.forward_argmax(&[next], pos, &mut cache)?;
             }
             if rep > 0 {
                 speeds.push(b.gen as f64 / t.elapsed().as_secs_f64());

@@ -6,6 +6,32 @@ use kiln_cpu::CpuBackend;
 pub fn run() -> Result<()> {
     let cpu = CpuBackend::new(None)?;
     println!("cpu: {}", cpu.describe());
-    println!("(no GPU backend in this build yet)");
+    match kiln_cuda::devices() {
+        Ok(gpus) if gpus.is_empty() => println!("cuda: the NVIDIA driver sees no GPU"),
+        Ok(gpus) => {
+            for d in gpus {
+                const GIB: f64 = (1u64 << 30) as f64;
+                println!(
+                    "cuda:{}: {}, compute capability {}.{}, {} SMs, {:.1} GiB total, {:.1} GiB free",
+                    d.ordinal,
+                    d.name,
+                    d.compute_capability.0,
+                    d.compute_capability.1,
+                    d.sm_count,
+                    d.memory_total as f64 / GIB,
+                    d.memory_free as f64 / GIB
+                );
+                println!(
+                    "        driver {}, CUDA {}, NVRTC {}",
+                    d.driver_release.as_deref().unwrap_or("(release unknown)"),
+                    d.cuda_version,
+                    d.nvrtc_version
+                        .as_deref()
+                        .unwrap_or("not found (kernels cannot be compiled)")
+                );
+            }
+        }
+        Err(e) => println!("cuda: unavailable ({e})"),
+    }
     Ok(())
 }

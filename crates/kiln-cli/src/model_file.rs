@@ -2,6 +2,7 @@
 
 use kiln_core::{Backend, Error, Result};
 use kiln_cpu::CpuBackend;
+use kiln_cuda::CudaBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_io::{detect_format, FileFormat};
 use kiln_models::Model;
@@ -12,14 +13,27 @@ use std::sync::Arc;
 /// `--device`: where the model runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceChoice {
-    /// The best device present (the CPU until a GPU backend exists).
+    /// The first GPU when one is usable, else the CPU.
     Auto,
     Cpu,
+    /// The first NVIDIA GPU; an error when there is none.
+    Cuda,
 }
 
 pub fn backend(device: DeviceChoice, threads: Option<usize>) -> Result<Arc<dyn Backend>> {
     match device {
-        DeviceChoice::Auto | DeviceChoice::Cpu => Ok(Arc::new(CpuBackend::new(threads)?)),
+        DeviceChoice::Cpu => Ok(Arc::new(CpuBackend::new(threads)?)),
+        DeviceChoice::Cuda => Ok(Arc::new(CudaBackend::new(0)?)),
+        DeviceChoice::Auto => match CudaBackend::new(0) {
+            Ok(cuda) => Ok(Arc::new(cuda)),
+            Err(e) => {
+                // Expected on machines without a GPU; worth a word when one is there.
+                if kiln_cuda::is_available() {
+                    eprintln!("kiln: the GPU cannot be used ({e}); running on the CPU");
+                }
+                Ok(Arc::new(CpuBackend::new(threads)?))
+            }
+        },
     }
 }
 

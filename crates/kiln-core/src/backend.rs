@@ -2,7 +2,9 @@
 //!
 //! Activations are F32 tensors whose rows are tokens; weights keep their stored dtype.
 //! Ops write into caller-provided outputs so that a forward pass allocates its buffers
-//! once and reuses them every step.
+//! once and reuses them every step. Token ids and positions are I32 tensors on the device,
+//! written once per step, so that a recorded step (see [`Backend::capture`]) can be
+//! replayed for the next token with nothing but those two small writes.
 
 use crate::{DType, Device, HostBytes, Result, Shape, Tensor};
 
@@ -43,6 +45,10 @@ pub trait Backend: Send + Sync {
     /// The tensor's bytes, in its dtype's encoding.
     fn download(&self, t: &Tensor) -> Result<Vec<u8>>;
 
+    /// Overwrite an existing tensor with `data` (exactly its bytes, in its dtype's
+    /// encoding): token ids and positions for the next step.
+    fn write(&self, t: &mut Tensor, data: &[u8]) -> Result<()>;
+
     /// Set every element of an F32 tensor to `value`.
     fn fill(&self, t: &mut Tensor, value: f32) -> Result<()>;
 
@@ -50,8 +56,9 @@ pub trait Backend: Send + Sync {
     /// One row of `x` is a matrix-vector product; more rows are a matrix product.
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()>;
 
-    /// `out[i] = table[ids[i]]`, dequantized to F32.
-    fn embedding(&self, table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result<()>;
+    /// `out[i] = table[ids[i]]`, dequantized to F32; `ids` is I32 `[n]`. An id outside
+    /// the table gives a row of zeros on devices that cannot report errors mid-step.
+    fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()>;
 
     /// Per row: `x / sqrt(mean(x²) + eps) * weight`.
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()>;
@@ -70,12 +77,12 @@ pub trait Backend: Send + Sync {
     fn softmax(&self, x: &mut Tensor) -> Result<()>;
 
     /// Rotate `x` of shape `[tokens, heads, head_dim]` in place; token `t` is at position
-    /// `pos0 + t`. `inv_freq` (F32, `rot_dim / 2` values) gives each pair's frequency;
-    /// dimensions past `rot_dim` are left as they are.
+    /// `pos[t]` (`pos`: I32 `[tokens]`). `inv_freq` (F32, `rot_dim / 2` values) gives each
+    /// pair's frequency; dimensions past `rot_dim` are left as they are.
     fn rope(
         &self,
         x: &mut Tensor,
-        pos0: usize,
+        pos: &Tensor,
         inv_freq: &Tensor,
         layout: RopeLayout,
     ) -> Result<()>;
@@ -101,27 +108,120 @@ pub trait Backend: Send + Sync {
     /// `x = cap · tanh(x / cap)`, in place (Gemma 2's final logit soft-capping).
     fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()>;
 
-    /// Copy the rows of `src` (its outermost dimension) into `dst` from row `row0` on;
-    /// both F32, rows of equal size. Writes keys and values into a KV cache.
-    fn write_rows(&self, src: &Tensor, dst: &mut Tensor, row0: usize) -> Result<()>;
+    /// Copy row `i` of `src` (its outermost dimension) to row `pos[i]` of `dst`; both F32,
+    /// rows of equal size, `pos` I32 `[rows of src]`. Writes keys and values into a KV
+    /// cache. Positions outside `dst` are an error, or skipped on devices that cannot
+    /// report errors mid-step.
+    fn write_rows(&self, src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()>;
 
     /// `dst[i, :] = src[i, col0 .. col0 + dst_cols]` for 2-D F32 tensors: splits the
     /// output of a fused projection (QKV, gate+up).
     fn slice_cols(&self, src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()>;
 
-    /// Causal attention of `q` `[n, heads, head_dim]` (tokens at positions `pos0..pos0+n`)
-    /// over the cached keys and values `[capacity, kv_heads, head_dim]` of positions
-    /// `0..pos0+n`, into `out` `[n, heads, head_dim]`. Query head `h` reads KV head
-    /// `h / (heads / kv_heads)` (grouped-query attention).
+    /// Causal attention of `q` `[n, heads, head_dim]` over the cached keys and values
+    /// `[capacity, kv_heads, head_dim]`, into `out` `[n, heads, head_dim]`. Query `i` is at
+    /// position `pos[i]` (`pos`: I32 `[n]`) and sees the cache rows `0..=pos[i]`. Query
+    /// head `h` reads KV head `h / (heads / kv_heads)` (grouped-query attention).
     fn attention(
         &self,
         q: &Tensor,
         k_cache: &Tensor,
         v_cache: &Tensor,
-        pos0: usize,
+        pos: &Tensor,
         params: &AttentionParams,
         out: &mut Tensor,
     ) -> Result<()>;
+
+    // ---- Fused ops. Each default is the plain sequence it stands for; a backend
+    // overrides one where doing it in one pass saves a trip through memory or a
+    // launch. `tmp*` arguments are the caller's buffers for the plain sequence.
+
+    /// `acc += x · wᵀ` (a projection feeding the residual stream).
+    fn matmul_add(&self, x: &Tensor, w: &Tensor, acc: &mut Tensor, tmp: &mut Tensor) -> Result<()> {
+        self.matmul(x, w, tmp)?;
+        self.add_assign(acc, tmp)
+    }
+
+    /// `outs[i] = x · ws[i]ᵀ` for several weights reading the same input (Q, K and V).
+    fn matmul_many(&self, x: &Tensor, ws: &[&Tensor], outs: &mut [&mut Tensor]) -> Result<()> {
+        if ws.len() != outs.len() {
+            return Err(crate::Error::shape(
+                "matmul_many: as many outputs as weights",
+            ));
+        }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(x, w, out)?;
+        }
+        Ok(())
+    }
+
+    /// `out = act(x · gateᵀ) * (x · upᵀ)`, with `act` SiLU or, when `gelu`, GELU (tanh).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_ffn(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        gelu: bool,
+        out: &mut Tensor,
+        tmp_gate: &mut Tensor,
+        tmp_up: &mut Tensor,
+    ) -> Result<()> {
+        self.matmul(x, gate, tmp_gate)?;
+        self.matmul(x, up, tmp_up)?;
+        if gelu {
+            self.gelu_mul(tmp_gate, tmp_up, out)
+        } else {
+            self.silu_mul(tmp_gate, tmp_up, out)
+        }
+    }
+
+    /// Rotate `q` in place and `k` (when `rope` is given), then write `k` and `v` into
+    /// the caches at `pos`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_kv(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        pos: &Tensor,
+        rope: Option<(&Tensor, RopeLayout)>,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+    ) -> Result<()> {
+        if let Some((inv_freq, layout)) = rope {
+            self.rope(q, pos, inv_freq, layout)?;
+            self.rope(k, pos, inv_freq, layout)?;
+        }
+        self.write_rows(k, k_cache, pos)?;
+        self.write_rows(v, v_cache, pos)
+    }
+
+    /// Bytes of device memory free for weights and buffers; `None` where the
+    /// question does not apply (host memory).
+    fn free_memory(&self) -> Result<Option<usize>> {
+        Ok(None)
+    }
+
+    /// `out[r]` = the index of the largest value of row `r` of `x` (the first, on ties);
+    /// `x` F32 `[rows, cols]`, `out` I32 `[rows]`. Greedy decoding reads back only this.
+    fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()>;
+
+    /// Record the ops `step` issues, so that they can be replayed as one unit (a CUDA
+    /// graph). `Some`: the ops were recorded, not run; replay to run them. `None`: the
+    /// backend does not record, and the ops ran as usual. A recording stays valid while
+    /// every tensor it touched is alive and unmoved; only their contents may change
+    /// between replays. Ops inside `step` must not allocate.
+    fn capture(&self, step: &mut dyn FnMut() -> Result<()>) -> Result<Option<Box<dyn Replay>>> {
+        step()?;
+        Ok(None)
+    }
+}
+
+/// A recorded sequence of ops (see [`Backend::capture`]).
+pub trait Replay: Send {
+    /// Run the recorded ops again, on the tensors' current contents.
+    fn replay(&self) -> Result<()>;
 }
 
 /// Copy a tensor held by backend `from` to backend `to` (through host memory: backends

@@ -18,9 +18,12 @@ pub enum DType {
     Q4_K,
     /// 256 values in 16 sub-blocks of 16: 4 low bits, 2 high bits, i8 scales, f16 d.
     Q6_K,
+    /// 32-bit signed integers: token ids and positions, never weights or activations.
+    I32,
 }
 
 impl DType {
+    /// The types weights and activations are stored in (every type but [`DType::I32`]).
     pub const ALL: [DType; 7] = [
         DType::F32,
         DType::F16,
@@ -34,7 +37,7 @@ impl DType {
     /// Elements per block (1 for plain floats).
     pub const fn block_size(self) -> usize {
         match self {
-            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::F32 | DType::F16 | DType::BF16 | DType::I32 => 1,
             DType::Q8_0 | DType::Q4_0 => 32,
             DType::Q4_K | DType::Q6_K => 256,
         }
@@ -43,7 +46,7 @@ impl DType {
     /// Bytes per block.
     pub const fn block_bytes(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::Q8_0 => 34,
             DType::Q4_0 => 18,
@@ -66,6 +69,7 @@ impl DType {
             DType::Q4_0 => "q4_0",
             DType::Q4_K => "q4_K",
             DType::Q6_K => "q6_K",
+            DType::I32 => "i32",
         }
     }
 
@@ -79,6 +83,7 @@ impl DType {
             DType::Q4_K => 12,
             DType::Q6_K => 14,
             DType::BF16 => 30,
+            DType::I32 => 26,
         }
     }
 

@@ -13,7 +13,7 @@ pub mod quant;
 pub mod shape;
 pub mod tensor;
 
-pub use backend::{to_device, AttentionParams, Backend, RopeLayout};
+pub use backend::{to_device, AttentionParams, Backend, Replay, RopeLayout};
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};

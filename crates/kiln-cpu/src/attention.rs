@@ -3,7 +3,7 @@
 //! One task per (token, head): scores against every visible key, a softmax, then the
 //! weighted sum of values. Scores live in a per-task buffer of the visible length.
 
-use crate::{f32s, f32s_mut};
+use crate::{f32s, f32s_mut, indices};
 use kiln_core::{AttentionParams, Error, Result, Tensor};
 use rayon::prelude::*;
 
@@ -11,7 +11,7 @@ pub(crate) fn attention(
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
-    pos0: usize,
+    pos: &Tensor,
     p: &AttentionParams,
     out: &mut Tensor,
 ) -> Result<()> {
@@ -41,12 +41,11 @@ pub(crate) fn attention(
             "{heads} query heads cannot share {kv_heads} KV heads"
         )));
     }
-    let end = pos0 + n;
-    if end > capacity {
-        return Err(Error::shape(format!(
-            "positions up to {end} exceed the KV cache capacity of {capacity}"
-        )));
-    }
+    let positions = indices(pos, n, capacity, "attention positions", |p| {
+        Error::shape(format!(
+            "position {p} is outside the KV cache capacity of {capacity}"
+        ))
+    })?;
     let group = heads / kv_heads;
     let (qs, ks, vs) = (f32s(q)?, f32s(k_cache)?, f32s(v_cache)?);
     let o = f32s_mut(out)?;
@@ -55,7 +54,7 @@ pub(crate) fn attention(
     }
     o.par_chunks_mut(hd).enumerate().for_each(|(task, o)| {
         let (i, h) = (task / heads, task % heads);
-        let pos = pos0 + i;
+        let pos = positions[i] as usize;
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let g = h / group;
         let qv = &qs[task * hd..][..hd];

@@ -1,4 +1,4 @@
-use crate::{f32s, f32s_mut, same_shape, storage};
+use crate::{f32s, f32s_mut, i32s_mut, indices, same_shape, storage};
 use kiln_core::{quant, Error, Result, Tensor};
 
 pub(crate) fn silu(x: f32) -> f32 {
@@ -54,7 +54,7 @@ pub(crate) fn broadcast_assign(
     Ok(())
 }
 
-pub(crate) fn embedding(table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result<()> {
+pub(crate) fn embedding(table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
     let [vocab, dim] = table.dims() else {
         return Err(Error::shape(format!(
             "embedding table must be 2-D, got {}",
@@ -62,42 +62,82 @@ pub(crate) fn embedding(table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result
         )));
     };
     let (vocab, dim) = (*vocab, *dim);
-    if out.dims() != [ids.len(), dim] {
+    let n = out.dims().first().copied().unwrap_or(0);
+    if out.dims() != [n, dim] {
         return Err(Error::shape(format!(
-            "embedding of {} ids × {dim} into {}",
-            ids.len(),
+            "embedding rows of {dim} into {}",
             out.shape()
         )));
     }
+    let ids = indices(ids, n, vocab, "token ids", |id| {
+        Error::shape(format!(
+            "token id {id} is outside the vocabulary of {vocab}"
+        ))
+    })?;
     let row_bytes = table.dtype().row_bytes(dim)?;
     let data = storage(table)?.bytes();
     let dtype = table.dtype();
     for (&id, o) in ids.iter().zip(f32s_mut(out)?.chunks_exact_mut(dim.max(1))) {
         let id = id as usize;
-        if id >= vocab {
-            return Err(Error::shape(format!(
-                "token id {id} is outside the vocabulary of {vocab}"
-            )));
-        }
         quant::dequantize(dtype, &data[id * row_bytes..(id + 1) * row_bytes], o)?;
     }
     Ok(())
 }
 
-pub(crate) fn write_rows(src: &Tensor, dst: &mut Tensor, row0: usize) -> Result<()> {
+pub(crate) fn write_rows(src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()> {
     let dst_row: usize = dst.dims().iter().skip(1).product();
     let src_row: usize = src.dims().iter().skip(1).product();
     let rows = src.dims().first().copied().unwrap_or(1);
     let dst_rows = dst.dims().first().copied().unwrap_or(1);
-    if src_row != dst_row || row0 + rows > dst_rows {
+    if src_row != dst_row {
         return Err(Error::shape(format!(
-            "write_rows: {} into rows {row0}.. of {}",
+            "write_rows: {} into {}",
             src.shape(),
             dst.shape()
         )));
     }
+    let positions = indices(pos, rows, dst_rows, "write_rows positions", |p| {
+        Error::shape(format!(
+            "write_rows: row {p} is outside the {dst_rows} rows of the destination"
+        ))
+    })?;
     let s = f32s(src)?;
-    f32s_mut(dst)?[row0 * dst_row..(row0 + rows) * dst_row].copy_from_slice(s);
+    let d = f32s_mut(dst)?;
+    if dst_row == 0 {
+        return Ok(());
+    }
+    for (&p, row) in positions.iter().zip(s.chunks_exact(dst_row)) {
+        d[p as usize * dst_row..][..dst_row].copy_from_slice(row);
+    }
+    Ok(())
+}
+
+/// The first index of each row's largest value. NaN never wins (unless first), as in
+/// the sampler's argmax, so that greedy decoding on the device and on the host agree.
+pub(crate) fn argmax(x: &Tensor, out: &mut Tensor) -> Result<()> {
+    let &[rows, cols] = x.dims() else {
+        return Err(Error::shape(format!(
+            "argmax takes [rows, cols], got {}",
+            x.shape()
+        )));
+    };
+    if out.dims() != [rows] || cols == 0 || i32::try_from(cols).is_err() {
+        return Err(Error::shape(format!(
+            "argmax of {} into {}",
+            x.shape(),
+            out.shape()
+        )));
+    }
+    let xs = f32s(x)?;
+    for (row, o) in xs.chunks_exact(cols).zip(i32s_mut(out)?) {
+        let mut best = 0;
+        for (i, &v) in row.iter().enumerate() {
+            if v > row[best] {
+                best = i;
+            }
+        }
+        *o = best as i32;
+    }
     Ok(())
 }
 

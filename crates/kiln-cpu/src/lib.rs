@@ -79,6 +79,47 @@ fn expect_f32(t: &Tensor) -> Result<()> {
     Ok(())
 }
 
+fn expect_i32(t: &Tensor, what: &str) -> Result<()> {
+    if t.dtype() != DType::I32 {
+        return Err(Error::unsupported(format!(
+            "{what} must be i32, got {}",
+            t.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// The values of `t`, an I32 `[n]` tensor of ids or positions, each checked to lie in
+/// `0..limit` (`out_of_range` makes the error for one that does not).
+pub(crate) fn indices<'a>(
+    t: &'a Tensor,
+    n: usize,
+    limit: usize,
+    what: &str,
+    out_of_range: impl Fn(i32) -> Error,
+) -> Result<&'a [i32]> {
+    expect_i32(t, what)?;
+    if t.dims() != [n] {
+        return Err(Error::shape(format!(
+            "{what} must be [{n}], got {}",
+            t.shape()
+        )));
+    }
+    let v: &[i32] = bytemuck::cast_slice(storage(t)?.bytes());
+    match v
+        .iter()
+        .find(|&&i| usize::try_from(i).map_or(true, |i| i >= limit))
+    {
+        Some(&bad) => Err(out_of_range(bad)),
+        None => Ok(v),
+    }
+}
+
+pub(crate) fn i32s_mut(t: &mut Tensor) -> Result<&mut [i32]> {
+    expect_i32(t, "the output")?;
+    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()))
+}
+
 pub(crate) fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
     if a.shape() != b.shape() {
         return Err(Error::shape(format!(
@@ -133,6 +174,20 @@ impl Backend for CpuBackend {
         Ok(storage(t)?.bytes().to_vec())
     }
 
+    fn write(&self, t: &mut Tensor, data: &[u8]) -> Result<()> {
+        let want = t.size_bytes();
+        if data.len() != want {
+            return Err(Error::shape(format!(
+                "{} of {} takes {want} bytes, got {}",
+                t.shape(),
+                t.dtype(),
+                data.len()
+            )));
+        }
+        storage_mut(t)?.bytes_mut().copy_from_slice(data);
+        Ok(())
+    }
+
     fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
         f32s_mut(t)?.fill(value);
         Ok(())
@@ -143,7 +198,7 @@ impl Backend for CpuBackend {
             .install(|| matmul::matmul(x, w, out, self.threads()))
     }
 
-    fn embedding(&self, table: &Tensor, ids: &[u32], out: &mut Tensor) -> Result<()> {
+    fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
         elementwise::embedding(table, ids, out)
     }
 
@@ -170,11 +225,11 @@ impl Backend for CpuBackend {
     fn rope(
         &self,
         x: &mut Tensor,
-        pos0: usize,
+        pos: &Tensor,
         inv_freq: &Tensor,
         layout: RopeLayout,
     ) -> Result<()> {
-        self.pool.install(|| rope::rope(x, pos0, inv_freq, layout))
+        self.pool.install(|| rope::rope(x, pos, inv_freq, layout))
     }
 
     fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
@@ -212,8 +267,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn write_rows(&self, src: &Tensor, dst: &mut Tensor, row0: usize) -> Result<()> {
-        elementwise::write_rows(src, dst, row0)
+    fn write_rows(&self, src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()> {
+        elementwise::write_rows(src, dst, pos)
     }
 
     fn slice_cols(&self, src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()> {
@@ -225,11 +280,15 @@ impl Backend for CpuBackend {
         q: &Tensor,
         k_cache: &Tensor,
         v_cache: &Tensor,
-        pos0: usize,
+        pos: &Tensor,
         params: &AttentionParams,
         out: &mut Tensor,
     ) -> Result<()> {
         self.pool
-            .install(|| attention::attention(q, k_cache, v_cache, pos0, params, out))
+            .install(|| attention::attention(q, k_cache, v_cache, pos, params, out))
+    }
+
+    fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
+        elementwise::argmax(x, out)
     }
 }

@@ -42,6 +42,7 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         return Ok(());
     }
     match w.dtype() {
+        DType::I32 => return Err(Error::unsupported("matmul weights cannot be i32")),
         DType::F32 | DType::F16 | DType::BF16 if n >= GEMM_MIN_ROWS => {
             gemm_f32(xs, wb, w.dtype(), out, n, m, k, threads)
         }

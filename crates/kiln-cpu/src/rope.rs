@@ -1,9 +1,9 @@
-use crate::{f32s, f32s_mut};
+use crate::{f32s, f32s_mut, indices};
 use kiln_core::{Error, Result, RopeLayout, Tensor};
 
 pub(crate) fn rope(
     x: &mut Tensor,
-    pos0: usize,
+    pos: &Tensor,
     inv_freq: &Tensor,
     layout: RopeLayout,
 ) -> Result<()> {
@@ -21,11 +21,14 @@ pub(crate) fn rope(
             2 * half
         )));
     }
+    let positions = indices(pos, tokens, usize::MAX, "rope positions", |p| {
+        Error::shape(format!("rope: negative position {p}"))
+    })?;
     let v = f32s_mut(x)?;
     let mut cos_sin = vec![(0f32, 0f32); half];
-    for t in 0..tokens {
+    for (t, &pos) in positions.iter().enumerate() {
         // Angles in f32 as transformers computes them; cos and sin in double then rounded.
-        let pos = (pos0 + t) as f32;
+        let pos = pos as f32;
         for (cs, &f) in cos_sin.iter_mut().zip(freqs) {
             let theta = (pos * f) as f64;
             *cs = (theta.cos() as f32, theta.sin() as f32);

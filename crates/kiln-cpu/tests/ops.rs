@@ -36,6 +36,25 @@ fn zeros(b: &CpuBackend, dims: &[usize]) -> Tensor {
         .unwrap()
 }
 
+/// An I32 `[n]` tensor of token ids or positions.
+fn indices(b: &CpuBackend, values: &[i32]) -> Tensor {
+    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    b.upload(
+        DType::I32,
+        Shape::new(vec![values.len()]).unwrap(),
+        HostBytes::from_vec(bytes),
+    )
+    .unwrap()
+}
+
+fn read_i32(b: &CpuBackend, t: &Tensor) -> Vec<i32> {
+    b.download(t)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
 /// Fill an output with NaN first so that an element the op forgets to write shows.
 fn poisoned(b: &CpuBackend, dims: &[usize]) -> Tensor {
     let n: usize = dims.iter().product();
@@ -169,11 +188,15 @@ fn rope_both_layouts_against_f64() {
     let b = backend();
     let mut rng = StdRng::seed_from_u64(3);
     for layout in [RopeLayout::Interleaved, RopeLayout::Neox] {
-        for &(tokens, heads, head_dim, rot) in &[
-            (1usize, 1usize, 2usize, 2usize),
-            (5, 3, 10, 10),
-            (4, 2, 16, 8),
-        ] {
+        // (heads, head_dim, rotated dims, positions): positions need not be consecutive.
+        let cases: [(usize, usize, usize, &[i32]); 4] = [
+            (1, 2, 2, &[1234]),
+            (3, 10, 10, &[1234, 1235, 1236, 1237, 1238]),
+            (2, 16, 8, &[1234, 1235, 1236, 1237]),
+            (3, 12, 8, &[5, 2, 9]),
+        ];
+        for (heads, head_dim, rot, positions) in cases {
+            let tokens = positions.len();
             let xv = random(tokens * heads * head_dim, &mut rng, 2.0);
             let half = rot / 2;
             let freqs: Vec<f32> = (0..half)
@@ -181,14 +204,13 @@ fn rope_both_layouts_against_f64() {
                 .collect();
             let mut x = upload(&b, DType::F32, &[tokens, heads, head_dim], &xv);
             let f = upload(&b, DType::F32, &[half], &freqs);
-            let pos0 = 1234;
-            b.rope(&mut x, pos0, &f, layout).unwrap();
+            b.rope(&mut x, &indices(&b, positions), &f, layout).unwrap();
             let mut want: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
-            for t in 0..tokens {
+            for (t, &pos) in positions.iter().enumerate() {
                 for h in 0..heads {
                     let base = (t * heads + h) * head_dim;
                     for (i, &f) in freqs.iter().enumerate() {
-                        let theta = (pos0 + t) as f64 * f as f64;
+                        let theta = pos as f64 * f as f64;
                         let (a, c) = match layout {
                             RopeLayout::Interleaved => (2 * i, 2 * i + 1),
                             RopeLayout::Neox => (i, i + half),
@@ -200,9 +222,21 @@ fn rope_both_layouts_against_f64() {
                 }
             }
             // Angles at position ~1e3 carry f32 rounding of the product, as in transformers.
-            assert_close(&read(&b, &x), &want, 2e-3, &format!("rope {layout:?}"));
+            assert_close(
+                &read(&b, &x),
+                &want,
+                2e-3,
+                &format!("rope {layout:?} at {positions:?}"),
+            );
         }
     }
+    // Positions must be i32, one per token, and not negative.
+    let f = upload(&b, DType::F32, &[1], &[1.0]);
+    let mut x = zeros(&b, &[2, 1, 2]);
+    let layout = RopeLayout::Neox;
+    assert!(b.rope(&mut x, &indices(&b, &[0, -1]), &f, layout).is_err());
+    assert!(b.rope(&mut x, &indices(&b, &[0]), &f, layout).is_err());
+    assert!(b.rope(&mut x, &zeros(&b, &[2]), &f, layout).is_err());
 }
 
 #[test]
@@ -276,9 +310,9 @@ fn embedding_dequantizes_rows_and_checks_ids() {
     for dtype in DType::ALL {
         let tv = random(vocab * dim, &mut rng, 1.0);
         let table = upload(&b, dtype, &[vocab, dim], &tv);
-        let ids = [3u32, 0, 10, 3];
+        let ids = [3, 0, 10, 3];
         let mut out = poisoned(&b, &[ids.len(), dim]);
-        b.embedding(&table, &ids, &mut out).unwrap();
+        b.embedding(&table, &indices(&b, &ids), &mut out).unwrap();
         let stored =
             quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &tv).unwrap(), vocab * dim)
                 .unwrap();
@@ -287,10 +321,19 @@ fn embedding_dequantizes_rows_and_checks_ids() {
             .flat_map(|&id| stored[id as usize * dim..][..dim].iter().map(|&v| v as f64))
             .collect();
         assert_close(&read(&b, &out), &want, 0.0, "embedding");
-        let err = b
-            .embedding(&table, &[11], &mut zeros(&b, &[1, dim]))
-            .unwrap_err();
-        assert!(err.to_string().contains("token id 11"), "{err}");
+        for bad in [11, -1] {
+            let err = b
+                .embedding(&table, &indices(&b, &[0, bad]), &mut zeros(&b, &[2, dim]))
+                .unwrap_err();
+            assert!(
+                err.to_string().contains(&format!("token id {bad}")),
+                "{err}"
+            );
+        }
+        // One id per output row.
+        assert!(b
+            .embedding(&table, &indices(&b, &[0]), &mut zeros(&b, &[2, dim]))
+            .is_err());
     }
 }
 
@@ -339,14 +382,19 @@ fn attention_against_f64() {
     let b = backend();
     let mut rng = StdRng::seed_from_u64(7);
     let (heads, kv_heads, hd, capacity) = (6, 2, 5, 40);
+    let consecutive = |pos0: i32, n: i32| (pos0..pos0 + n).collect::<Vec<i32>>();
     let cases = [
-        (0usize, 7usize, None, None),
-        (9, 1, None, Some(30.0f32)),
-        (3, 11, Some(4usize), None),
-        (20, 3, Some(6), Some(5.0)),
+        (consecutive(0, 7), None, None),
+        (consecutive(9, 1), None, Some(30.0f32)),
+        (consecutive(3, 11), Some(4usize), None),
+        (consecutive(20, 3), Some(6), Some(5.0)),
+        // Queries need not be in order: each sees the rows up to its own position.
+        (vec![5, 2, 9], None, None),
+        (vec![5, 2, 9], Some(3), Some(5.0)),
+        (vec![39], Some(6), None),
     ];
-    for (pos0, n, window, softcap) in cases {
-        let end = pos0 + n;
+    for (positions, window, softcap) in cases {
+        let n = positions.len();
         let kv = random(capacity * kv_heads * hd, &mut rng, 1.5);
         let vv = random(capacity * kv_heads * hd, &mut rng, 1.0);
         let qv = random(n * heads * hd, &mut rng, 1.5);
@@ -359,10 +407,11 @@ fn attention_against_f64() {
             softcap,
             window,
         };
-        b.attention(&q, &k, &v, pos0, &params, &mut out).unwrap();
+        let pos = indices(&b, &positions);
+        b.attention(&q, &k, &v, &pos, &params, &mut out).unwrap();
         let mut want = vec![0f64; n * heads * hd];
-        for i in 0..n {
-            let pos = pos0 + i;
+        for (i, &pos) in positions.iter().enumerate() {
+            let pos = pos as usize;
             for h in 0..heads {
                 let g = h / (heads / kv_heads);
                 let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -392,11 +441,11 @@ fn attention_against_f64() {
             &read(&b, &out),
             &want,
             1e-5,
-            &format!("attention pos0={pos0} n={n}"),
+            &format!("attention at {positions:?}"),
         );
-        assert!(end <= capacity);
     }
-    // Past the cache's capacity is an error, not an out-of-bounds read.
+    // A position past the cache's capacity is an error, not an out-of-bounds read; so are
+    // negative positions and a count that does not match the queries.
     let q = zeros(&b, &[2, heads, hd]);
     let k = zeros(&b, &[4, kv_heads, hd]);
     let mut out = zeros(&b, &[2, heads, hd]);
@@ -405,7 +454,13 @@ fn attention_against_f64() {
         softcap: None,
         window: None,
     };
-    assert!(b.attention(&q, &k, &k, 3, &p, &mut out).is_err());
+    assert!(b
+        .attention(&q, &k, &k, &indices(&b, &[0, 3]), &p, &mut out)
+        .is_ok());
+    for bad in [&[3, 4][..], &[-1, 0], &[0]] {
+        let err = b.attention(&q, &k, &k, &indices(&b, bad), &p, &mut out);
+        assert!(err.is_err(), "positions {bad:?}");
+    }
 }
 
 #[test]
@@ -424,14 +479,98 @@ fn rows_columns_and_softcap() {
 
     let mut cache = zeros(&b, &[6, 2, 5]);
     let rows = upload(&b, DType::F32, &[2, 2, 5], &sv[..20]);
-    b.write_rows(&rows, &mut cache, 3).unwrap();
+    b.write_rows(&rows, &mut cache, &indices(&b, &[3, 4]))
+        .unwrap();
     let got = read(&b, &cache);
     assert_eq!(&got[30..50], &sv[..20]);
     assert!(got[..30].iter().chain(&got[50..]).all(|&v| v == 0.0));
-    assert!(b.write_rows(&rows, &mut cache, 5).is_err());
+    for bad in [&[5, 6][..], &[-1, 0], &[3]] {
+        assert!(
+            b.write_rows(&rows, &mut cache, &indices(&b, bad)).is_err(),
+            "positions {bad:?}"
+        );
+    }
+    // Rows go where their positions say, in any order.
+    let mut cache = zeros(&b, &[10, 2, 5]);
+    let rows = upload(&b, DType::F32, &[3, 2, 5], &sv);
+    b.write_rows(&rows, &mut cache, &indices(&b, &[5, 2, 9]))
+        .unwrap();
+    let got = read(&b, &cache);
+    let mut want = vec![0f64; 100];
+    for (i, p) in [5, 2, 9].into_iter().enumerate() {
+        for (w, &v) in want[p * 10..][..10].iter_mut().zip(&sv[i * 10..][..10]) {
+            *w = v as f64;
+        }
+    }
+    assert_close(&got, &want, 0.0, "write_rows at [5, 2, 9]");
 
     let mut x = upload(&b, DType::F32, &[3, 10], &sv);
     b.softcap(&mut x, 3.0).unwrap();
     let want: Vec<f64> = sv.iter().map(|&v| 3.0 * (v as f64 / 3.0).tanh()).collect();
     assert_close(&read(&b, &x), &want, 1e-6, "softcap");
+}
+
+#[test]
+fn argmax_takes_the_first_maximum_of_each_row() {
+    let b = backend();
+    let mut rng = StdRng::seed_from_u64(9);
+    for &(rows, cols) in &[(1usize, 1usize), (1, 32000), (4, 37)] {
+        let xv = random(rows * cols, &mut rng, 10.0);
+        let x = upload(&b, DType::F32, &[rows, cols], &xv);
+        let mut out = b
+            .zeros(DType::I32, Shape::new(vec![rows]).unwrap())
+            .unwrap();
+        b.argmax(&x, &mut out).unwrap();
+        let want: Vec<i32> = xv
+            .chunks(cols)
+            .map(|r| {
+                let max = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                r.iter().position(|&v| v == max).unwrap() as i32
+            })
+            .collect();
+        assert_eq!(read_i32(&b, &out), want, "argmax [{rows}, {cols}]");
+    }
+    let x = upload(
+        &b,
+        DType::F32,
+        &[3, 4],
+        &[
+            1.0, 3.0, 3.0, 0.0, -2.0, -2.0, -2.0, -2.0, 0.0, 0.0, 0.0, 5.0,
+        ],
+    );
+    let mut out = indices(&b, &[-1, -1, -1]);
+    b.argmax(&x, &mut out).unwrap();
+    assert_eq!(read_i32(&b, &out), vec![1, 0, 3]);
+    // One output per row, of i32.
+    assert!(b.argmax(&x, &mut indices(&b, &[0, 0])).is_err());
+    assert!(b.argmax(&x, &mut zeros(&b, &[3])).is_err());
+}
+
+#[test]
+fn write_overwrites_whole_tensors_of_any_dtype() {
+    let b = backend();
+    let mut ids = b.zeros(DType::I32, Shape::new(vec![3]).unwrap()).unwrap();
+    assert_eq!(read_i32(&b, &ids), vec![0, 0, 0]);
+    let bytes: Vec<u8> = [7i32, -2, 1 << 30]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    b.write(&mut ids, &bytes).unwrap();
+    assert_eq!(read_i32(&b, &ids), vec![7, -2, 1 << 30]);
+    assert!(b.write(&mut ids, &bytes[..8]).is_err());
+    assert!(b.write(&mut ids, &[0; 16]).is_err());
+    assert_eq!(read_i32(&b, &ids), vec![7, -2, 1 << 30]);
+
+    // An uploaded tensor that uses host bytes in place: writing it leaves them alone.
+    let source = HostBytes::from_vec(quant::quantize(DType::F32, &[1.0, 2.0]).unwrap());
+    let mut t = b
+        .upload(DType::F32, Shape::new(vec![2]).unwrap(), source.clone())
+        .unwrap();
+    b.write(&mut t, &quant::quantize(DType::F32, &[3.0, -4.0]).unwrap())
+        .unwrap();
+    assert_eq!(read(&b, &t), vec![3.0, -4.0]);
+    assert_eq!(
+        source.as_slice(),
+        quant::quantize(DType::F32, &[1.0, 2.0]).unwrap()
+    );
 }

@@ -12,8 +12,8 @@ use kiln_tokenizer::Tokenizer;
 use std::path::Path;
 
 /// llama.cpp's `general.file_type` numbers for the types kiln writes.
-fn file_type(dtype: DType) -> u32 {
-    match dtype {
+fn file_type(dtype: DType) -> Result<u32> {
+    Ok(match dtype {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::Q4_0 => 2,
@@ -21,7 +21,8 @@ fn file_type(dtype: DType) -> u32 {
         DType::Q4_K => 15,
         DType::Q6_K => 18,
         DType::BF16 => 32,
-    }
+        DType::I32 => return Err(Error::unsupported("weights cannot be converted to i32")),
+    })
 }
 
 /// llama.cpp's `permute`: within each head, rows `[i, i + d/2]` become `[2i, 2i + 1]`.
@@ -43,6 +44,7 @@ fn permute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
 /// Convert the Hugging Face directory `dir` to a GGUF file at `out`, matrices in `dtype`
 /// (norms stay f32). Returns the number of tensors written.
 pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> Result<usize> {
+    let file_type = file_type(dtype)?;
     let dir_name = dir.display().to_string();
     let hf = HfConfig::load(&dir.join("config.json"))?;
     let c = config_from_hf(&hf, &dir_name)?;
@@ -65,7 +67,7 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
     let mut set = |k: &str, v: Value| w.set(k, v);
     set("general.architecture", Value::String(arch.into()))?;
     set("general.name", Value::String(name.into()))?;
-    set("general.file_type", Value::U32(file_type(dtype)))?;
+    set("general.file_type", Value::U32(file_type))?;
     let key = |k: &str| format!("{arch}.{k}");
     set(&key("context_length"), Value::U32(c.max_positions as u32))?;
     set(&key("embedding_length"), Value::U32(c.dim as u32))?;

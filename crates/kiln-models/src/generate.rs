@@ -29,6 +29,12 @@ pub struct Generation {
     pub gen_time: Duration,
 }
 
+/// What a forward pass hands the sampler.
+enum Step {
+    Token(u32),
+    Logits(Vec<f32>),
+}
+
 pub struct GenerateOptions<'a> {
     pub max_tokens: usize,
     /// Context size (positions in the KV cache).
@@ -147,13 +153,26 @@ pub fn generate(
     let mut stream = TextStream::new(opts.stop_strings);
     let mut tokens = Vec::new();
 
+    // Greedy decoding picks the token on the device and reads back only that.
+    let greedy = sampler.is_greedy();
+    let mut step = |model: &mut Model, ids: &[u32], pos0: usize| -> Result<Step> {
+        Ok(if greedy {
+            Step::Token(model.forward_argmax(ids, pos0, &mut cache)?)
+        } else {
+            Step::Logits(model.forward(ids, pos0, &mut cache, Logits::Last)?)
+        })
+    };
+
     let start = Instant::now();
-    let mut logits = model.forward(prompt, 0, &mut cache, Logits::Last)?;
+    let mut out = step(model, prompt, 0)?;
     let prompt_time = start.elapsed();
     let start = Instant::now();
     let mut stop = StopReason::Length;
     while tokens.len() < opts.max_tokens {
-        let next = sampler.sample(&mut logits, &history);
+        let next = match &mut out {
+            Step::Token(t) => *t,
+            Step::Logits(logits) => sampler.sample(logits, &history),
+        };
         if eos.contains(&next) {
             stop = StopReason::Eos;
             break;
@@ -172,7 +191,7 @@ pub fn generate(
             stop = StopReason::Context;
             break;
         }
-        logits = model.forward(&[next], history.len() - 1, &mut cache, Logits::Last)?;
+        out = step(model, &[next], history.len() - 1)?;
     }
     let gen_time = start.elapsed();
     if stop != StopReason::StopString {

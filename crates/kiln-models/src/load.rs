@@ -287,6 +287,28 @@ pub(crate) struct WeightLoader<'a> {
 }
 
 impl WeightLoader<'_> {
+    /// Refuse, before uploading anything, a model the device has no room for.
+    fn check_room(&self) -> Result<()> {
+        let (Some(free), Some(need)) = (self.backend.free_memory()?, self.src.stored_bytes())
+        else {
+            return Ok(());
+        };
+        // Room for the weights plus a working margin (activations, KV cache, cuBLAS).
+        let margin = 256u64 << 20;
+        if need + margin > free as u64 {
+            const GIB: f64 = (1u64 << 30) as f64;
+            return Err(Error::Device(format!(
+                "{}: the weights need {:.2} GiB (+{:.2} GiB working margin) of {} memory; {:.2} GiB is free",
+                self.src.name(),
+                need as f64 / GIB,
+                margin as f64 / GIB,
+                self.backend.device(),
+                free as f64 / GIB
+            )));
+        }
+        Ok(())
+    }
+
     fn upload(&self, t: RawTensor) -> Result<Tensor> {
         if let Some(p) = self.progress {
             p(t.bytes.len() as u64);
@@ -382,6 +404,7 @@ impl WeightLoader<'_> {
 
     pub fn load(&self) -> Result<ModelWeights> {
         let c = self.cfg;
+        self.check_room()?;
         let (name, embed) = self.require(Role::Embed, 0, "weight")?;
         self.check_shape(&name, &embed, &[c.vocab_size, c.dim])?;
         let embed = self.upload(embed)?;

@@ -3,7 +3,8 @@
 
 use crate::config::{Ffn, ModelConfig, Norm};
 use crate::weights::{FfnWeights, GateUp, Linear, ModelWeights, NormWeights, Qkv};
-use kiln_core::{quant, AttentionParams, Backend, DType, Error, Result, Shape, Tensor};
+use kiln_core::{quant, AttentionParams, Backend, DType, Error, Replay, Result, Shape, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Which positions' logits a forward pass returns.
@@ -20,11 +21,19 @@ pub struct KvCache {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
     capacity: usize,
+    /// Unique to this cache: a recorded decode step writes into this cache's tensors, so
+    /// it may be replayed only on this cache.
+    id: u64,
 }
 
-/// Activations for a batch of `n` tokens, allocated once per batch size and reused.
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
+
+/// Buffers for a batch of `n` tokens, allocated once per batch size and reused.
 struct Scratch {
     n: usize,
+    /// I32 `[n]`: the token ids and their positions, the only inputs a step writes.
+    ids: Tensor,
+    positions: Tensor,
     x: Tensor,
     h: Tensor,
     q: Tensor,
@@ -38,14 +47,52 @@ struct Scratch {
     gate_up: Option<Tensor>,
     act: Tensor,
     down: Tensor,
-    pos: Option<Tensor>,
+    /// GPT-2's learned position embeddings of the batch.
+    pos_embed: Option<Tensor>,
+    /// The last row of `h`, `[1, dim]`.
+    last: Tensor,
+    /// `[1, vocab]`: the last position's logits.
+    logits: Tensor,
+    /// `[n, vocab]`, made by the first [`Logits::All`] pass of this size: large, and
+    /// needed only for perplexity and tests.
+    all_logits: Option<Tensor>,
+    /// I32 `[1]`: the greedy token, all that [`Model::forward_argmax`] reads back.
+    next: Tensor,
+}
+
+impl Scratch {
+    fn logits(&self, which: Logits) -> &Tensor {
+        match which {
+            Logits::All => self.all_logits.as_ref().expect("made before the step"),
+            Logits::Last => &self.logits,
+        }
+    }
+}
+
+/// Where one-token steps stand with recording (see [`Backend::capture`]).
+enum Graph {
+    /// No one-token step yet on the cache in use.
+    Cold,
+    /// One step ran eagerly on cache `cache`, so the backend's own buffers exist and the
+    /// next step can be recorded.
+    Warm { cache: u64 },
+    /// The step recorded on cache `cache`.
+    Recorded { cache: u64, replay: Box<dyn Replay> },
+    /// The backend does not record: stop asking.
+    Unsupported,
 }
 
 pub struct Model {
     pub config: ModelConfig,
     weights: ModelWeights,
     backend: Arc<dyn Backend>,
-    scratch: Option<Scratch>,
+    /// One-token steps have their own scratch, so that prefills do not move the buffers a
+    /// recorded step refers to.
+    decode: Option<Scratch>,
+    /// The most recent batch of several tokens.
+    prefill: Option<Scratch>,
+    graphs: bool,
+    graph: Graph,
 }
 
 fn f32_tensor(b: &dyn Backend, dims: &[usize]) -> Result<Tensor> {
@@ -54,6 +101,11 @@ fn f32_tensor(b: &dyn Backend, dims: &[usize]) -> Result<Tensor> {
 
 fn reshape(t: &mut Tensor, dims: &[usize]) -> Result<()> {
     t.reshape(Shape::new(dims.to_vec())?)
+}
+
+/// Little-endian I32 bytes of ids or positions (checked by the caller to fit).
+fn i32_bytes(values: impl Iterator<Item = usize>) -> Vec<u8> {
+    values.flat_map(|v| (v as i32).to_le_bytes()).collect()
 }
 
 impl Model {
@@ -66,7 +118,10 @@ impl Model {
             config,
             weights,
             backend,
-            scratch: None,
+            decode: None,
+            prefill: None,
+            graphs: std::env::var_os("KILN_NO_GRAPHS").is_none_or(|v| v != "1"),
+            graph: Graph::Cold,
         }
     }
 
@@ -74,8 +129,22 @@ impl Model {
         &self.backend
     }
 
+    /// Record one-token steps and replay them (CUDA graphs) where the backend can. On by
+    /// default; `KILN_NO_GRAPHS=1` turns it off.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs = on;
+        if !on && !matches!(self.graph, Graph::Unsupported) {
+            self.graph = Graph::Cold;
+        }
+    }
+
     /// A KV cache for `capacity` positions (at most the model's trained context).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        if i32::try_from(capacity).is_err() {
+            return Err(Error::shape(format!(
+                "a context of {capacity} positions (positions are i32 on the device)"
+            )));
+        }
         let c = &self.config;
         let mut k = Vec::with_capacity(c.n_layers);
         let mut v = Vec::with_capacity(c.n_layers);
@@ -89,13 +158,15 @@ impl Model {
                 &[capacity, c.n_kv_heads, c.head_dim],
             )?);
         }
-        Ok(KvCache { k, v, capacity })
+        Ok(KvCache {
+            k,
+            v,
+            capacity,
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+        })
     }
 
-    fn scratch(&mut self, n: usize) -> Result<Scratch> {
-        if let Some(s) = self.scratch.take().filter(|s| s.n == n) {
-            return Ok(s);
-        }
+    fn new_scratch(&self, n: usize) -> Result<Scratch> {
         let c = &self.config;
         let b = self.backend.as_ref();
         let fused_qkv = self
@@ -112,8 +183,11 @@ impl Model {
                 }
             )
         });
+        let i32_tensor = |len: usize| b.zeros(DType::I32, Shape::new(vec![len])?);
         Ok(Scratch {
             n,
+            ids: i32_tensor(n)?,
+            positions: i32_tensor(n)?,
             x: f32_tensor(b, &[n, c.dim])?,
             h: f32_tensor(b, &[n, c.dim])?,
             q: f32_tensor(b, &[n, c.q_dim()])?,
@@ -131,12 +205,16 @@ impl Model {
                 .transpose()?,
             act: f32_tensor(b, &[n, c.ffn_dim])?,
             down: f32_tensor(b, &[n, c.dim])?,
-            pos: self
+            pos_embed: self
                 .weights
                 .pos_embed
                 .is_some()
                 .then(|| f32_tensor(b, &[n, c.dim]))
                 .transpose()?,
+            last: f32_tensor(b, &[1, c.dim])?,
+            logits: f32_tensor(b, &[1, c.vocab_size])?,
+            all_logits: None,
+            next: i32_tensor(1)?,
         })
     }
 
@@ -149,6 +227,36 @@ impl Model {
         cache: &mut KvCache,
         which: Logits,
     ) -> Result<Vec<f32>> {
+        // One token's logits are the last position's: a decode step either way.
+        let which = if ids.len() == 1 { Logits::Last } else { which };
+        self.run(ids, pos0, cache, which, |b, s| {
+            download_f32(b, s.logits(which))
+        })
+    }
+
+    /// Like [`Model::forward`] with [`Logits::Last`], but return only the most likely next
+    /// token (the first, on ties), found on the device: greedy decoding reads back 4 bytes.
+    pub fn forward_argmax(&mut self, ids: &[u32], pos0: usize, cache: &mut KvCache) -> Result<u32> {
+        self.run(ids, pos0, cache, Logits::Last, |b, s| {
+            b.argmax(&s.logits, &mut s.next)?;
+            let bytes = b.download(&s.next)?;
+            let id = <[u8; 4]>::try_from(bytes.as_slice())
+                .map(i32::from_le_bytes)
+                .map_err(|_| Error::Device(format!("argmax read back {} bytes", bytes.len())))?;
+            u32::try_from(id).map_err(|_| Error::Device(format!("argmax gave token {id}")))
+        })
+    }
+
+    /// Check the inputs, take the scratch for `ids.len()` tokens, run the step, and `read`
+    /// its result.
+    fn run<T>(
+        &mut self,
+        ids: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        which: Logits,
+        read: impl FnOnce(&dyn Backend, &mut Scratch) -> Result<T>,
+    ) -> Result<T> {
         let n = ids.len();
         if n == 0 {
             return Err(Error::shape("forward of no tokens"));
@@ -160,32 +268,107 @@ impl Model {
                 cache.capacity
             )));
         }
-        let mut s = self.scratch(n)?;
-        let result = self.forward_with(&mut s, ids, pos0, cache, which);
-        self.scratch = Some(s);
+        // Checked here because a device may not report a bad index mid-step.
+        let vocab = self.weights.embed.dims()[0];
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(Error::shape(format!(
+                "token id {id} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if let Some(pe) = &self.weights.pos_embed {
+            if pos0 + n > pe.dims()[0] {
+                return Err(Error::shape(format!(
+                    "positions {pos0}..{} exceed the model's {} learned positions",
+                    pos0 + n,
+                    pe.dims()[0]
+                )));
+            }
+        }
+        let kept = if n == 1 {
+            self.decode.take()
+        } else {
+            self.prefill.take().filter(|s| s.n == n)
+        };
+        let mut s = match kept {
+            Some(s) => s,
+            None => self.new_scratch(n)?,
+        };
+        let result = self
+            .step(&mut s, ids, pos0, cache, which)
+            .and_then(|()| read(self.backend.as_ref(), &mut s));
+        if n == 1 {
+            self.decode = Some(s);
+        } else {
+            self.prefill = Some(s);
+        }
         result
     }
 
-    fn forward_with(
-        &self,
+    /// Write the step's ids and positions, then run its ops: eagerly, or for one-token
+    /// steps by recording them once and replaying the recording.
+    fn step(
+        &mut self,
         s: &mut Scratch,
         ids: &[u32],
         pos0: usize,
         cache: &mut KvCache,
         which: Logits,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<()> {
+        let b = self.backend.clone();
+        let n = ids.len();
+        b.write(&mut s.ids, &i32_bytes(ids.iter().map(|&id| id as usize)))?;
+        b.write(&mut s.positions, &i32_bytes(pos0..pos0 + n))?;
+        if which == Logits::All && s.all_logits.is_none() {
+            s.all_logits = Some(f32_tensor(b.as_ref(), &[n, self.config.vocab_size])?);
+        }
+        if !(self.graphs && n == 1 && which == Logits::Last) {
+            return self.ops(s, cache, which);
+        }
+        // Taken out while the step runs: an error leaves `Cold`, and the next steps start
+        // over.
+        self.graph = match std::mem::replace(&mut self.graph, Graph::Cold) {
+            Graph::Unsupported => {
+                self.ops(s, cache, which)?;
+                Graph::Unsupported
+            }
+            Graph::Recorded { cache: id, replay } if id == cache.id => {
+                replay.replay()?;
+                Graph::Recorded { cache: id, replay }
+            }
+            Graph::Warm { cache: id } if id == cache.id => {
+                match b.capture(&mut || self.ops(s, cache, which))? {
+                    // Recorded, not yet run.
+                    Some(replay) => {
+                        replay.replay()?;
+                        Graph::Recorded { cache: id, replay }
+                    }
+                    None => Graph::Unsupported,
+                }
+            }
+            // The first step on this cache (a recording on another is dropped): eager, so
+            // that the backend sets up its buffers before anything is recorded.
+            _ => {
+                self.ops(s, cache, which)?;
+                Graph::Warm { cache: cache.id }
+            }
+        };
+        Ok(())
+    }
+
+    /// The step's ops, from the embedding to the logits. Nothing here allocates: the ops
+    /// may be recorded.
+    fn ops(&self, s: &mut Scratch, cache: &mut KvCache, which: Logits) -> Result<()> {
         let c = &self.config;
         let b = self.backend.as_ref();
         let w = &self.weights;
-        let n = ids.len();
+        let n = s.n;
 
-        b.embedding(&w.embed, ids, &mut s.x)?;
+        b.embedding(&w.embed, &s.ids, &mut s.x)?;
         if let Some(scale) = c.embed_scale {
             b.scale(&mut s.x, scale)?;
         }
-        if let (Some(pe), Some(pos)) = (&w.pos_embed, s.pos.as_mut()) {
-            let positions: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
-            b.embedding(pe, &positions, pos)?;
+        if let (Some(pe), Some(pos)) = (&w.pos_embed, s.pos_embed.as_mut()) {
+            b.embedding(pe, &s.positions, pos)?;
             b.add_assign(&mut s.x, pos)?;
         }
 
@@ -201,43 +384,78 @@ impl Model {
                     b.slice_cols(buf, c.q_dim() + c.kv_dim(), &mut s.v)?;
                 }
                 Qkv::Split { q, k, v } => {
-                    self.linear(q, &s.h, &mut s.q)?;
-                    self.linear(k, &s.h, &mut s.k)?;
-                    self.linear(v, &s.h, &mut s.v)?;
+                    b.matmul_many(
+                        &s.h,
+                        &[&q.w, &k.w, &v.w],
+                        &mut [&mut s.q, &mut s.k, &mut s.v],
+                    )?;
+                    for (l, out) in [(q, &mut s.q), (k, &mut s.k), (v, &mut s.v)] {
+                        if let Some(bias) = &l.b {
+                            b.add_assign(out, bias)?;
+                        }
+                    }
                 }
             }
             reshape(&mut s.q, &[n, c.n_heads, c.head_dim])?;
             reshape(&mut s.k, &[n, c.n_kv_heads, c.head_dim])?;
             reshape(&mut s.v, &[n, c.n_kv_heads, c.head_dim])?;
-            if let (Some(rope), Some(inv_freq)) = (&c.rope, &w.inv_freq) {
-                b.rope(&mut s.q, pos0, inv_freq, rope.layout)?;
-                b.rope(&mut s.k, pos0, inv_freq, rope.layout)?;
-            }
-            b.write_rows(&s.k, &mut cache.k[l], pos0)?;
-            b.write_rows(&s.v, &mut cache.v[l], pos0)?;
+            let rope = c
+                .rope
+                .as_ref()
+                .zip(w.inv_freq.as_ref())
+                .map(|(rope, inv_freq)| (inv_freq, rope.layout));
+            let (k_cache, v_cache) = (&mut cache.k[l], &mut cache.v[l]);
+            b.rope_write_kv(
+                &mut s.q,
+                &mut s.k,
+                &s.v,
+                &s.positions,
+                rope,
+                k_cache,
+                v_cache,
+            )?;
             let params = AttentionParams {
                 scale: c.attn_scale,
                 softcap: c.attn_softcap,
                 window: c.layer_window(l),
             };
-            b.attention(&s.q, &cache.k[l], &cache.v[l], pos0, &params, &mut s.attn)?;
+            b.attention(
+                &s.q,
+                &cache.k[l],
+                &cache.v[l],
+                &s.positions,
+                &params,
+                &mut s.attn,
+            )?;
             reshape(&mut s.q, &[n, c.q_dim()])?;
             reshape(&mut s.k, &[n, c.kv_dim()])?;
             reshape(&mut s.v, &[n, c.kv_dim()])?;
             reshape(&mut s.attn, &[n, c.q_dim()])?;
-            self.linear(&lw.o, &s.attn, &mut s.o)?;
-            reshape(&mut s.attn, &[n, c.n_heads, c.head_dim])?;
             if let Some(pn) = &lw.post_attn_norm {
+                self.linear(&lw.o, &s.attn, &mut s.o)?;
                 self.norm(pn, &s.o, &mut s.h)?;
                 b.add_assign(&mut s.x, &s.h)?;
             } else {
-                b.add_assign(&mut s.x, &s.o)?;
+                self.linear_add(&lw.o, &s.attn, &mut s.x, &mut s.o)?;
             }
+            reshape(&mut s.attn, &[n, c.n_heads, c.head_dim])?;
 
             // Feed-forward block.
             self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
             match &lw.ffn {
-                FfnWeights::Gated { gate_up, down } => {
+                FfnWeights::Gated {
+                    gate_up: GateUp::Split { gate, up },
+                    ..
+                } if gate.b.is_none() && up.b.is_none() => b.gated_ffn(
+                    &s.h,
+                    &gate.w,
+                    &up.w,
+                    c.ffn == Ffn::GeGlu,
+                    &mut s.act,
+                    &mut s.gate,
+                    &mut s.up,
+                )?,
+                FfnWeights::Gated { gate_up, .. } => {
                     match gate_up {
                         GateUp::Fused(gu) => {
                             let buf = s.gate_up.as_mut().expect("allocated for fused models");
@@ -254,45 +472,46 @@ impl Model {
                         Ffn::GeGlu => b.gelu_mul(&s.gate, &s.up, &mut s.act)?,
                         _ => b.silu_mul(&s.gate, &s.up, &mut s.act)?,
                     }
-                    self.linear(down, &s.act, &mut s.down)?;
                 }
-                FfnWeights::Plain { up, down } => {
+                FfnWeights::Plain { up, .. } => {
                     self.linear(up, &s.h, &mut s.act)?;
                     b.gelu(&mut s.act)?;
-                    self.linear(down, &s.act, &mut s.down)?;
                 }
             }
+            let down = match &lw.ffn {
+                FfnWeights::Gated { down, .. } | FfnWeights::Plain { down, .. } => down,
+            };
             if let Some(pn) = &lw.post_ffn_norm {
+                self.linear(down, &s.act, &mut s.down)?;
                 self.norm(pn, &s.down, &mut s.h)?;
                 b.add_assign(&mut s.x, &s.h)?;
             } else {
-                b.add_assign(&mut s.x, &s.down)?;
+                self.linear_add(down, &s.act, &mut s.x, &mut s.down)?;
             }
         }
 
         self.norm(&w.out_norm, &s.x, &mut s.h)?;
         let head = w.output.as_ref().unwrap_or(&w.embed);
-        let rows = match which {
-            Logits::All => n,
-            Logits::Last => 1,
-        };
-        let mut logits = f32_tensor(b, &[rows, c.vocab_size])?;
-        match which {
-            Logits::All => b.matmul(&s.h, head, &mut logits)?,
+        let logits = match which {
+            Logits::All => {
+                let logits = s.all_logits.as_mut().expect("made before the step");
+                b.matmul(&s.h, head, logits)?;
+                logits
+            }
             Logits::Last => {
                 // The last row of h, as a [1, dim] tensor.
                 reshape(&mut s.h, &[1, n * c.dim])?;
-                let mut last = f32_tensor(b, &[1, c.dim])?;
-                let sliced = b.slice_cols(&s.h, (n - 1) * c.dim, &mut last);
+                let sliced = b.slice_cols(&s.h, (n - 1) * c.dim, &mut s.last);
                 reshape(&mut s.h, &[n, c.dim])?;
                 sliced?;
-                b.matmul(&last, head, &mut logits)?;
+                b.matmul(&s.last, head, &mut s.logits)?;
+                &mut s.logits
             }
-        }
+        };
         if let Some(cap) = c.final_softcap {
-            b.softcap(&mut logits, cap)?;
+            b.softcap(logits, cap)?;
         }
-        download_f32(b, &logits)
+        Ok(())
     }
 
     fn norm(&self, nw: &NormWeights, x: &Tensor, out: &mut Tensor) -> Result<()> {
@@ -300,6 +519,17 @@ impl Model {
             (Norm::Rms { eps }, _) => self.backend.rms_norm(x, &nw.w, eps, out),
             (Norm::Layer { eps }, Some(bias)) => self.backend.layer_norm(x, &nw.w, bias, eps, out),
             (Norm::Layer { .. }, None) => Err(Error::format("LayerNorm without a bias")),
+        }
+    }
+
+    /// `acc += x · wᵀ + bias`, through `tmp` where the backend does not fuse.
+    fn linear_add(&self, l: &Linear, x: &Tensor, acc: &mut Tensor, tmp: &mut Tensor) -> Result<()> {
+        match &l.b {
+            None => self.backend.matmul_add(x, &l.w, acc, tmp),
+            Some(_) => {
+                self.linear(l, x, tmp)?;
+                self.backend.add_assign(acc, tmp)
+            }
         }
     }
 

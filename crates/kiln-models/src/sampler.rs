@@ -78,6 +78,12 @@ impl Sampler {
         }
     }
 
+    /// Whether every pick is the argmax of the logits (no temperature, no penalty), so
+    /// that the device can make it and only the token need be read back.
+    pub fn is_greedy(&self) -> bool {
+        self.cfg.temperature <= 0.0 && self.cfg.repeat_penalty == 1.0
+    }
+
     /// Pick a token from `logits` (modified in place by the penalty), given the tokens
     /// so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
@@ -167,7 +173,14 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(SamplerConfig::greedy());
+        assert!(s.is_greedy());
         assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0], &[]), 1);
+        assert!(!Sampler::new(SamplerConfig::default()).is_greedy());
+        assert!(!Sampler::new(SamplerConfig {
+            repeat_penalty: 1.1,
+            ..SamplerConfig::greedy()
+        })
+        .is_greedy());
     }
 
     #[test]

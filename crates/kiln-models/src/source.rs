@@ -41,6 +41,11 @@ pub(crate) trait Source {
     fn get(&self, name: &str) -> Result<Option<RawTensor>>;
     /// The tensor name of `role` (`.weight` or `.bias` added by the caller).
     fn role_name(&self, arch: Arch, role: Role, layer: usize) -> Option<String>;
+    /// The bytes of all its tensors as stored, when known before reading them: what a
+    /// device must have free before loading starts.
+    fn stored_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 pub(crate) struct GgufSource<'a>(pub &'a GgufFile);
@@ -48,6 +53,10 @@ pub(crate) struct GgufSource<'a>(pub &'a GgufFile);
 impl Source for GgufSource<'_> {
     fn name(&self) -> String {
         self.0.path.display().to_string()
+    }
+
+    fn stored_bytes(&self) -> Option<u64> {
+        Some(self.0.tensors.iter().map(|t| t.size_bytes).sum())
     }
 
     fn get(&self, name: &str) -> Result<Option<RawTensor>> {
@@ -122,6 +131,16 @@ pub(crate) struct HfSource<'a> {
 impl Source for HfSource<'_> {
     fn name(&self) -> String {
         self.dir.clone()
+    }
+
+    fn stored_bytes(&self) -> Option<u64> {
+        Some(
+            self.model
+                .tensors
+                .iter()
+                .map(|t| t.size_bytes() as u64)
+                .sum(),
+        )
     }
 
     fn get(&self, name: &str) -> Result<Option<RawTensor>> {

@@ -134,6 +134,16 @@ fn run_source(
 
 #[test]
 fn every_fixture_matches_transformers() {
+    every_fixture_matches_transformers_on(Arc::new(CpuBackend::new(Some(2)).unwrap()));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn every_fixture_matches_transformers_on_cuda() {
+    every_fixture_matches_transformers_on(Arc::new(kiln_cuda::CudaBackend::new(0).unwrap()));
+}
+
+fn every_fixture_matches_transformers_on(backend: Arc<dyn Backend>) {
     let dir = fixtures_dir();
     let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| {
@@ -152,7 +162,6 @@ fn every_fixture_matches_transformers() {
         dir.display(),
         names.len()
     );
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Some(2)).unwrap());
     let mut failures = Vec::new();
     for fixture in &names {
         let name = fixture.file_name().unwrap().to_string_lossy().into_owned();
@@ -178,7 +187,8 @@ fn every_fixture_matches_transformers() {
                     && o.ppl_rel <= ppl_tol
                     && (o.greedy_ok || !greedy_required));
             eprintln!(
-                "{:8} {:24} max|Δlogit| {:9.2e}  greedy {}  ppl {:10.4} (rel {:8.2e}){}",
+                "[{}] {:8} {:24} max|Δlogit| {:9.2e}  greedy {}  ppl {:10.4} (rel {:8.2e}){}",
+                backend.device(),
                 name,
                 o.source,
                 o.max_diff,
@@ -201,9 +211,20 @@ fn every_fixture_matches_transformers() {
 /// each chunk's first token with BOS only when the vocabulary adds BOS, as llama.cpp does.
 #[test]
 fn quantized_files_match_llama_cpp_perplexity() {
+    quantized_files_match_llama_cpp_perplexity_on(Arc::new(CpuBackend::new(Some(2)).unwrap()));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn quantized_files_match_llama_cpp_perplexity_on_cuda() {
+    quantized_files_match_llama_cpp_perplexity_on(Arc::new(
+        kiln_cuda::CudaBackend::new(0).unwrap(),
+    ));
+}
+
+fn quantized_files_match_llama_cpp_perplexity_on(backend: Arc<dyn Backend>) {
     let text =
         std::fs::read_to_string(fixtures_dir().join("../../scripts/fixtures/ppl.txt")).unwrap();
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Some(2)).unwrap());
     let mut failures = Vec::new();
     let mut checked = 0;
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())

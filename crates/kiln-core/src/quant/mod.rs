@@ -154,6 +154,7 @@ pub fn quantize_into(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<()> {
         DType::Q4_0 => for_blocks(src, dst, q4_0::quantize_block),
         DType::Q4_K => for_blocks(src, dst, q4_k::quantize_block),
         DType::Q6_K => for_blocks(src, dst, q6_k::quantize_block),
+        DType::I32 => return Err(Error::unsupported("i32 holds ids, not quantized values")),
     }
     Ok(())
 }
@@ -181,6 +182,7 @@ pub fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<()> {
         DType::Q4_0 => dequantize_blocks(src, dst, q4_0::dequantize_block)?,
         DType::Q4_K => dequantize_blocks(src, dst, q4_k::dequantize_block)?,
         DType::Q6_K => dequantize_blocks(src, dst, q6_k::dequantize_block)?,
+        DType::I32 => return Err(Error::unsupported("i32 holds ids, not quantized values")),
     }
     Ok(())
 }

@@ -1,0 +1,150 @@
+//! Causal grouped-query attention over the KV cache (kernels/attention.cu).
+//!
+//! Prompts: one block per (tile of queries, KV head), whole key range. Decode (a few
+//! queries): the key range is split in pieces of `SPAN` positions over the whole cache
+//! capacity (not the current length, so a recorded step's launch shape stays valid as
+//! the sequence grows; pieces past the current position end at once), and a second
+//! kernel merges the pieces.
+
+use crate::kernels::Arg;
+use crate::{expect, ptr, to_i32, CudaBackend};
+use kiln_core::{AttentionParams, DType, Error, Result, Tensor};
+
+/// Keys per split-K piece in decode.
+const SPAN: usize = 256;
+/// Queries up to which the key range is split.
+const SPLIT_MAX_QUERIES: usize = 8;
+
+const KERNELS: [&str; 8] = [
+    "attention_1",
+    "attention_2",
+    "attention_3",
+    "attention_4",
+    "attention_5",
+    "attention_6",
+    "attention_7",
+    "attention_8",
+];
+
+pub(crate) fn attention(
+    b: &CudaBackend,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: &Tensor,
+    params: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
+    for (t, what) in [
+        (q, "queries"),
+        (k_cache, "keys"),
+        (v_cache, "values"),
+        (&*out, "output"),
+    ] {
+        expect(t, DType::F32, &format!("attention {what}"))?;
+    }
+    expect(pos, DType::I32, "attention positions")?;
+    let (&[n, heads, d], &[cap, kv_heads, kd]) = (q.dims(), k_cache.dims()) else {
+        return Err(Error::shape(format!(
+            "attention wants q [n, heads, head_dim] and caches [capacity, kv_heads, head_dim], got {} and {}",
+            q.shape(),
+            k_cache.shape()
+        )));
+    };
+    if kd != d
+        || v_cache.shape() != k_cache.shape()
+        || out.shape() != q.shape()
+        || pos.shape().numel() != n
+        || kv_heads == 0
+        || !heads.is_multiple_of(kv_heads)
+    {
+        return Err(Error::shape(format!(
+            "attention: q {}, caches {} / {}, positions {}, output {}",
+            q.shape(),
+            k_cache.shape(),
+            v_cache.shape(),
+            pos.shape(),
+            out.shape()
+        )));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let group = heads / kv_heads;
+    if group > 32 {
+        return Err(Error::unsupported(format!(
+            "attention with {group} query heads per KV head (at most 32)"
+        )));
+    }
+    let dv = d.div_ceil(32);
+    if dv == 0 || dv > KERNELS.len() {
+        return Err(Error::unsupported(format!(
+            "attention heads of {d} dimensions (at most 256)"
+        )));
+    }
+    // A block holds group * qt warps; tiles of queries share each chunk of keys.
+    let qt = (16 / group).clamp(1, n);
+    let rows = group * qt;
+    let shared = (32 * (d + 1) + 32 * d + rows * d) * 4;
+    if shared > b.max_shared() {
+        return Err(Error::unsupported(format!(
+            "attention needs {shared} bytes of shared memory per block; the GPU allows {}",
+            b.max_shared()
+        )));
+    }
+    let (splits, span) = if n <= SPLIT_MAX_QUERIES && cap > SPAN {
+        (cap.div_ceil(SPAN), SPAN)
+    } else {
+        (1, cap.max(1))
+    };
+    let part = if splits > 1 {
+        b.scratch("attention_partials", splits * n * heads * (d + 2) * 4)?
+    } else {
+        0
+    };
+    let out_ptr = ptr(out)?;
+    b.launch(
+        KERNELS[dv - 1],
+        (
+            to_i32(n.div_ceil(qt), "query tiles")? as u32,
+            kv_heads as u32,
+            splits as u32,
+        ),
+        (32, rows as u32, 1),
+        shared as u32,
+        &[
+            Arg::Ptr(ptr(q)?),
+            Arg::Ptr(ptr(k_cache)?),
+            Arg::Ptr(ptr(v_cache)?),
+            Arg::Ptr(ptr(pos)?),
+            Arg::Ptr(out_ptr),
+            Arg::Ptr(part),
+            Arg::I32(n as i32),
+            Arg::I32(heads as i32),
+            Arg::I32(kv_heads as i32),
+            Arg::I32(d as i32),
+            Arg::F32(params.scale),
+            Arg::F32(params.softcap.unwrap_or(0.0)),
+            Arg::I32(params.window.map_or(0, |w| w.min(i32::MAX as usize) as i32)),
+            Arg::I32(qt as i32),
+            Arg::I32(to_i32(span, "capacity")?),
+        ],
+    )?;
+    if splits > 1 {
+        b.launch(
+            "attention_combine",
+            (to_i32(n * heads, "rows")? as u32, 1, 1),
+            (32, 1, 1),
+            0,
+            &[
+                Arg::Ptr(part),
+                Arg::Ptr(out_ptr),
+                Arg::I32(n as i32),
+                Arg::I32(heads as i32),
+                Arg::I32(d as i32),
+                Arg::I32(splits as i32),
+            ],
+        )?;
+    }
+    Ok(())
+}

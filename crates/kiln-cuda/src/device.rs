@@ -1,0 +1,87 @@
+//! Finding GPUs and describing them (`kiln devices`), with no CUDA needed at build time.
+
+use crate::compile::nvrtc_version;
+use crate::driver_error;
+use cudarc::driver::{result, sys};
+use kiln_core::{Error, Result};
+
+/// One GPU, as `kiln devices` shows it.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub memory_total: usize,
+    pub memory_free: usize,
+    pub sm_count: i32,
+    /// The kernel driver's release (`580.159.04`), when the system says.
+    pub driver_release: Option<String>,
+    /// The CUDA version the driver supports (`13.0`).
+    pub cuda_version: String,
+    /// NVRTC's version, when the library is present.
+    pub nvrtc_version: Option<String>,
+}
+
+/// Why CUDA cannot be used here, or `Ok` with the driver's CUDA version (e.g. 13000).
+pub(crate) fn init_driver() -> Result<i32> {
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::Device(
+            "no NVIDIA driver found (libcuda.so cannot be loaded)".to_string(),
+        ));
+    }
+    result::init().map_err(|e| Error::Device(format!("the CUDA driver did not start: {e}")))?;
+    let mut version = 0;
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(driver_error)?;
+    Ok(version)
+}
+
+pub(crate) fn device_count() -> Result<usize> {
+    init_driver()?;
+    Ok(result::device::get_count().map_err(driver_error)? as usize)
+}
+
+fn driver_release() -> Option<String> {
+    // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  ..."
+    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = text.lines().next()?;
+    let after = line.split("Kernel Module").nth(1)?;
+    after.split_whitespace().next().map(str::to_string)
+}
+
+fn attribute(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> Result<i32> {
+    unsafe { result::device::get_attribute(dev, a) }.map_err(driver_error)
+}
+
+/// Every GPU the driver sees; an error when there is no driver.
+pub fn devices() -> Result<Vec<DeviceInfo>> {
+    let version = init_driver()?;
+    let count = result::device::get_count().map_err(driver_error)?;
+    let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() }
+        .then(nvrtc_version)
+        .and_then(Result::ok)
+        .map(|(a, b)| format!("{a}.{b}"));
+    let mut out = Vec::new();
+    for ordinal in 0..count {
+        let dev = result::device::get(ordinal).map_err(driver_error)?;
+        let ctx = cudarc::driver::CudaContext::new(ordinal as usize).map_err(driver_error)?;
+        let (free, total) = ctx.mem_get_info().map_err(driver_error)?;
+        use sys::CUdevice_attribute::*;
+        out.push(DeviceInfo {
+            ordinal: ordinal as usize,
+            name: result::device::get_name(dev).map_err(driver_error)?,
+            compute_capability: (
+                attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            memory_total: total,
+            memory_free: free,
+            sm_count: attribute(dev, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            driver_release: driver_release(),
+            cuda_version: format!("{}.{}", version / 1000, (version % 1000) / 10),
+            nvrtc_version: nvrtc.clone(),
+        });
+    }
+    Ok(out)
+}

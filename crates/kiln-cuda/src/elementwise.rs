@@ -1,0 +1,314 @@
+//! Element-wise ops, row copies, rope and argmax.
+
+use crate::kernels::Arg;
+use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
+use kiln_core::{DType, Error, Result, RopeLayout, Tensor};
+
+/// `acc op= x`, with x the same shape as acc or one row of it.
+pub(crate) fn broadcast_assign(
+    b: &CudaBackend,
+    kernel: &'static str,
+    acc: &mut Tensor,
+    x: &Tensor,
+) -> Result<()> {
+    expect(acc, DType::F32, kernel)?;
+    expect(x, DType::F32, kernel)?;
+    let (n, period) = (acc.shape().numel(), x.shape().numel());
+    let row = acc.shape().row_len();
+    if period != n && period != row {
+        return Err(Error::shape(format!(
+            "{kernel}: {} is neither {} nor one row of it",
+            x.shape(),
+            acc.shape()
+        )));
+    }
+    b.launch_1d(
+        kernel,
+        n,
+        &[
+            Arg::Ptr(ptr(acc)?),
+            Arg::Ptr(ptr(x)?),
+            Arg::U64(n as u64),
+            Arg::U64(period.max(1) as u64),
+        ],
+    )
+}
+
+/// `x = f(x)`, with one float parameter for the kernels that take one.
+pub(crate) fn in_place(
+    b: &CudaBackend,
+    kernel: &'static str,
+    x: &mut Tensor,
+    param: Option<f32>,
+) -> Result<()> {
+    expect(x, DType::F32, kernel)?;
+    let n = x.shape().numel();
+    let mut args = vec![Arg::Ptr(ptr(x)?), Arg::U64(n as u64)];
+    args.extend(param.map(Arg::F32));
+    b.launch_1d(kernel, n, &args)
+}
+
+pub(crate) fn gated(
+    b: &CudaBackend,
+    kernel: &'static str,
+    gate: &Tensor,
+    up: &Tensor,
+    out: &mut Tensor,
+) -> Result<()> {
+    for t in [gate, up, &*out] {
+        expect(t, DType::F32, kernel)?;
+    }
+    same_shape(gate, up, kernel)?;
+    same_shape(gate, out, kernel)?;
+    let n = out.shape().numel();
+    b.launch_1d(
+        kernel,
+        n,
+        &[
+            Arg::Ptr(ptr(gate)?),
+            Arg::Ptr(ptr(up)?),
+            Arg::Ptr(ptr(out)?),
+            Arg::U64(n as u64),
+        ],
+    )
+}
+
+fn check_positions(pos: &Tensor, n: usize, op: &str) -> Result<()> {
+    expect(pos, DType::I32, &format!("{op} positions"))?;
+    if pos.shape().numel() != n {
+        return Err(Error::shape(format!(
+            "{op}: {} positions for {n} rows",
+            pos.shape().numel()
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn write_rows(
+    b: &CudaBackend,
+    src: &Tensor,
+    dst: &mut Tensor,
+    pos: &Tensor,
+) -> Result<()> {
+    expect(src, DType::F32, "write_rows source")?;
+    expect(dst, DType::F32, "write_rows destination")?;
+    let rows = src.dims().first().copied().unwrap_or(1);
+    let dst_rows = dst.dims().first().copied().unwrap_or(1);
+    let row_len = src.shape().numel() / rows.max(1);
+    if rows == 0 {
+        return Ok(());
+    }
+    if dst.shape().numel() != dst_rows * row_len {
+        return Err(Error::shape(format!(
+            "write_rows: rows of {} do not fit {}",
+            src.shape(),
+            dst.shape()
+        )));
+    }
+    check_positions(pos, rows, "write_rows")?;
+    b.launch(
+        "write_rows",
+        (to_i32(rows, "rows")? as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(src)?),
+            Arg::Ptr(ptr(dst)?),
+            Arg::Ptr(ptr(pos)?),
+            Arg::I32(to_i32(row_len, "row length")?),
+            Arg::I32(to_i32(dst_rows, "rows")?),
+        ],
+    )
+}
+
+pub(crate) fn slice_cols(
+    b: &CudaBackend,
+    src: &Tensor,
+    col0: usize,
+    dst: &mut Tensor,
+) -> Result<()> {
+    expect(src, DType::F32, "slice_cols source")?;
+    expect(dst, DType::F32, "slice_cols destination")?;
+    let (rows, src_cols) = (src.shape().rows(), src.shape().row_len());
+    let dst_cols = dst.shape().row_len();
+    if dst.shape().rows() != rows || col0 + dst_cols > src_cols {
+        return Err(Error::shape(format!(
+            "slice_cols: columns {col0}..{} of {} into {}",
+            col0 + dst_cols,
+            src.shape(),
+            dst.shape()
+        )));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    b.launch(
+        "slice_cols",
+        (to_i32(rows, "rows")? as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(src)?),
+            Arg::Ptr(ptr(dst)?),
+            Arg::I32(to_i32(src_cols, "columns")?),
+            Arg::I32(col0 as i32),
+            Arg::I32(dst_cols as i32),
+        ],
+    )
+}
+
+pub(crate) fn rope(
+    b: &CudaBackend,
+    x: &mut Tensor,
+    pos: &Tensor,
+    inv_freq: &Tensor,
+    layout: RopeLayout,
+) -> Result<()> {
+    expect(x, DType::F32, "rope input")?;
+    expect(inv_freq, DType::F32, "rope frequencies")?;
+    let &[tokens, heads, head_dim] = x.dims() else {
+        return Err(Error::shape(format!(
+            "rope wants [tokens, heads, head_dim], got {}",
+            x.shape()
+        )));
+    };
+    let rot_dim = 2 * inv_freq.shape().numel();
+    if rot_dim > head_dim {
+        return Err(Error::shape(format!(
+            "rope: {rot_dim} rotated dimensions in heads of {head_dim}"
+        )));
+    }
+    check_positions(pos, tokens, "rope")?;
+    if tokens * heads == 0 {
+        return Ok(());
+    }
+    b.launch(
+        "rope",
+        (to_i32(tokens * heads, "rows")? as u32, 1, 1),
+        (64, 1, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(ptr(pos)?),
+            Arg::Ptr(ptr(inv_freq)?),
+            Arg::I32(heads as i32),
+            Arg::I32(to_i32(head_dim, "head_dim")?),
+            Arg::I32(rot_dim as i32),
+            Arg::I32((layout == RopeLayout::Neox) as i32),
+        ],
+    )
+}
+
+pub(crate) fn argmax(b: &CudaBackend, x: &Tensor, out: &mut Tensor) -> Result<()> {
+    expect(x, DType::F32, "argmax input")?;
+    expect(out, DType::I32, "argmax output")?;
+    let (rows, cols) = (x.shape().rows(), x.shape().row_len());
+    if out.shape().numel() != rows {
+        return Err(Error::shape(format!(
+            "argmax of {} into {}",
+            x.shape(),
+            out.shape()
+        )));
+    }
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    b.launch(
+        "argmax",
+        (to_i32(rows, "rows")? as u32, 1, 1),
+        (1024, 1, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(ptr(out)?),
+            Arg::I32(to_i32(cols, "columns")?),
+        ],
+    )
+}
+
+/// Rope on q and k, and k, v into the caches, in one launch (see kernels/rope.cu).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_write_kv(
+    b: &CudaBackend,
+    q: &mut Tensor,
+    k: &mut Tensor,
+    v: &Tensor,
+    pos: &Tensor,
+    rope: Option<(&Tensor, RopeLayout)>,
+    k_cache: &mut Tensor,
+    v_cache: &mut Tensor,
+) -> Result<()> {
+    for (t, what) in [
+        (&*q, "q"),
+        (&*k, "k"),
+        (v, "v"),
+        (&*k_cache, "k cache"),
+        (&*v_cache, "v cache"),
+    ] {
+        expect(t, DType::F32, &format!("rope_write_kv {what}"))?;
+    }
+    let (&[tokens, heads, d], &[kt, kv_heads, kd], &[cap, ch, cd]) =
+        (q.dims(), k.dims(), k_cache.dims())
+    else {
+        return Err(Error::shape(format!(
+            "rope_write_kv wants [tokens, heads, head_dim] tensors, got q {}, k {}, cache {}",
+            q.shape(),
+            k.shape(),
+            k_cache.shape()
+        )));
+    };
+    if kt != tokens
+        || kd != d
+        || v.shape() != k.shape()
+        || (ch, cd) != (kv_heads, d)
+        || v_cache.shape() != k_cache.shape()
+    {
+        return Err(Error::shape(format!(
+            "rope_write_kv: q {}, k {}, v {}, caches {} / {}",
+            q.shape(),
+            k.shape(),
+            v.shape(),
+            k_cache.shape(),
+            v_cache.shape()
+        )));
+    }
+    check_positions(pos, tokens, "rope_write_kv")?;
+    let (freq_ptr, rot_dim, neox) = match rope {
+        Some((f, layout)) => {
+            expect(f, DType::F32, "rope frequencies")?;
+            let rot = 2 * f.shape().numel();
+            if rot > d {
+                return Err(Error::shape(format!(
+                    "rope: {rot} rotated dimensions in heads of {d}"
+                )));
+            }
+            (ptr(f)?, rot, layout == RopeLayout::Neox)
+        }
+        None => (0, 0, false),
+    };
+    if tokens == 0 {
+        return Ok(());
+    }
+    b.launch(
+        "rope_write_kv",
+        (to_i32(tokens * (heads + kv_heads), "rows")? as u32, 1, 1),
+        (64, 1, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(q)?),
+            Arg::Ptr(ptr(k)?),
+            Arg::Ptr(ptr(v)?),
+            Arg::Ptr(ptr(pos)?),
+            Arg::Ptr(freq_ptr),
+            Arg::Ptr(ptr(k_cache)?),
+            Arg::Ptr(ptr(v_cache)?),
+            Arg::I32(tokens as i32),
+            Arg::I32(heads as i32),
+            Arg::I32(kv_heads as i32),
+            Arg::I32(to_i32(d, "head_dim")?),
+            Arg::I32(rot_dim as i32),
+            Arg::I32(neox as i32),
+            Arg::I32(to_i32(cap, "capacity")?),
+        ],
+    )
+}

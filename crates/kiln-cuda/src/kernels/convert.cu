@@ -1,0 +1,76 @@
+// Conversions feeding cuBLAS for prompts: weights of any stored type decoded to f16
+// (quantized types) and activations rounded to f16 or bf16 to match the weights.
+
+// Decode a whole [m, k] weight matrix to f16, one 32-value unit per thread.
+// Launch: 1-D, one thread per unit (m * k / 32 of them); k a multiple of 32.
+template <int T>
+__device__ void dequant_f16(const u8* __restrict__ w, u16* __restrict__ out, int m, int k) {
+    const size_t units_per_row = k / 32;
+    const size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (size_t)m * units_per_row) return;
+    const size_t r = g / units_per_row;
+    const int u = (int)(g % units_per_row);
+    float v[32];
+    load_unit<T>(w + r * row_bytes<T>(k), u, v);
+    uint4* o = (uint4*)(out + r * k + (size_t)u * 32);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 words[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            words[j] = (u32)f32_to_f16(v[8 * i + 2 * j]) | ((u32)f32_to_f16(v[8 * i + 2 * j + 1]) << 16);
+        o[i] = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+}
+
+extern "C" __global__ void dequant_f16_q8_0(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q8_0>(w, out, m, k); }
+extern "C" __global__ void dequant_f16_q4_0(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q4_0>(w, out, m, k); }
+extern "C" __global__ void dequant_f16_q4_k(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q4_K>(w, out, m, k); }
+extern "C" __global__ void dequant_f16_q6_k(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q6_K>(w, out, m, k); }
+
+extern "C" __global__ void f32_to_f16_kernel(const float* x, u16* out, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f32_to_f16(x[i]);
+}
+
+extern "C" __global__ void f32_to_bf16_kernel(const float* x, u16* out, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f32_to_bf16(x[i]);
+}
+
+// out[i, :] = table[ids[i], :] decoded to f32; an id outside the table gives zeros.
+// Launch: grid (n), block 256.
+template <int T>
+__device__ void embedding(const u8* __restrict__ table, const int* __restrict__ ids,
+                          float* __restrict__ out, int rows, int dim) {
+    const int i = blockIdx.x;
+    const int id = ids[i];
+    float* o = out + (size_t)i * dim;
+    if (id < 0 || id >= rows) {
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = 0.0f;
+        return;
+    }
+    const u8* row = table + (size_t)id * row_bytes<T>(dim);
+    const int units = dim / 32;
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+        float v[32];
+        load_unit<T>(row, u, v);
+#pragma unroll
+        for (int j = 0; j < 32; j++) o[u * 32 + j] = v[j];
+    }
+    if (Fmt<T>::BLOCK == 1)
+        for (int c = units * 32 + threadIdx.x; c < dim; c += blockDim.x) o[c] = load_one<T>(row, c);
+}
+
+#define EMBEDDING(T, NAME)                                                                   \
+    extern "C" __global__ void NAME(const u8* table, const int* ids, float* out, int rows,   \
+                                    int dim) {                                               \
+        embedding<T>(table, ids, out, rows, dim);                                            \
+    }
+EMBEDDING(W_F32, embedding_f32)
+EMBEDDING(W_F16, embedding_f16)
+EMBEDDING(W_BF16, embedding_bf16)
+EMBEDDING(W_Q8_0, embedding_q8_0)
+EMBEDDING(W_Q4_0, embedding_q4_0)
+EMBEDDING(W_Q4_K, embedding_q4_k)
+EMBEDDING(W_Q6_K, embedding_q6_k)

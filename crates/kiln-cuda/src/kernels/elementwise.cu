@@ -1,0 +1,102 @@
+// Element-wise ops and row copies. Launch (unless noted): 1-D, one thread per element.
+
+// acc[i] += x[i % period] (period = numel of x: equal shapes, or one row broadcast).
+extern "C" __global__ void add_assign(float* acc, const float* x, size_t n, size_t period) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) acc[i] += x[i % period];
+}
+
+extern "C" __global__ void mul_assign(float* acc, const float* x, size_t n, size_t period) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) acc[i] *= x[i % period];
+}
+
+extern "C" __global__ void scale(float* x, size_t n, float s) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+
+extern "C" __global__ void fill(float* x, size_t n, float v) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = v;
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+}
+
+extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+extern "C" __global__ void gelu_mul(const float* gate, const float* up, float* out, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = gelu_tanh(gate[i]) * up[i];
+}
+
+extern "C" __global__ void gelu(float* x, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = gelu_tanh(x[i]);
+}
+
+extern "C" __global__ void softcap(float* x, size_t n, float cap) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+
+// dst[pos[r], :] = src[r, :]; rows whose position is outside dst are skipped (the host
+// checks positions it wrote; a recorded step cannot report).   Launch: grid (rows), block 256.
+extern "C" __global__ void write_rows(const float* src, float* dst, const int* pos, int row_len,
+                                      int dst_rows) {
+    const int p = pos[blockIdx.x];
+    if (p < 0 || p >= dst_rows) return;
+    const float* s = src + (size_t)blockIdx.x * row_len;
+    float* d = dst + (size_t)p * row_len;
+    for (int i = threadIdx.x; i < row_len; i += blockDim.x) d[i] = s[i];
+}
+
+// dst[r, :] = src[r, col0 : col0 + dst_cols].   Launch: grid (rows), block 256.
+extern "C" __global__ void slice_cols(const float* src, float* dst, int src_cols, int col0,
+                                      int dst_cols) {
+    const float* s = src + (size_t)blockIdx.x * src_cols + col0;
+    float* d = dst + (size_t)blockIdx.x * dst_cols;
+    for (int i = threadIdx.x; i < dst_cols; i += blockDim.x) d[i] = s[i];
+}
+
+// out[r] = first index of the largest value of row r.   Launch: grid (rows), block 1024.
+extern "C" __global__ void argmax(const float* x, int* out, int cols) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const float* r = x + (size_t)blockIdx.x * cols;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = r[i];
+        // NaN never wins; ties keep the lower index (threads see increasing i).
+        if (v > bv) { bv = v; bi = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { best_v[warp] = bv; best_i[warp] = bi; }
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = blockDim.x >> 5;
+        bv = lane < warps ? best_v[lane] : NEG_INF;
+        bi = lane < warps ? best_i[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+    }
+}

@@ -1,0 +1,53 @@
+// Rotary position embedding in place on x [tokens, heads, head_dim]; token t at position
+// pos[t]. Pair i (of rot_dim / 2) turns by pos * inv_freq[i]; interleaved pairs are
+// (2i, 2i+1), NeoX pairs (i, i + rot_dim/2).   Launch: grid (tokens * heads), block 64.
+extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads,
+                                int head_dim, int rot_dim, int neox) {
+    const int t = blockIdx.x / heads;
+    float* v = x + (size_t)blockIdx.x * head_dim;
+    const float p = (float)pos[t];
+    const int half = rot_dim / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf(p * inv_freq[i], &s, &c);
+        const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        const float x0 = v[a], x1 = v[b];
+        v[a] = x0 * c - x1 * s;
+        v[b] = x0 * s + x1 * c;
+    }
+}
+
+// Fused for decode: rotate q and k (when inv_freq is given), and write k and v to the
+// caches at their positions. Block b < tokens*heads is a query head; the rest are KV
+// heads. q [tokens, heads, D], k/v [tokens, kv_heads, D], caches [cap, kv_heads, D].
+// Launch: grid (tokens * (heads + kv_heads)), block 64.
+extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, const int* pos,
+                                         const float* inv_freq, float* k_cache,
+                                         float* v_cache, int tokens, int heads, int kv_heads,
+                                         int D, int rot_dim, int neox, int cap) {
+    const int qblocks = tokens * heads;
+    const bool is_q = blockIdx.x < qblocks;
+    const int idx = is_q ? blockIdx.x : blockIdx.x - qblocks;
+    const int nh = is_q ? heads : kv_heads;
+    const int t = idx / nh, h = idx % nh;
+    const int p = pos[t];
+    float* x = (is_q ? q : k) + ((size_t)t * nh + h) * D;
+    const int half = rot_dim / 2;
+    if (inv_freq != 0) {
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            float s, c;
+            sincosf((float)p * inv_freq[i], &s, &c);
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float x0 = x[a], x1 = x[b];
+            x[a] = x0 * c - x1 * s;
+            x[b] = x0 * s + x1 * c;
+        }
+    }
+    if (is_q || p < 0 || p >= cap) return;
+    __syncthreads();  // the rotated k is read back below by other threads
+    const size_t src = ((size_t)t * kv_heads + h) * D, dst = ((size_t)p * kv_heads + h) * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        k_cache[dst + d] = x[d];
+        v_cache[dst + d] = v[src + d];
+    }
+}

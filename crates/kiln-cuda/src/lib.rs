@@ -1,0 +1,478 @@
+//! kiln's CUDA backend.
+//!
+//! Weights stay on the GPU in their stored dtype; every op of the forward pass is a kernel
+//! (from `src/kernels/*.cu`, compiled with NVRTC for the GPU present and cached on disk)
+//! or a cuBLAS call; everything is queued on one stream, and a decode step can be
+//! recorded once as a CUDA graph and replayed. The CUDA libraries are loaded at run time:
+//! the crate builds without a toolkit, and [`CudaBackend::new`] reports a clear error on
+//! a machine without a driver or GPU.
+
+mod attention;
+mod compile;
+mod device;
+mod elementwise;
+mod kernels;
+mod matmul;
+mod memory;
+mod norm;
+
+pub use compile::CacheOutcome;
+pub use device::{devices, DeviceInfo};
+pub use memory::CudaStorage;
+
+use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
+use kernels::{Arg, Kernels};
+use kiln_core::{
+    AttentionParams, Backend, DType, Device, Error, HostBytes, Replay, Result, RopeLayout, Shape,
+    Tensor,
+};
+use memory::{DeviceBuffer, Pool};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+pub(crate) fn driver_error(e: DriverError) -> Error {
+    Error::Device(format!("CUDA: {e}"))
+}
+
+/// Is there a usable NVIDIA GPU? (Driver present, at least one device.)
+pub fn is_available() -> bool {
+    device::device_count().is_ok_and(|n| n > 0)
+}
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+    name: String,
+    arch: (i32, i32),
+    kernels: Kernels,
+    pool: Arc<Pool>,
+    blas: matmul::Blas,
+    /// Work buffers of the ops (decoded weight tiles, rounded activations, attention
+    /// partials), kept and grown, so that steady-state steps allocate nothing.
+    scratch: Mutex<HashMap<&'static str, DeviceBuffer>>,
+    cache_outcome: CacheOutcome,
+}
+
+impl CudaBackend {
+    /// The GPU with CUDA ordinal `ordinal`; compiles (or loads cached) kernels for it.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let driver = device::init_driver()?;
+        let count = device::device_count()?;
+        if ordinal >= count {
+            return Err(Error::Device(if count == 0 {
+                "the NVIDIA driver sees no GPU".to_string()
+            } else {
+                format!("no CUDA device {ordinal}: this machine has {count}")
+            }));
+        }
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(Error::Device(
+                "NVRTC (libnvrtc.so) cannot be loaded: kiln compiles its kernels with it"
+                    .to_string(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_error)?;
+        let stream = ctx.new_stream().map_err(driver_error)?;
+        let arch = ctx.compute_capability().map_err(driver_error)?;
+        let name = ctx.name().map_err(driver_error)?;
+        let max_shared = ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(driver_error)?;
+        let (cubin, cache_outcome) = compile::kernels_for(arch, driver)?;
+        let kernels = match Kernels::load(&cubin, max_shared) {
+            Ok(k) => k,
+            Err(e) if cache_outcome == CacheOutcome::Hit => {
+                // A cached binary the driver refuses: drop it and compile afresh.
+                tracing::warn!("{e}; compiling the kernels again");
+                if let Some(p) = compile::cache_path(arch, driver)? {
+                    let _ = std::fs::remove_file(p);
+                }
+                Kernels::load(&compile::kernels_for(arch, driver)?.0, max_shared)?
+            }
+            Err(e) => return Err(e),
+        };
+        let blas = matmul::Blas::new(&stream)?;
+        Ok(CudaBackend {
+            pool: Pool::new(ctx.clone()),
+            ctx,
+            stream,
+            ordinal,
+            name,
+            arch,
+            kernels,
+            blas,
+            scratch: Mutex::new(HashMap::new()),
+            cache_outcome,
+        })
+    }
+
+    /// Whether the kernels came from the disk cache this time.
+    pub fn kernel_cache_outcome(&self) -> CacheOutcome {
+        self.cache_outcome
+    }
+
+    /// Free and total bytes of GPU memory.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.ctx.bind_to_thread().map_err(driver_error)?;
+        result::mem_get_info().map_err(driver_error)
+    }
+
+    /// Wait for every queued op to finish.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_error)
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_error)
+    }
+
+    pub(crate) fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        self.bind()?;
+        self.kernels
+            .launch(self.stream.cu_stream(), name, grid, block, shared, args)
+    }
+
+    /// A 1-D launch over `n` elements.
+    pub(crate) fn launch_1d(&self, name: &'static str, n: usize, args: &[Arg]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = n.div_ceil(256);
+        let blocks = u32::try_from(blocks)
+            .map_err(|_| Error::shape(format!("{n} elements are too many for one launch")))?;
+        self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
+    }
+
+    /// A work buffer of at least `bytes`, reused across calls under `slot`.
+    pub(crate) fn scratch(&self, slot: &'static str, bytes: usize) -> Result<u64> {
+        let mut scratch = self.scratch.lock().expect("scratch lock");
+        if let Some(b) = scratch.get(slot).filter(|b| b.capacity() >= bytes) {
+            return Ok(b.ptr);
+        }
+        let b = self.pool.alloc(bytes)?;
+        let ptr = b.ptr;
+        scratch.insert(slot, b);
+        Ok(ptr)
+    }
+
+    fn alloc_tensor(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
+        let bytes = shape
+            .rows()
+            .checked_mul(dtype.row_bytes(shape.row_len())?)
+            .ok_or_else(|| Error::shape(format!("{shape} of {dtype} overflows")))?;
+        let buf = self.pool.alloc(bytes)?;
+        Ok(Tensor::from_storage(
+            Box::new(CudaStorage {
+                buf,
+                bytes,
+                ordinal: self.ordinal,
+            }),
+            dtype,
+            shape,
+        ))
+    }
+
+    pub(crate) fn max_shared(&self) -> usize {
+        self.kernels.max_shared()
+    }
+}
+
+pub(crate) fn storage(t: &Tensor) -> Result<&CudaStorage> {
+    t.storage()
+        .as_any()
+        .downcast_ref::<CudaStorage>()
+        .ok_or_else(|| {
+            Error::Device(format!(
+                "a tensor on {} given to the CUDA backend",
+                t.device()
+            ))
+        })
+}
+
+/// The device address of a tensor's data.
+pub(crate) fn ptr(t: &Tensor) -> Result<u64> {
+    Ok(storage(t)?.buf.ptr)
+}
+
+pub(crate) fn expect(t: &Tensor, dtype: DType, what: &str) -> Result<()> {
+    if t.dtype() != dtype {
+        return Err(Error::unsupported(format!(
+            "{what} must be {dtype}, not {}",
+            t.dtype()
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::shape(format!(
+            "{op}: {} and {} differ",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn to_i32(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| Error::shape(format!("{what} of {v} is too large for the GPU kernels")))
+}
+
+impl Backend for CudaBackend {
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (sm_{}{})", self.name, self.arch.0, self.arch.1)
+    }
+
+    fn zeros(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
+        let t = self.alloc_tensor(dtype, shape)?;
+        let bytes = storage(&t)?.bytes;
+        if bytes > 0 {
+            self.bind()?;
+            unsafe { result::memset_d8_async(ptr(&t)?, 0, bytes, self.stream.cu_stream()) }
+                .map_err(driver_error)?;
+        }
+        Ok(t)
+    }
+
+    fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor> {
+        let want = shape.rows() * dtype.row_bytes(shape.row_len())?;
+        if data.len() != want {
+            return Err(Error::shape(format!(
+                "{shape} of {dtype} takes {want} bytes, got {}",
+                data.len()
+            )));
+        }
+        let t = self.alloc_tensor(dtype, shape)?;
+        if want > 0 {
+            self.bind()?;
+            // Ordered after earlier work on the stream; the host bytes are copied before
+            // this returns.
+            self.stream.synchronize().map_err(driver_error)?;
+            unsafe { result::memcpy_htod_sync(ptr(&t)?, data.as_slice()) }.map_err(driver_error)?;
+        }
+        Ok(t)
+    }
+
+    fn download(&self, t: &Tensor) -> Result<Vec<u8>> {
+        let s = storage(t)?;
+        let mut out = vec![0u8; s.bytes];
+        if s.bytes > 0 {
+            self.bind()?;
+            self.stream.synchronize().map_err(driver_error)?;
+            unsafe { result::memcpy_dtoh_sync(&mut out, s.buf.ptr) }.map_err(driver_error)?;
+        }
+        Ok(out)
+    }
+
+    fn write(&self, t: &mut Tensor, data: &[u8]) -> Result<()> {
+        let s = storage(t)?;
+        if data.len() != s.bytes {
+            return Err(Error::shape(format!(
+                "writing {} bytes into a tensor of {} bytes",
+                data.len(),
+                s.bytes
+            )));
+        }
+        if !data.is_empty() {
+            self.bind()?;
+            // From pageable memory the driver stages the bytes before returning.
+            unsafe { result::memcpy_htod_async(s.buf.ptr, data, self.stream.cu_stream()) }
+                .map_err(driver_error)?;
+        }
+        Ok(())
+    }
+
+    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        expect(t, DType::F32, "fill")?;
+        let n = t.shape().numel();
+        self.launch_1d(
+            "fill",
+            n,
+            &[Arg::Ptr(ptr(t)?), Arg::U64(n as u64), Arg::F32(value)],
+        )
+    }
+
+    fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
+        matmul::matmul(self, x, w, out)
+    }
+
+    fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
+        matmul::embedding(self, table, ids, out)
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+        norm::rms_norm(self, x, weight, eps, out)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        norm::layer_norm(self, x, weight, bias, eps, out)
+    }
+
+    fn softmax(&self, x: &mut Tensor) -> Result<()> {
+        norm::softmax(self, x)
+    }
+
+    fn rope(
+        &self,
+        x: &mut Tensor,
+        pos: &Tensor,
+        inv_freq: &Tensor,
+        layout: RopeLayout,
+    ) -> Result<()> {
+        elementwise::rope(self, x, pos, inv_freq, layout)
+    }
+
+    fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        elementwise::broadcast_assign(self, "add_assign", acc, x)
+    }
+
+    fn mul_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        elementwise::broadcast_assign(self, "mul_assign", acc, x)
+    }
+
+    fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
+        elementwise::in_place(self, "scale", x, Some(s))
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        elementwise::gated(self, "silu_mul", gate, up, out)
+    }
+
+    fn gelu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        elementwise::gated(self, "gelu_mul", gate, up, out)
+    }
+
+    fn gelu(&self, x: &mut Tensor) -> Result<()> {
+        elementwise::in_place(self, "gelu", x, None)
+    }
+
+    fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        elementwise::in_place(self, "softcap", x, Some(cap))
+    }
+
+    fn write_rows(&self, src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()> {
+        elementwise::write_rows(self, src, dst, pos)
+    }
+
+    fn slice_cols(&self, src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()> {
+        elementwise::slice_cols(self, src, col0, dst)
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        pos: &Tensor,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        attention::attention(self, q, k_cache, v_cache, pos, params, out)
+    }
+
+    fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
+        elementwise::argmax(self, x, out)
+    }
+
+    fn matmul_add(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        acc: &mut Tensor,
+        _tmp: &mut Tensor,
+    ) -> Result<()> {
+        matmul::matmul_add(self, x, w, acc)
+    }
+
+    fn matmul_many(&self, x: &Tensor, ws: &[&Tensor], outs: &mut [&mut Tensor]) -> Result<()> {
+        matmul::matmul_many(self, x, ws, outs)
+    }
+
+    fn gated_ffn(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        gelu: bool,
+        out: &mut Tensor,
+        tmp_gate: &mut Tensor,
+        tmp_up: &mut Tensor,
+    ) -> Result<()> {
+        matmul::gated_ffn(self, x, gate, up, gelu, out, tmp_gate, tmp_up)
+    }
+
+    fn rope_write_kv(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        pos: &Tensor,
+        rope: Option<(&Tensor, RopeLayout)>,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+    ) -> Result<()> {
+        elementwise::rope_write_kv(self, q, k, v, pos, rope, k_cache, v_cache)
+    }
+
+    fn free_memory(&self) -> Result<Option<usize>> {
+        Ok(Some(self.memory_info()?.0))
+    }
+
+    fn capture(&self, step: &mut dyn FnMut() -> Result<()>) -> Result<Option<Box<dyn Replay>>> {
+        self.bind()?;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver_error)?;
+        self.pool.capturing.store(true, Ordering::Relaxed);
+        let recorded = step();
+        self.pool.capturing.store(false, Ordering::Relaxed);
+        // End the capture whatever happened, or the stream stays unusable.
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(driver_error);
+        recorded?;
+        let graph = graph?.ok_or_else(|| Error::Device("the recorded step was empty".into()))?;
+        graph.upload().map_err(driver_error)?;
+        Ok(Some(Box::new(CudaReplay { graph })))
+    }
+}
+
+/// A recorded step: one CUDA graph, launched on the backend's stream.
+struct CudaReplay {
+    graph: cudarc::driver::CudaGraph,
+}
+
+// The graph is only launched through `&self` by its one owner (the model); CUDA allows
+// launching an executable graph from any thread of its context.
+unsafe impl Send for CudaReplay {}
+
+impl Replay for CudaReplay {
+    fn replay(&self) -> Result<()> {
+        self.graph.launch().map_err(driver_error)
+    }
+}

@@ -1,0 +1,421 @@
+//! `out[n, m] = x[n, k] · w[m, k]ᵀ` for every stored weight type, and the embedding
+//! lookup (the other op that decodes weights).
+//!
+//! Up to 8 rows of x (decode, small batches) run the matvec kernels, which read each
+//! weight once for all rows and are bound by memory bandwidth. Prompts go to cuBLAS on
+//! tensor cores: F16/BF16 weights as stored, with x rounded to the same type; quantized
+//! weights decoded to an f16 matrix first (the decode costs one pass over the weights,
+//! small next to a prompt's arithmetic); F32 weights through SGEMM.
+
+use crate::kernels::Arg;
+use crate::{expect, ptr, to_i32, CudaBackend};
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::CudaStream;
+use kiln_core::{DType, Error, Result, Tensor};
+use std::sync::{Arc, Mutex};
+
+/// Rows of x up to which the matvec kernels are used.
+const MATVEC_MAX_ROWS: usize = 8;
+
+pub(crate) struct Blas {
+    handle: Mutex<BlasHandle>,
+}
+
+struct BlasHandle(blas_sys::cublasHandle_t);
+
+// The handle is used under the mutex only, from whichever thread holds it.
+unsafe impl Send for BlasHandle {}
+
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        let _ = unsafe { blas::destroy_handle(self.0) };
+    }
+}
+
+impl Blas {
+    pub(crate) fn new(stream: &Arc<CudaStream>) -> Result<Blas> {
+        if !unsafe { blas_sys::is_culib_present() } {
+            return Err(Error::Device(
+                "cuBLAS (libcublas.so) cannot be loaded".to_string(),
+            ));
+        }
+        let handle = blas::create_handle().map_err(|e| Error::Device(format!("cuBLAS: {e:?}")))?;
+        unsafe { blas::set_stream(handle, stream.cu_stream() as _) }
+            .map_err(|e| Error::Device(format!("cuBLAS: {e:?}")))?;
+        Ok(Blas {
+            handle: Mutex::new(BlasHandle(handle)),
+        })
+    }
+}
+
+fn kernel_suffix(dtype: DType) -> Result<usize> {
+    Ok(match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::Q8_0 => 3,
+        DType::Q4_0 => 4,
+        DType::Q4_K => 5,
+        DType::Q6_K => 6,
+        DType::I32 => return Err(Error::unsupported("i32 weights")),
+    })
+}
+
+/// Kernel names per weight type (in `kernel_suffix` order) and batch bound (1, 2, 4, 8).
+macro_rules! by_type_and_batch {
+    ($p:literal) => {
+        [
+            by_type_and_batch!(@row $p, "f32"),
+            by_type_and_batch!(@row $p, "f16"),
+            by_type_and_batch!(@row $p, "bf16"),
+            by_type_and_batch!(@row $p, "q8_0"),
+            by_type_and_batch!(@row $p, "q4_0"),
+            by_type_and_batch!(@row $p, "q4_k"),
+            by_type_and_batch!(@row $p, "q6_k"),
+        ]
+    };
+    (@row $p:literal, $t:literal) => {
+        [
+            concat!($p, "_", $t, "_1"),
+            concat!($p, "_", $t, "_2"),
+            concat!($p, "_", $t, "_4"),
+            concat!($p, "_", $t, "_8"),
+        ]
+    };
+}
+
+const MATVEC: [[&str; 4]; 7] = by_type_and_batch!("matvec");
+const MATVEC3: [[&str; 4]; 7] = by_type_and_batch!("matvec3");
+const GATE_UP: [[&str; 4]; 7] = by_type_and_batch!("gate_up");
+
+fn batch_kernel(names: [&'static str; 4], n: usize) -> &'static str {
+    match n {
+        1 => names[0],
+        2 => names[1],
+        3 | 4 => names[2],
+        _ => names[3],
+    }
+}
+
+fn blocks_for(rows: usize) -> Result<u32> {
+    u32::try_from(rows.div_ceil(MATVEC_ROWS_PER_BLOCK))
+        .map_err(|_| Error::shape(format!("{rows} rows are too many for one launch")))
+}
+
+/// Warps (weight rows) per block of the matvec kernels.
+const MATVEC_ROWS_PER_BLOCK: usize = 4;
+
+const EMBEDDING: [&str; 7] = [
+    "embedding_f32",
+    "embedding_f16",
+    "embedding_bf16",
+    "embedding_q8_0",
+    "embedding_q4_0",
+    "embedding_q4_k",
+    "embedding_q6_k",
+];
+
+const DEQUANT_F16: [Option<&str>; 7] = [
+    None,
+    None,
+    None,
+    Some("dequant_f16_q8_0"),
+    Some("dequant_f16_q4_0"),
+    Some("dequant_f16_q4_k"),
+    Some("dequant_f16_q6_k"),
+];
+
+/// Check `x [n, k]`, `w [m, k]`, `out [n, m]`; returns (n, m, k).
+fn matmul_dims(x: &Tensor, w: &Tensor, out: &Tensor) -> Result<(usize, usize, usize)> {
+    expect(x, DType::F32, "matmul input")?;
+    expect(out, DType::F32, "matmul output")?;
+    let (n, k) = (x.shape().rows(), x.shape().row_len());
+    let (m, wk) = (w.shape().rows(), w.shape().row_len());
+    if wk != k || out.shape().rows() != n || out.shape().row_len() != m {
+        return Err(Error::shape(format!(
+            "matmul: x {} · w {}ᵀ into {}",
+            x.shape(),
+            w.shape(),
+            out.shape()
+        )));
+    }
+    Ok((n, m, k))
+}
+
+fn use_matvec(n: usize, k: usize) -> bool {
+    n <= MATVEC_MAX_ROWS && k.is_multiple_of(4)
+}
+
+pub(crate) fn matmul(b: &CudaBackend, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
+    let (n, m, k) = matmul_dims(x, w, out)?;
+    if n == 0 || m == 0 {
+        return Ok(());
+    }
+    let t = kernel_suffix(w.dtype())?;
+    if use_matvec(n, k) {
+        return matvec(b, t, x, w, out, false);
+    }
+    gemm(b, t, x, w, out, false)
+}
+
+/// `acc += x · wᵀ`: the matvec kernels add in their epilogue, cuBLAS with beta = 1.
+pub(crate) fn matmul_add(b: &CudaBackend, x: &Tensor, w: &Tensor, acc: &mut Tensor) -> Result<()> {
+    let (n, m, k) = matmul_dims(x, w, acc)?;
+    if n == 0 || m == 0 {
+        return Ok(());
+    }
+    let t = kernel_suffix(w.dtype())?;
+    if use_matvec(n, k) {
+        return matvec(b, t, x, w, acc, true);
+    }
+    gemm(b, t, x, w, acc, true)
+}
+
+fn matvec(
+    b: &CudaBackend,
+    t: usize,
+    x: &Tensor,
+    w: &Tensor,
+    out: &mut Tensor,
+    accumulate: bool,
+) -> Result<()> {
+    let (n, k, m) = (x.shape().rows(), x.shape().row_len(), w.shape().rows());
+    b.launch(
+        batch_kernel(MATVEC[t], n),
+        (blocks_for(m)?, 1, 1),
+        (32, MATVEC_ROWS_PER_BLOCK as u32, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(w)?),
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(ptr(out)?),
+            Arg::I32(to_i32(m, "rows")?),
+            Arg::I32(to_i32(k, "row length")?),
+            Arg::I32(n as i32),
+            Arg::I32(accumulate as i32),
+        ],
+    )
+}
+
+/// Q, K and V of a few tokens in one launch when the three share a type; otherwise
+/// one matmul each.
+pub(crate) fn matmul_many(
+    b: &CudaBackend,
+    x: &Tensor,
+    ws: &[&Tensor],
+    outs: &mut [&mut Tensor],
+) -> Result<()> {
+    if ws.len() != outs.len() {
+        return Err(Error::shape("matmul_many: as many outputs as weights"));
+    }
+    let mut dims = Vec::with_capacity(ws.len());
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        dims.push(matmul_dims(x, w, out)?);
+    }
+    let (n, k) = (x.shape().rows(), x.shape().row_len());
+    let fused =
+        ws.len() == 3 && use_matvec(n, k) && n > 0 && ws.iter().all(|w| w.dtype() == ws[0].dtype());
+    if !fused {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            matmul(b, x, w, out)?;
+        }
+        return Ok(());
+    }
+    let t = kernel_suffix(ws[0].dtype())?;
+    let (m0, m1, m2) = (dims[0].1, dims[1].1, dims[2].1);
+    b.launch(
+        batch_kernel(MATVEC3[t], n),
+        (blocks_for(m0 + m1 + m2)?, 1, 1),
+        (32, MATVEC_ROWS_PER_BLOCK as u32, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(ws[0])?),
+            Arg::Ptr(ptr(ws[1])?),
+            Arg::Ptr(ptr(ws[2])?),
+            Arg::Ptr(ptr(outs[0])?),
+            Arg::Ptr(ptr(outs[1])?),
+            Arg::Ptr(ptr(outs[2])?),
+            Arg::I32(to_i32(m0, "rows")?),
+            Arg::I32(to_i32(m1, "rows")?),
+            Arg::I32(to_i32(m2, "rows")?),
+            Arg::Ptr(ptr(x)?),
+            Arg::I32(to_i32(k, "row length")?),
+            Arg::I32(n as i32),
+        ],
+    )
+}
+
+/// `out = act(x · gateᵀ) * (x · upᵀ)`: for a few tokens one kernel reads the gate and
+/// up rows side by side and applies the activation in its epilogue.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gated_ffn(
+    b: &CudaBackend,
+    x: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    gelu: bool,
+    out: &mut Tensor,
+    tmp_gate: &mut Tensor,
+    tmp_up: &mut Tensor,
+) -> Result<()> {
+    let (n, m, k) = matmul_dims(x, gate, out)?;
+    matmul_dims(x, up, out)?;
+    if n == 0 || m == 0 {
+        return Ok(());
+    }
+    if !(use_matvec(n, k) && gate.dtype() == up.dtype()) {
+        matmul(b, x, gate, tmp_gate)?;
+        matmul(b, x, up, tmp_up)?;
+        let kernel = if gelu { "gelu_mul" } else { "silu_mul" };
+        return crate::elementwise::gated(b, kernel, tmp_gate, tmp_up, out);
+    }
+    let t = kernel_suffix(gate.dtype())?;
+    b.launch(
+        batch_kernel(GATE_UP[t], n),
+        (blocks_for(m)?, 1, 1),
+        (32, MATVEC_ROWS_PER_BLOCK as u32, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(gate)?),
+            Arg::Ptr(ptr(up)?),
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(ptr(out)?),
+            Arg::I32(to_i32(m, "rows")?),
+            Arg::I32(to_i32(k, "row length")?),
+            Arg::I32(n as i32),
+            Arg::I32(gelu as i32),
+        ],
+    )
+}
+
+/// `out (+)= x · wᵀ` through cuBLAS (beta = 1 adds to what `out` holds).
+fn gemm(
+    b: &CudaBackend,
+    t: usize,
+    x: &Tensor,
+    w: &Tensor,
+    out: &mut Tensor,
+    accumulate: bool,
+) -> Result<()> {
+    let (n, k, m) = (x.shape().rows(), x.shape().row_len(), w.shape().rows());
+    let (mi, ni, ki) = (
+        to_i32(m, "rows")?,
+        to_i32(n, "rows")?,
+        to_i32(k, "row length")?,
+    );
+    let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+    let out_ptr = ptr(out)?;
+    let handle = b.blas.handle.lock().expect("cuBLAS lock");
+    let blas_err = |e: blas::CublasError| Error::Device(format!("cuBLAS GEMM {n}x{m}x{k}: {e:?}"));
+    // Column-major view: out[n, m] row-major is outᵀ (m × n) column-major, which is
+    // w (stored k × m column-major, transposed) times x (k × n column-major).
+    if w.dtype() == DType::F32 {
+        return unsafe {
+            blas::sgemm(
+                handle.0,
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                mi,
+                ni,
+                ki,
+                &alpha,
+                ptr(w)? as *const f32,
+                ki,
+                ptr(x)? as *const f32,
+                ki,
+                &beta,
+                out_ptr as *mut f32,
+                mi,
+            )
+        }
+        .map_err(blas_err);
+    }
+    // Half-precision inputs: bf16 weights pair with bf16 activations, all else with f16.
+    let (half_type, convert) = if w.dtype() == DType::BF16 {
+        (blas_sys::cudaDataType::CUDA_R_16BF, "f32_to_bf16_kernel")
+    } else {
+        (blas_sys::cudaDataType::CUDA_R_16F, "f32_to_f16_kernel")
+    };
+    let x_half = b.scratch("gemm_x_half", n * k * 2)?;
+    b.launch_1d(
+        convert,
+        n * k,
+        &[
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(x_half),
+            Arg::U64((n * k) as u64),
+        ],
+    )?;
+    let w_half = match DEQUANT_F16[t] {
+        None => ptr(w)?,
+        Some(kernel) => {
+            let buf = b.scratch("gemm_w_f16", m * k * 2)?;
+            b.launch_1d(
+                kernel,
+                m * k / 32,
+                &[Arg::Ptr(ptr(w)?), Arg::Ptr(buf), Arg::I32(mi), Arg::I32(ki)],
+            )?;
+            buf
+        }
+    };
+    unsafe {
+        blas::gemm_ex(
+            handle.0,
+            blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            mi,
+            ni,
+            ki,
+            &alpha as *const f32 as *const _,
+            w_half as *const _,
+            half_type,
+            ki,
+            x_half as *const _,
+            half_type,
+            ki,
+            &beta as *const f32 as *const _,
+            out_ptr as *mut _,
+            blas_sys::cudaDataType::CUDA_R_32F,
+            mi,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(blas_err)
+}
+
+pub(crate) fn embedding(
+    b: &CudaBackend,
+    table: &Tensor,
+    ids: &Tensor,
+    out: &mut Tensor,
+) -> Result<()> {
+    expect(ids, DType::I32, "embedding ids")?;
+    expect(out, DType::F32, "embedding output")?;
+    let n = ids.shape().numel();
+    let (rows, dim) = (table.shape().rows(), table.shape().row_len());
+    if out.shape().rows() != n || out.shape().row_len() != dim {
+        return Err(Error::shape(format!(
+            "embedding: {n} ids of a {} table into {}",
+            table.shape(),
+            out.shape()
+        )));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let t = kernel_suffix(table.dtype())?;
+    b.launch(
+        EMBEDDING[t],
+        (to_i32(n, "ids")? as u32, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(table)?),
+            Arg::Ptr(ptr(ids)?),
+            Arg::Ptr(ptr(out)?),
+            Arg::I32(to_i32(rows, "table rows")?),
+            Arg::I32(to_i32(dim, "table width")?),
+        ],
+    )
+}

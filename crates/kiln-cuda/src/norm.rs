@@ -1,0 +1,98 @@
+//! RMSNorm, LayerNorm and softmax: one block per row.
+
+use crate::kernels::Arg;
+use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
+use kiln_core::{DType, Error, Result, Tensor};
+
+fn rows(x: &Tensor) -> Result<u32> {
+    Ok(to_i32(x.shape().rows(), "rows")? as u32)
+}
+
+fn check_vector(v: &Tensor, dim: usize, what: &str) -> Result<()> {
+    expect(v, DType::F32, what)?;
+    if v.shape().numel() != dim {
+        return Err(Error::shape(format!(
+            "{what} has {} values for rows of {dim}",
+            v.shape().numel()
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn rms_norm(
+    b: &CudaBackend,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    out: &mut Tensor,
+) -> Result<()> {
+    expect(x, DType::F32, "rms_norm input")?;
+    same_shape(x, out, "rms_norm")?;
+    let dim = x.shape().row_len();
+    check_vector(w, dim, "rms_norm weight")?;
+    if x.shape().numel() == 0 {
+        return Ok(());
+    }
+    b.launch(
+        "rms_norm",
+        (rows(x)?, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(ptr(w)?),
+            Arg::Ptr(ptr(out)?),
+            Arg::I32(to_i32(dim, "row length")?),
+            Arg::F32(eps),
+        ],
+    )
+}
+
+pub(crate) fn layer_norm(
+    b: &CudaBackend,
+    x: &Tensor,
+    w: &Tensor,
+    bias: &Tensor,
+    eps: f32,
+    out: &mut Tensor,
+) -> Result<()> {
+    expect(x, DType::F32, "layer_norm input")?;
+    same_shape(x, out, "layer_norm")?;
+    let dim = x.shape().row_len();
+    check_vector(w, dim, "layer_norm weight")?;
+    check_vector(bias, dim, "layer_norm bias")?;
+    if x.shape().numel() == 0 {
+        return Ok(());
+    }
+    b.launch(
+        "layer_norm",
+        (rows(x)?, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(ptr(w)?),
+            Arg::Ptr(ptr(bias)?),
+            Arg::Ptr(ptr(out)?),
+            Arg::I32(to_i32(dim, "row length")?),
+            Arg::F32(eps),
+        ],
+    )
+}
+
+pub(crate) fn softmax(b: &CudaBackend, x: &mut Tensor) -> Result<()> {
+    expect(x, DType::F32, "softmax input")?;
+    if x.shape().numel() == 0 {
+        return Ok(());
+    }
+    b.launch(
+        "softmax",
+        (rows(x)?, 1, 1),
+        (256, 1, 1),
+        0,
+        &[
+            Arg::Ptr(ptr(x)?),
+            Arg::I32(to_i32(x.shape().row_len(), "row length")?),
+        ],
+    )
+}
