@@ -43,11 +43,12 @@ pub(crate) fn device_count() -> Result<usize> {
 }
 
 fn driver_release() -> Option<String> {
-    // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  ..."
+    // "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build ..."
     let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
     let line = text.lines().next()?;
-    let after = line.split("Kernel Module").nth(1)?;
-    after.split_whitespace().next().map(str::to_string)
+    line.split_whitespace()
+        .find(|w| w.contains('.') && w.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .map(str::to_string)
 }
 
 fn attribute(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> Result<i32> {

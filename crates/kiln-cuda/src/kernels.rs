@@ -58,13 +58,21 @@ impl Kernels {
         let cname = CString::new(name).expect("kernel names hold no NUL");
         let f = unsafe { result::module::get_function(self.module, cname) }
             .map_err(|e| Error::Device(format!("kernel {name} is missing: {e}")))?;
-        // Let every kernel use as much shared memory as the GPU allows (attention needs
-        // more than the default 48 KiB for large heads).
+        // Let every kernel use as much dynamic shared memory as the GPU allows beside its
+        // static shared memory (attention needs more than the default 48 KiB for large
+        // heads).
+        let static_shared = unsafe {
+            result::function::get_function_attribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+            )
+        }
+        .map_err(driver_error)?;
         unsafe {
             sys::cuFuncSetAttribute(
                 f,
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                self.max_shared,
+                self.max_shared - static_shared,
             )
         }
         .result()

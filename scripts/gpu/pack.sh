@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Build the GPU tests and the kiln binary (profile `gpu`: optimised, no fat LTO) into
+# .gpu-bin/, stripped, for a GPU machine without a Rust toolchain (see
+# ../shared/gpu/README.md). Run there from the repository root:
+#   for t in .gpu-bin/*-*; do $t --include-ignored || exit 1; done
+# Test binaries find tests/fixtures through the path they were built at (CARGO_MANIFEST_DIR):
+# link the checkout there first (`mkdir -p /work && ln -sfn $PWD /work/main`).
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+out=.gpu-bin
+crates=(-p kiln-cuda -p kiln-models)
+rm -rf "$out"; mkdir -p "$out"
+cargo test --profile gpu --no-run --message-format=json "${crates[@]}" \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
+        print(m["executable"])' \
+  | while read -r exe; do cp "$exe" "$out/"; done
+cargo build --profile gpu -p kiln-cli
+cp target/gpu/kiln "$out/"
+strip "$out"/*
+du -sh "$out"; ls "$out"
