@@ -10,8 +10,11 @@ use crate::kernels::Arg;
 use crate::{expect, ptr, to_i32, CudaBackend};
 use kiln_core::{AttentionParams, DType, Error, Result, Tensor};
 
-/// Keys per split-K piece in decode.
-const SPAN: usize = 256;
+/// Keys per split-K piece in decode: two chunks of 32 per block keeps each block's
+/// chain of loads short; more pieces only add to the (cheap) merge.
+const SPAN: usize = 64;
+/// The most pieces a decode step's key range is split into.
+const MAX_SPLITS: usize = 128;
 /// Queries up to which the key range is split.
 const SPLIT_MAX_QUERIES: usize = 8;
 
@@ -93,7 +96,9 @@ pub(crate) fn attention(
         )));
     }
     let (splits, span) = if n <= SPLIT_MAX_QUERIES && cap > SPAN {
-        (cap.div_ceil(SPAN), SPAN)
+        // Long caches get longer pieces: at most MAX_SPLITS to merge.
+        let span = SPAN.max(cap.div_ceil(MAX_SPLITS).next_multiple_of(32));
+        (cap.div_ceil(span), span)
     } else {
         (1, cap.max(1))
     };

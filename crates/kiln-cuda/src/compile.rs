@@ -12,9 +12,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// Every kernel file, in the order they are joined (the shared header first).
-const SOURCES: [(&str, &str); 7] = [
+const SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("matvec.cu", include_str!("kernels/matvec.cu")),
+    ("matvec_q8.cu", include_str!("kernels/matvec_q8.cu")),
     ("convert.cu", include_str!("kernels/convert.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),

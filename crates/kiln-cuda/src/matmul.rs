@@ -63,15 +63,15 @@ fn kernel_suffix(dtype: DType) -> Result<usize> {
 
 /// Kernel names per weight type (in `kernel_suffix` order) and batch bound (1, 2, 4, 8).
 macro_rules! by_type_and_batch {
-    ($p:literal) => {
+    ($float:literal, $quant:literal) => {
         [
-            by_type_and_batch!(@row $p, "f32"),
-            by_type_and_batch!(@row $p, "f16"),
-            by_type_and_batch!(@row $p, "bf16"),
-            by_type_and_batch!(@row $p, "q8_0"),
-            by_type_and_batch!(@row $p, "q4_0"),
-            by_type_and_batch!(@row $p, "q4_k"),
-            by_type_and_batch!(@row $p, "q6_k"),
+            by_type_and_batch!(@row $float, "f32"),
+            by_type_and_batch!(@row $float, "f16"),
+            by_type_and_batch!(@row $float, "bf16"),
+            by_type_and_batch!(@row $quant, "q8_0"),
+            by_type_and_batch!(@row $quant, "q4_0"),
+            by_type_and_batch!(@row $quant, "q4_k"),
+            by_type_and_batch!(@row $quant, "q6_k"),
         ]
     };
     (@row $p:literal, $t:literal) => {
@@ -84,9 +84,10 @@ macro_rules! by_type_and_batch {
     };
 }
 
-const MATVEC: [[&str; 4]; 7] = by_type_and_batch!("matvec");
-const MATVEC3: [[&str; 4]; 7] = by_type_and_batch!("matvec3");
-const GATE_UP: [[&str; 4]; 7] = by_type_and_batch!("gate_up");
+// Float weights use the f32-x kernels; quantized weights the int8-x ones (`_q8x_`).
+const MATVEC: [[&str; 4]; 7] = by_type_and_batch!("matvec", "matvec_q8x");
+const MATVEC3: [[&str; 4]; 7] = by_type_and_batch!("matvec3", "matvec3_q8x");
+const GATE_UP: [[&str; 4]; 7] = by_type_and_batch!("gate_up", "gate_up_q8x");
 
 fn batch_kernel(names: [&'static str; 4], n: usize) -> &'static str {
     match n {
@@ -97,13 +98,25 @@ fn batch_kernel(names: [&'static str; 4], n: usize) -> &'static str {
     }
 }
 
-fn blocks_for(rows: usize) -> Result<u32> {
-    u32::try_from(rows.div_ceil(MATVEC_ROWS_PER_BLOCK))
-        .map_err(|_| Error::shape(format!("{rows} rows are too many for one launch")))
-}
-
-/// Warps (weight rows) per block of the matvec kernels.
+/// Weight rows per block of the matvec kernels.
 const MATVEC_ROWS_PER_BLOCK: usize = 4;
+
+/// Grid and block of a matvec launch over `rows` weight rows. A warp walks its row with
+/// a chain of dependent loads; with few rows (tinyllama's 2048) that chain, not the
+/// bandwidth, sets the time, so short matrices split each row over up to 4 warps
+/// (blockDim.z), aiming at ~6k warps in flight on the GPU.
+fn matvec_shape(rows: usize) -> Result<((u32, u32, u32), (u32, u32, u32))> {
+    let parts = 6144usize
+        .div_ceil(rows.max(1))
+        .next_power_of_two()
+        .clamp(1, 4);
+    let blocks = u32::try_from(rows.div_ceil(MATVEC_ROWS_PER_BLOCK))
+        .map_err(|_| Error::shape(format!("{rows} rows are too many for one launch")))?;
+    Ok((
+        (blocks, 1, 1),
+        (32, MATVEC_ROWS_PER_BLOCK as u32, parts as u32),
+    ))
+}
 
 const EMBEDDING: [&str; 7] = [
     "embedding_f32",
@@ -171,6 +184,28 @@ pub(crate) fn matmul_add(b: &CudaBackend, x: &Tensor, w: &Tensor, acc: &mut Tens
     gemm(b, t, x, w, acc, true)
 }
 
+/// The activation arguments of the matvec kernels: x itself for float weights; for
+/// quantized weights x rounded to int8 per 32 values (quants, then scales), made here.
+fn matvec_input(b: &CudaBackend, dtype: DType, x: &Tensor) -> Result<Vec<Arg>> {
+    if !dtype.is_quantized() {
+        return Ok(vec![Arg::Ptr(ptr(x)?)]);
+    }
+    let units = x.shape().numel() / 32;
+    let xq = b.scratch("matvec_xq", units * 32)?;
+    let xd = b.scratch("matvec_xd", units * 4)?;
+    b.launch_1d(
+        "quantize_x_q8",
+        units,
+        &[
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(xq),
+            Arg::Ptr(xd),
+            Arg::I32(to_i32(units, "units")?),
+        ],
+    )?;
+    Ok(vec![Arg::Ptr(xq), Arg::Ptr(xd)])
+}
+
 fn matvec(
     b: &CudaBackend,
     t: usize,
@@ -180,21 +215,17 @@ fn matvec(
     accumulate: bool,
 ) -> Result<()> {
     let (n, k, m) = (x.shape().rows(), x.shape().row_len(), w.shape().rows());
-    b.launch(
-        batch_kernel(MATVEC[t], n),
-        (blocks_for(m)?, 1, 1),
-        (32, MATVEC_ROWS_PER_BLOCK as u32, 1),
-        0,
-        &[
-            Arg::Ptr(ptr(w)?),
-            Arg::Ptr(ptr(x)?),
-            Arg::Ptr(ptr(out)?),
-            Arg::I32(to_i32(m, "rows")?),
-            Arg::I32(to_i32(k, "row length")?),
-            Arg::I32(n as i32),
-            Arg::I32(accumulate as i32),
-        ],
-    )
+    let mut args = vec![Arg::Ptr(ptr(w)?)];
+    args.extend(matvec_input(b, w.dtype(), x)?);
+    args.extend([
+        Arg::Ptr(ptr(out)?),
+        Arg::I32(to_i32(m, "rows")?),
+        Arg::I32(to_i32(k, "row length")?),
+        Arg::I32(n as i32),
+        Arg::I32(accumulate as i32),
+    ]);
+    let (grid, block) = matvec_shape(m)?;
+    b.launch(batch_kernel(MATVEC[t], n), grid, block, 0, &args)
 }
 
 /// Q, K and V of a few tokens in one launch when the three share a type; otherwise
@@ -223,26 +254,21 @@ pub(crate) fn matmul_many(
     }
     let t = kernel_suffix(ws[0].dtype())?;
     let (m0, m1, m2) = (dims[0].1, dims[1].1, dims[2].1);
-    b.launch(
-        batch_kernel(MATVEC3[t], n),
-        (blocks_for(m0 + m1 + m2)?, 1, 1),
-        (32, MATVEC_ROWS_PER_BLOCK as u32, 1),
-        0,
-        &[
-            Arg::Ptr(ptr(ws[0])?),
-            Arg::Ptr(ptr(ws[1])?),
-            Arg::Ptr(ptr(ws[2])?),
-            Arg::Ptr(ptr(outs[0])?),
-            Arg::Ptr(ptr(outs[1])?),
-            Arg::Ptr(ptr(outs[2])?),
-            Arg::I32(to_i32(m0, "rows")?),
-            Arg::I32(to_i32(m1, "rows")?),
-            Arg::I32(to_i32(m2, "rows")?),
-            Arg::Ptr(ptr(x)?),
-            Arg::I32(to_i32(k, "row length")?),
-            Arg::I32(n as i32),
-        ],
-    )
+    let mut args = vec![
+        Arg::Ptr(ptr(ws[0])?),
+        Arg::Ptr(ptr(ws[1])?),
+        Arg::Ptr(ptr(ws[2])?),
+        Arg::Ptr(ptr(outs[0])?),
+        Arg::Ptr(ptr(outs[1])?),
+        Arg::Ptr(ptr(outs[2])?),
+        Arg::I32(to_i32(m0, "rows")?),
+        Arg::I32(to_i32(m1, "rows")?),
+        Arg::I32(to_i32(m2, "rows")?),
+    ];
+    args.extend(matvec_input(b, ws[0].dtype(), x)?);
+    args.extend([Arg::I32(to_i32(k, "row length")?), Arg::I32(n as i32)]);
+    let (grid, block) = matvec_shape(m0 + m1 + m2)?;
+    b.launch(batch_kernel(MATVEC3[t], n), grid, block, 0, &args)
 }
 
 /// `out = act(x · gateᵀ) * (x · upᵀ)`: for a few tokens one kernel reads the gate and
@@ -270,22 +296,17 @@ pub(crate) fn gated_ffn(
         return crate::elementwise::gated(b, kernel, tmp_gate, tmp_up, out);
     }
     let t = kernel_suffix(gate.dtype())?;
-    b.launch(
-        batch_kernel(GATE_UP[t], n),
-        (blocks_for(m)?, 1, 1),
-        (32, MATVEC_ROWS_PER_BLOCK as u32, 1),
-        0,
-        &[
-            Arg::Ptr(ptr(gate)?),
-            Arg::Ptr(ptr(up)?),
-            Arg::Ptr(ptr(x)?),
-            Arg::Ptr(ptr(out)?),
-            Arg::I32(to_i32(m, "rows")?),
-            Arg::I32(to_i32(k, "row length")?),
-            Arg::I32(n as i32),
-            Arg::I32(gelu as i32),
-        ],
-    )
+    let mut args = vec![Arg::Ptr(ptr(gate)?), Arg::Ptr(ptr(up)?)];
+    args.extend(matvec_input(b, gate.dtype(), x)?);
+    args.extend([
+        Arg::Ptr(ptr(out)?),
+        Arg::I32(to_i32(m, "rows")?),
+        Arg::I32(to_i32(k, "row length")?),
+        Arg::I32(n as i32),
+        Arg::I32(gelu as i32),
+    ]);
+    let (grid, block) = matvec_shape(m)?;
+    b.launch(batch_kernel(GATE_UP[t], n), grid, block, 0, &args)
 }
 
 /// `out (+)= x · wᵀ` through cuBLAS (beta = 1 adds to what `out` holds).

@@ -4,6 +4,15 @@ use crate::kernels::Arg;
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{DType, Error, Result, Tensor};
 
+/// Threads per row: one float4 each where the row allows, in whole warps, at most 1024.
+fn block_for(dim: usize) -> (u32, u32, u32) {
+    (
+        (dim.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32,
+        1,
+        1,
+    )
+}
+
 fn rows(x: &Tensor) -> Result<u32> {
     Ok(to_i32(x.shape().rows(), "rows")? as u32)
 }
@@ -36,7 +45,7 @@ pub(crate) fn rms_norm(
     b.launch(
         "rms_norm",
         (rows(x)?, 1, 1),
-        (256, 1, 1),
+        block_for(dim),
         0,
         &[
             Arg::Ptr(ptr(x)?),
@@ -67,7 +76,7 @@ pub(crate) fn layer_norm(
     b.launch(
         "layer_norm",
         (rows(x)?, 1, 1),
-        (256, 1, 1),
+        block_for(dim),
         0,
         &[
             Arg::Ptr(ptr(x)?),

@@ -228,3 +228,27 @@ template <int T> __device__ __forceinline__ float load_one(const u8* row, int i)
     if (T == W_F16) return f16_to_f32(((const u16*)row)[i]);
     return bf16_to_f32(((const u16*)row)[i]);
 }
+
+// Matvec kernels may split a row over blockDim.z warps (threadIdx.z = part; short rows
+// then still have enough loads in flight). After each warp has summed its part, this
+// adds the parts up in shared memory; true for the one thread (lane 0, part 0) that then
+// holds the row's totals and writes them. Every thread of the block must call it.
+template <int R, int B>
+__device__ __forceinline__ bool combine_parts(float acc[R][B]) {
+    const int lane = threadIdx.x & 31;
+    if (blockDim.z == 1) return lane == 0;
+    __shared__ float parts[8][8][16];  // [part][row of the block][R * B]
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < R; j++)
+#pragma unroll
+            for (int b = 0; b < B; b++) parts[threadIdx.z][threadIdx.y][j * B + b] = acc[j][b];
+    __syncthreads();
+    if (threadIdx.z != 0 || lane != 0) return false;
+    for (int z = 1; z < blockDim.z; z++)
+#pragma unroll
+        for (int j = 0; j < R; j++)
+#pragma unroll
+            for (int b = 0; b < B; b++) acc[j][b] += parts[z][threadIdx.y][j * B + b];
+    return true;
+}
