@@ -172,3 +172,26 @@ fn a_context_the_machine_cannot_hold_is_an_error_not_an_abort() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("cannot allocate"), "{}", stderr(&o));
 }
+
+/// Without a GPU, `--device cuda` is one clear line and status 1, and `--device auto`
+/// (the default) runs on the CPU. On a GPU machine both must simply run.
+#[test]
+fn cuda_without_a_gpu_is_a_clear_error_and_auto_falls_back() {
+    let args = ["run", "-p", "Permission", "-n", "2", "--temp", "0"];
+    let gpu = kiln_cuda::is_available();
+    let cuda = kiln(&[&args[..], &["--device", "cuda"]].concat());
+    let auto = kiln(&[&args[..], &["--device", "auto"]].concat());
+    assert!(auto.status.success(), "{}", stderr(&auto));
+    if gpu {
+        eprintln!("a GPU is present: the no-GPU error path is not exercised here");
+        assert!(cuda.status.success(), "{}", stderr(&cuda));
+        return;
+    }
+    assert_eq!(cuda.status.code(), Some(1));
+    let err = stderr(&cuda);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("no NVIDIA driver") || err.contains("sees no GPU"),
+        "{err}"
+    );
+}

@@ -98,6 +98,9 @@ fn batch_kernel(names: [&'static str; 4], n: usize) -> &'static str {
     }
 }
 
+/// A launch's grid or block size.
+type Dim3 = (u32, u32, u32);
+
 /// Weight rows per block of the matvec kernels.
 const MATVEC_ROWS_PER_BLOCK: usize = 4;
 
@@ -105,7 +108,7 @@ const MATVEC_ROWS_PER_BLOCK: usize = 4;
 /// a chain of dependent loads; with few rows (tinyllama's 2048) that chain, not the
 /// bandwidth, sets the time, so short matrices split each row over up to 4 warps
 /// (blockDim.z), aiming at ~6k warps in flight on the GPU.
-fn matvec_shape(rows: usize) -> Result<((u32, u32, u32), (u32, u32, u32))> {
+fn matvec_shape(rows: usize) -> Result<(Dim3, Dim3)> {
     let parts = 6144usize
         .div_ceil(rows.max(1))
         .next_power_of_two()

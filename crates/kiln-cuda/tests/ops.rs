@@ -319,7 +319,7 @@ fn argmax_takes_the_first_maximum() {
 fn attention_matches_the_cpu() {
     let mut rng = StdRng::seed_from_u64(7);
     // (queries, heads, kv_heads, head_dim, capacity, first position, window, softcap)
-    let cases: &[(
+    type Case = (
         usize,
         usize,
         usize,
@@ -328,7 +328,8 @@ fn attention_matches_the_cpu() {
         usize,
         Option<usize>,
         Option<f32>,
-    )] = &[
+    );
+    let cases: &[Case] = &[
         (1, 4, 2, 16, 64, 20, None, None),
         (1, 32, 4, 64, 700, 517, None, None), // decode, split over the capacity
         (3, 8, 1, 128, 600, 300, None, None), // a few queries, split
@@ -395,11 +396,11 @@ fn recorded_steps_replay_on_new_contents() {
         .capture(&mut || g.attention(&q, &kt, &kt, &pos, &params, &mut out))
         .unwrap()
         .expect("the CUDA backend records");
-    for p in [3, 290, 599] {
+    for p in [3i32, 290, 599] {
         let qv = random(heads * hd, &mut rng, 1.0);
         g.write(&mut q, &quant::quantize(DType::F32, &qv).unwrap())
             .unwrap();
-        g.write(&mut pos, &(p as i32).to_le_bytes()).unwrap();
+        g.write(&mut pos, &p.to_le_bytes()).unwrap();
         replay.replay().unwrap();
         let got = read(&g, &out);
         let mut want = poisoned(&g, &[1, heads, hd]);
@@ -548,10 +549,10 @@ fn fused_ops_match_their_plain_sequences() {
                 [&qt, &kt, &kc, &vc].iter().map(|t| read(b, t)).collect()
             })
             .collect();
-        for i in 0..4 {
+        for (i, (gpu_out, cpu_out)) in outs[0].iter().zip(&outs[1]).enumerate() {
             assert_close(
-                &outs[0][i],
-                &outs[1][i],
+                gpu_out,
+                cpu_out,
                 2e-6,
                 &format!("rope_write_kv {rope:?} tensor {i}"),
             );
