@@ -310,7 +310,7 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
-        matmul::matmul(self, x, w, out)
+        matmul::matmul(self, x, w, out, false)
     }
 
     fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
@@ -405,7 +405,7 @@ impl Backend for CudaBackend {
         acc: &mut Tensor,
         _tmp: &mut Tensor,
     ) -> Result<()> {
-        matmul::matmul_add(self, x, w, acc)
+        matmul::matmul(self, x, w, acc, true)
     }
 
     fn matmul_many(&self, x: &Tensor, ws: &[&Tensor], outs: &mut [&mut Tensor]) -> Result<()> {

@@ -162,29 +162,24 @@ fn use_matvec(n: usize, k: usize) -> bool {
     n <= MATVEC_MAX_ROWS && k.is_multiple_of(4)
 }
 
-pub(crate) fn matmul(b: &CudaBackend, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
+/// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate` (the matvec kernels add in
+/// their epilogue, cuBLAS with beta = 1).
+pub(crate) fn matmul(
+    b: &CudaBackend,
+    x: &Tensor,
+    w: &Tensor,
+    out: &mut Tensor,
+    accumulate: bool,
+) -> Result<()> {
     let (n, m, k) = matmul_dims(x, w, out)?;
     if n == 0 || m == 0 {
         return Ok(());
     }
     let t = kernel_suffix(w.dtype())?;
     if use_matvec(n, k) {
-        return matvec(b, t, x, w, out, false);
+        return matvec(b, t, x, w, out, accumulate);
     }
-    gemm(b, t, x, w, out, false)
-}
-
-/// `acc += x · wᵀ`: the matvec kernels add in their epilogue, cuBLAS with beta = 1.
-pub(crate) fn matmul_add(b: &CudaBackend, x: &Tensor, w: &Tensor, acc: &mut Tensor) -> Result<()> {
-    let (n, m, k) = matmul_dims(x, w, acc)?;
-    if n == 0 || m == 0 {
-        return Ok(());
-    }
-    let t = kernel_suffix(w.dtype())?;
-    if use_matvec(n, k) {
-        return matvec(b, t, x, w, acc, true);
-    }
-    gemm(b, t, x, w, acc, true)
+    gemm(b, t, x, w, out, accumulate)
 }
 
 /// The activation arguments of the matvec kernels: x itself for float weights; for
@@ -251,7 +246,7 @@ pub(crate) fn matmul_many(
         ws.len() == 3 && use_matvec(n, k) && n > 0 && ws.iter().all(|w| w.dtype() == ws[0].dtype());
     if !fused {
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul(b, x, w, out)?;
+            matmul(b, x, w, out, false)?;
         }
         return Ok(());
     }
@@ -293,8 +288,8 @@ pub(crate) fn gated_ffn(
         return Ok(());
     }
     if !(use_matvec(n, k) && gate.dtype() == up.dtype()) {
-        matmul(b, x, gate, tmp_gate)?;
-        matmul(b, x, up, tmp_up)?;
+        matmul(b, x, gate, tmp_gate, false)?;
+        matmul(b, x, up, tmp_up, false)?;
         let kernel = if gelu { "gelu_mul" } else { "silu_mul" };
         return crate::elementwise::gated(b, kernel, tmp_gate, tmp_up, out);
     }
