@@ -6,7 +6,7 @@
 //! written once per step, so that a recorded step (see [`Backend::capture`]) can be
 //! replayed for the next token with nothing but those two small writes.
 
-use crate::{DType, Device, HostBytes, Result, Shape, Tensor};
+use crate::{sampling, DType, Device, Error, HostBytes, Result, SampleParams, Shape, Tensor};
 
 /// How rope pairs the dimensions it rotates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -207,6 +207,20 @@ pub trait Backend: Send + Sync {
     /// `x` F32 `[rows, cols]`, `out` I32 `[rows]`. Greedy decoding reads back only this.
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()>;
 
+    /// `out[0]` = a token drawn from the last row of `logits` (F32 `[rows, vocab]`) as
+    /// [`sampling::pick`] draws it, with the repetition penalty on `penalized` (distinct
+    /// ids; the penalty may change `logits`). `out` is I32 `[1]`. This default reads the row
+    /// back and picks on the host; a device that can pick in place reads back only `out`.
+    fn sample(
+        &self,
+        logits: &mut Tensor,
+        penalized: &[u32],
+        params: &SampleParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        sample_on_host(self, logits, penalized, params, out)
+    }
+
     /// Record the ops `step` issues, so that they can be replayed as one unit (a CUDA
     /// graph). `Some`: the ops were recorded, not run; replay to run them. `None`: the
     /// backend does not record, and the ops ran as usual. A recording stays valid while
@@ -229,4 +243,28 @@ pub trait Replay: Send {
 pub fn to_device(t: &Tensor, from: &dyn Backend, to: &dyn Backend) -> Result<Tensor> {
     let bytes = from.download(t)?;
     to.upload(t.dtype(), t.shape().clone(), HostBytes::from_vec(bytes))
+}
+
+/// [`Backend::sample`] by reading the logits back and picking on the host.
+pub fn sample_on_host<B: Backend + ?Sized>(
+    b: &B,
+    logits: &Tensor,
+    penalized: &[u32],
+    params: &SampleParams,
+    out: &mut Tensor,
+) -> Result<()> {
+    let bytes = b.download(logits)?;
+    let vocab = logits.shape().row_len();
+    if vocab == 0 || bytes.len() < 4 * vocab {
+        return Err(Error::shape(format!(
+            "sampling from logits {}",
+            logits.shape()
+        )));
+    }
+    let mut row: Vec<f32> = bytes[bytes.len() - 4 * vocab..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let id = sampling::pick(&mut row, penalized, params) as i32;
+    b.write(out, &id.to_le_bytes())
 }

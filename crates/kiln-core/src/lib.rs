@@ -10,6 +10,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod quant;
+pub mod sampling;
 pub mod shape;
 pub mod tensor;
 
@@ -17,5 +18,6 @@ pub use backend::{to_device, AttentionParams, Backend, Replay, RopeLayout};
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use sampling::SampleParams;
 pub use shape::Shape;
 pub use tensor::{HostBytes, Storage, Tensor};

@@ -12,15 +12,17 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// Every kernel file, in the order they are joined (the shared header first).
-const SOURCES: [(&str, &str); 8] = [
+const SOURCES: [(&str, &str); 10] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
+    ("dot_float.cu", include_str!("kernels/dot_float.cu")),
+    ("dot_q8.cu", include_str!("kernels/dot_q8.cu")),
     ("matvec.cu", include_str!("kernels/matvec.cu")),
-    ("matvec_q8.cu", include_str!("kernels/matvec_q8.cu")),
     ("convert.cu", include_str!("kernels/convert.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("rope.cu", include_str!("kernels/rope.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
+    ("sample.cu", include_str!("kernels/sample.cu")),
 ];
 
 const MAGIC: &[u8; 8] = b"KILNCUBN";

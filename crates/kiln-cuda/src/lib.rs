@@ -12,9 +12,11 @@ mod compile;
 mod device;
 mod elementwise;
 mod kernels;
+mod layout;
 mod matmul;
 mod memory;
 mod norm;
+mod sample;
 
 pub use compile::CacheOutcome;
 pub use device::{devices, DeviceInfo};
@@ -23,8 +25,8 @@ pub use memory::CudaStorage;
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use kernels::{Arg, Kernels};
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, HostBytes, Replay, Result, RopeLayout, Shape,
-    Tensor,
+    AttentionParams, Backend, DType, Device, Error, HostBytes, Replay, Result, RopeLayout,
+    SampleParams, Shape, Tensor,
 };
 use memory::{DeviceBuffer, Pool};
 use std::collections::HashMap;
@@ -261,11 +263,13 @@ impl Backend for CudaBackend {
         }
         let t = self.alloc_tensor(dtype, shape)?;
         if want > 0 {
+            let split = layout::split(dtype, data.as_slice());
+            let bytes = split.as_deref().unwrap_or(data.as_slice());
             self.bind()?;
             // Ordered after earlier work on the stream; the host bytes are copied before
             // this returns.
             self.stream.synchronize().map_err(driver_error)?;
-            unsafe { result::memcpy_htod_sync(ptr(&t)?, data.as_slice()) }.map_err(driver_error)?;
+            unsafe { result::memcpy_htod_sync(ptr(&t)?, bytes) }.map_err(driver_error)?;
         }
         Ok(t)
     }
@@ -278,7 +282,7 @@ impl Backend for CudaBackend {
             self.stream.synchronize().map_err(driver_error)?;
             unsafe { result::memcpy_dtoh_sync(&mut out, s.buf.ptr) }.map_err(driver_error)?;
         }
-        Ok(out)
+        Ok(layout::join(t.dtype(), &out).unwrap_or(out))
     }
 
     fn write(&self, t: &mut Tensor, data: &[u8]) -> Result<()> {
@@ -291,9 +295,11 @@ impl Backend for CudaBackend {
             )));
         }
         if !data.is_empty() {
+            let split = layout::split(t.dtype(), data);
+            let bytes = split.as_deref().unwrap_or(data);
             self.bind()?;
             // From pageable memory the driver stages the bytes before returning.
-            unsafe { result::memcpy_htod_async(s.buf.ptr, data, self.stream.cu_stream()) }
+            unsafe { result::memcpy_htod_async(s.buf.ptr, bytes, self.stream.cu_stream()) }
                 .map_err(driver_error)?;
         }
         Ok(())
@@ -396,6 +402,19 @@ impl Backend for CudaBackend {
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
         elementwise::argmax(self, x, out)
+    }
+
+    fn sample(
+        &self,
+        logits: &mut Tensor,
+        penalized: &[u32],
+        params: &SampleParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        if sample::sample(self, logits, penalized, params, out)? {
+            return Ok(());
+        }
+        kiln_core::backend::sample_on_host(self, logits, penalized, params, out)
     }
 
     fn matmul_add(

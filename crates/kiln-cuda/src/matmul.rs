@@ -63,15 +63,15 @@ fn kernel_suffix(dtype: DType) -> Result<usize> {
 
 /// Kernel names per weight type (in `kernel_suffix` order) and batch bound (1, 2, 4, 8).
 macro_rules! by_type_and_batch {
-    ($float:literal, $quant:literal) => {
+    ($op:literal) => {
         [
-            by_type_and_batch!(@row $float, "f32"),
-            by_type_and_batch!(@row $float, "f16"),
-            by_type_and_batch!(@row $float, "bf16"),
-            by_type_and_batch!(@row $quant, "q8_0"),
-            by_type_and_batch!(@row $quant, "q4_0"),
-            by_type_and_batch!(@row $quant, "q4_k"),
-            by_type_and_batch!(@row $quant, "q6_k"),
+            by_type_and_batch!(@row $op, "f32"),
+            by_type_and_batch!(@row $op, "f16"),
+            by_type_and_batch!(@row $op, "bf16"),
+            by_type_and_batch!(@row $op, "q8_0"),
+            by_type_and_batch!(@row $op, "q4_0"),
+            by_type_and_batch!(@row $op, "q4_k"),
+            by_type_and_batch!(@row $op, "q6_k"),
         ]
     };
     (@row $p:literal, $t:literal) => {
@@ -84,10 +84,9 @@ macro_rules! by_type_and_batch {
     };
 }
 
-// Float weights use the f32-x kernels; quantized weights the int8-x ones (`_q8x_`).
-const MATVEC: [[&str; 4]; 7] = by_type_and_batch!("matvec", "matvec_q8x");
-const MATVEC3: [[&str; 4]; 7] = by_type_and_batch!("matvec3", "matvec3_q8x");
-const GATE_UP: [[&str; 4]; 7] = by_type_and_batch!("gate_up", "gate_up_q8x");
+const MATVEC: [[&str; 4]; 7] = by_type_and_batch!("matvec");
+const MATVEC3: [[&str; 4]; 7] = by_type_and_batch!("matvec3");
+const GATE_UP: [[&str; 4]; 7] = by_type_and_batch!("gate_up");
 
 fn batch_kernel(names: [&'static str; 4], n: usize) -> &'static str {
     match n {
@@ -104,15 +103,26 @@ type Dim3 = (u32, u32, u32);
 /// Weight rows per block of the matvec kernels.
 const MATVEC_ROWS_PER_BLOCK: usize = 4;
 
-/// Grid and block of a matvec launch over `rows` weight rows. A warp walks its row with
-/// a chain of dependent loads; with few rows (tinyllama's 2048) that chain, not the
-/// bandwidth, sets the time, so short matrices split each row over up to 4 warps
-/// (blockDim.z), aiming at ~6k warps in flight on the GPU.
-fn matvec_shape(rows: usize) -> Result<(Dim3, Dim3)> {
-    let parts = 6144usize
-        .div_ceil(rows.max(1))
-        .next_power_of_two()
-        .clamp(1, 4);
+/// 16-byte pieces a lane takes at a time along a row of k values (chunks of 8 values
+/// for float weights, the `Item`s of dot_q8.cu for quantized ones).
+fn items_per_row(dtype: DType, k: usize) -> usize {
+    match dtype {
+        DType::Q8_0 => k / 16,
+        DType::Q4_0 | DType::Q4_K | DType::Q6_K => k / 32,
+        DType::F32 | DType::F16 | DType::BF16 | DType::I32 => k / 8,
+    }
+}
+
+/// Grid and block of a matvec launch over `rows` weight rows of `items` pieces each. A
+/// warp walks its row with a chain of loads; with few rows (tinyllama's 2048) that
+/// chain, not the bandwidth, sets the time, so short matrices split each row over up to
+/// 4 warps (blockDim.z), aiming at ~6k warps in flight on the GPU, as long as each warp
+/// keeps a full round of 32 pieces.
+fn matvec_shape(rows: usize, items: usize) -> Result<(Dim3, Dim3)> {
+    let by_rows = 6144usize.div_ceil(rows.max(1)).next_power_of_two();
+    let by_items = (items / 32).max(1);
+    let by_items = 1usize << by_items.ilog2();
+    let parts = by_rows.min(by_items).clamp(1, 4);
     let blocks = u32::try_from(rows.div_ceil(MATVEC_ROWS_PER_BLOCK))
         .map_err(|_| Error::shape(format!("{rows} rows are too many for one launch")))?;
     Ok((
@@ -222,7 +232,7 @@ fn matvec(
         Arg::I32(n as i32),
         Arg::I32(accumulate as i32),
     ]);
-    let (grid, block) = matvec_shape(m)?;
+    let (grid, block) = matvec_shape(m, items_per_row(w.dtype(), k))?;
     b.launch(batch_kernel(MATVEC[t], n), grid, block, 0, &args)
 }
 
@@ -265,7 +275,7 @@ pub(crate) fn matmul_many(
     ];
     args.extend(matvec_input(b, ws[0].dtype(), x)?);
     args.extend([Arg::I32(to_i32(k, "row length")?), Arg::I32(n as i32)]);
-    let (grid, block) = matvec_shape(m0 + m1 + m2)?;
+    let (grid, block) = matvec_shape(m0 + m1 + m2, items_per_row(ws[0].dtype(), k))?;
     b.launch(batch_kernel(MATVEC3[t], n), grid, block, 0, &args)
 }
 
@@ -303,7 +313,7 @@ pub(crate) fn gated_ffn(
         Arg::I32(n as i32),
         Arg::I32(gelu as i32),
     ]);
-    let (grid, block) = matvec_shape(m)?;
+    let (grid, block) = matvec_shape(m, items_per_row(gate.dtype(), k))?;
     b.launch(batch_kernel(GATE_UP[t], n), grid, block, 0, &args)
 }
 

@@ -559,3 +559,108 @@ fn fused_ops_match_their_plain_sequences() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn quantized_tensors_read_back_as_written() {
+    // The GPU keeps quantized blocks split into quants and scales; reads give the file's
+    // layout back.
+    let g = gpu();
+    let mut rng = StdRng::seed_from_u64(11);
+    for dtype in DType::ALL {
+        let (m, k) = (5, 512);
+        let bytes = quant::quantize(dtype, &random(m * k, &mut rng, 2.0)).unwrap();
+        let shape = Shape::new(vec![m, k]).unwrap();
+        let mut t = g
+            .upload(dtype, shape, HostBytes::from_vec(bytes.clone()))
+            .unwrap();
+        assert_eq!(g.download(&t).unwrap(), bytes, "{dtype} upload");
+        let other = quant::quantize(dtype, &random(m * k, &mut rng, 1.0)).unwrap();
+        g.write(&mut t, &other).unwrap();
+        assert_eq!(g.download(&t).unwrap(), other, "{dtype} write");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn sampling_on_the_device_follows_the_host_reference() {
+    use kiln_core::sampling::pick;
+    use kiln_core::SampleParams;
+    let g = gpu();
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut exact = 0;
+    let mut trials = 0;
+    for vocab in [1000, 32_000, 128_256] {
+        for case in 0..40 {
+            // Some rows with many equal logits (ties must go to the lowest ids).
+            let mut logits = random(vocab, &mut rng, 6.0);
+            if case % 4 == 0 {
+                for l in &mut logits {
+                    *l = (*l * 2.0).round() / 2.0;
+                }
+            }
+            let params = SampleParams {
+                temperature: [0.0, 0.3, 0.8, 1.5][case % 4],
+                top_k: [1, 40, 5, 1024, 200][case % 5],
+                top_p: [1.0, 0.9, 0.5][case % 3],
+                min_p: [0.0, 0.05, 0.3][(case / 3) % 3],
+                repeat_penalty: if case % 2 == 0 { 1.0 } else { 1.3 },
+                draw: rng.random_range(0.0..1.0),
+            };
+            let penalized: Vec<u32> = (0..64).map(|i| (i * 37 % vocab) as u32).collect();
+            let penalized = if params.repeat_penalty == 1.0 {
+                &[][..]
+            } else {
+                &penalized[..]
+            };
+            let want = pick(&mut logits.clone(), penalized, &params);
+            let mut lt = upload(&g, DType::F32, &[1, vocab], &logits);
+            let mut out = g.zeros(DType::I32, Shape::new(vec![1]).unwrap()).unwrap();
+            g.sample(&mut lt, penalized, &params, &mut out).unwrap();
+            let got = read_i32(&g, &out)[0] as u32;
+            trials += 1;
+            if got == want {
+                exact += 1;
+                continue;
+            }
+            // f32 sums on the device against f64 on the host: a different token only
+            // where the draw or top-p sits at a boundary.
+            let nudged = [(-1e-4, 0.0), (1e-4, 0.0), (0.0, -1e-4), (0.0, 1e-4)]
+                .iter()
+                .any(|&(dd, dp)| {
+                    let p = SampleParams {
+                        draw: (params.draw + dd).clamp(0.0, 0.999_999),
+                        top_p: if params.top_p < 1.0 {
+                            params.top_p + dp
+                        } else {
+                            1.0
+                        },
+                        ..params.clone()
+                    };
+                    pick(&mut logits.clone(), penalized, &p) == got
+                });
+            assert!(
+                nudged,
+                "vocab {vocab} {params:?}: device {got}, host {want}"
+            );
+        }
+    }
+    assert!(exact * 100 >= trials * 95, "{exact} of {trials} exact");
+    // Top-k off (the whole vocabulary) is drawn by the host reference: exact.
+    let logits = random(5000, &mut rng, 4.0);
+    let params = SampleParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 0.95,
+        min_p: 0.0,
+        repeat_penalty: 1.0,
+        draw: 0.37,
+    };
+    let mut lt = upload(&g, DType::F32, &[1, 5000], &logits);
+    let mut out = g.zeros(DType::I32, Shape::new(vec![1]).unwrap()).unwrap();
+    g.sample(&mut lt, &[], &params, &mut out).unwrap();
+    assert_eq!(
+        read_i32(&g, &out)[0] as u32,
+        pick(&mut logits.clone(), &[], &params)
+    );
+}

@@ -1,7 +1,7 @@
 //! Text generation: prefill the prompt, then sample one token at a time, streaming text,
 //! stopping at an end-of-generation token, a stop string, or the token budget.
 
-use crate::model::{Logits, Model};
+use crate::model::Model;
 use crate::sampler::Sampler;
 use kiln_core::{Error, Result};
 use kiln_tokenizer::Tokenizer;
@@ -27,12 +27,6 @@ pub struct Generation {
     pub stop: StopReason,
     pub prompt_time: Duration,
     pub gen_time: Duration,
-}
-
-/// What a forward pass hands the sampler.
-enum Step {
-    Token(u32),
-    Logits(Vec<f32>),
 }
 
 pub struct GenerateOptions<'a> {
@@ -153,26 +147,24 @@ pub fn generate(
     let mut stream = TextStream::new(opts.stop_strings);
     let mut tokens = Vec::new();
 
-    // Greedy decoding picks the token on the device and reads back only that.
+    // The token is picked on the device (where it can) and only it is read back.
     let greedy = sampler.is_greedy();
-    let mut step = |model: &mut Model, ids: &[u32], pos0: usize| -> Result<Step> {
-        Ok(if greedy {
-            Step::Token(model.forward_argmax(ids, pos0, &mut cache)?)
+    let mut step = |model: &mut Model, ids: &[u32], pos0: usize, history: &[u32]| {
+        if greedy {
+            model.forward_argmax(ids, pos0, &mut cache)
         } else {
-            Step::Logits(model.forward(ids, pos0, &mut cache, Logits::Last)?)
-        })
+            let params = sampler.next_params();
+            let penalized = sampler.penalized(history);
+            model.forward_sample(ids, pos0, &mut cache, &penalized, &params)
+        }
     };
 
     let start = Instant::now();
-    let mut out = step(model, prompt, 0)?;
+    let mut next = step(model, prompt, 0, &history)?;
     let prompt_time = start.elapsed();
     let start = Instant::now();
     let mut stop = StopReason::Length;
     while tokens.len() < opts.max_tokens {
-        let next = match &mut out {
-            Step::Token(t) => *t,
-            Step::Logits(logits) => sampler.sample(logits, &history),
-        };
         if eos.contains(&next) {
             stop = StopReason::Eos;
             break;
@@ -191,7 +183,7 @@ pub fn generate(
             stop = StopReason::Context;
             break;
         }
-        out = step(model, &[next], history.len() - 1)?;
+        next = step(model, &[next], history.len() - 1, &history)?;
     }
     let gen_time = start.elapsed();
     if stop != StopReason::StopString {

@@ -3,7 +3,9 @@
 
 use crate::config::{Ffn, ModelConfig, Norm};
 use crate::weights::{FfnWeights, GateUp, Linear, ModelWeights, NormWeights, Qkv};
-use kiln_core::{quant, AttentionParams, Backend, DType, Error, Replay, Result, Shape, Tensor};
+use kiln_core::{
+    quant, AttentionParams, Backend, DType, Error, Replay, Result, SampleParams, Shape, Tensor,
+};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -239,11 +241,24 @@ impl Model {
     pub fn forward_argmax(&mut self, ids: &[u32], pos0: usize, cache: &mut KvCache) -> Result<u32> {
         self.run(ids, pos0, cache, Logits::Last, |b, s| {
             b.argmax(&s.logits, &mut s.next)?;
-            let bytes = b.download(&s.next)?;
-            let id = <[u8; 4]>::try_from(bytes.as_slice())
-                .map(i32::from_le_bytes)
-                .map_err(|_| Error::Device(format!("argmax read back {} bytes", bytes.len())))?;
-            u32::try_from(id).map_err(|_| Error::Device(format!("argmax gave token {id}")))
+            read_token(b, &s.next)
+        })
+    }
+
+    /// Like [`Model::forward_argmax`], but draw the next token with `params`, the
+    /// repetition penalty applying to `penalized`; where the backend samples on the
+    /// device, only the token is read back.
+    pub fn forward_sample(
+        &mut self,
+        ids: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        penalized: &[u32],
+        params: &SampleParams,
+    ) -> Result<u32> {
+        self.run(ids, pos0, cache, Logits::Last, |b, s| {
+            b.sample(&mut s.logits, penalized, params, &mut s.next)?;
+            read_token(b, &s.next)
         })
     }
 
@@ -545,4 +560,13 @@ impl Model {
 pub(crate) fn download_f32(b: &dyn Backend, t: &Tensor) -> Result<Vec<f32>> {
     let bytes = b.download(t)?;
     quant::dequantize_to_vec(DType::F32, &bytes, t.shape().numel())
+}
+
+/// The token id a device op left in `next` (I32 `[1]`).
+fn read_token(b: &dyn Backend, next: &Tensor) -> Result<u32> {
+    let bytes = b.download(next)?;
+    let id = <[u8; 4]>::try_from(bytes.as_slice())
+        .map(i32::from_le_bytes)
+        .map_err(|_| Error::Device(format!("a token read back as {} bytes", bytes.len())))?;
+    u32::try_from(id).map_err(|_| Error::Device(format!("the device picked token {id}")))
 }

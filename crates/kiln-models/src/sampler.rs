@@ -1,7 +1,10 @@
-//! Choosing the next token from logits, in llama.cpp's order: repetition penalty, top-k,
-//! top-p, min-p, temperature, then a draw. Temperature 0 is greedy. A seed makes draws
-//! reproducible (the generator is kiln's own, so results do not change with a crate
-//! version).
+//! The sampler's settings and its random numbers. The draw itself (llama.cpp's order:
+//! repetition penalty, top-k, top-p, min-p, temperature) is `kiln_core::sampling`, run by
+//! the backend. Temperature 0 is greedy. A seed makes draws reproducible (the generator
+//! is kiln's own, so results do not change with a crate version).
+
+pub use kiln_core::sampling::argmax;
+use kiln_core::{sampling, SampleParams};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplerConfig {
@@ -64,18 +67,12 @@ impl SplitMix64 {
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: SplitMix64,
-    /// (token, logit) candidates, reused between calls.
-    candidates: Vec<(u32, f32)>,
 }
 
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Self {
         let rng = SplitMix64(cfg.seed);
-        Sampler {
-            cfg,
-            rng,
-            candidates: Vec::new(),
-        }
+        Sampler { cfg, rng }
     }
 
     /// Whether every pick is the argmax of the logits (no temperature, no penalty), so
@@ -84,86 +81,40 @@ impl Sampler {
         self.cfg.temperature <= 0.0 && self.cfg.repeat_penalty == 1.0
     }
 
-    /// Pick a token from `logits` (modified in place by the penalty), given the tokens
-    /// so far.
-    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+    /// The next draw's parameters (each call takes a new random number).
+    pub fn next_params(&mut self) -> SampleParams {
         let c = &self.cfg;
-        if c.repeat_penalty != 1.0 {
-            let recent = &history[history.len().saturating_sub(c.repeat_last_n)..];
-            let mut seen = std::collections::HashSet::new();
-            for &t in recent {
-                if seen.insert(t) {
-                    if let Some(l) = logits.get_mut(t as usize) {
-                        *l = if *l > 0.0 {
-                            *l / c.repeat_penalty
-                        } else {
-                            *l * c.repeat_penalty
-                        };
-                    }
-                }
-            }
-        }
-        if c.temperature <= 0.0 {
-            return argmax(logits);
-        }
-        let cand = &mut self.candidates;
-        cand.clear();
-        cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
-        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if c.top_k > 0 {
-            cand.truncate(c.top_k);
-        }
-        // Probabilities at temperature 1 for top-p and min-p, as llama.cpp does them.
-        let probs = softmax(cand.iter().map(|&(_, l)| l));
-        if c.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = cand.len();
-            for (i, p) in probs.iter().enumerate() {
-                acc += p;
-                if acc >= c.top_p as f64 {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            cand.truncate(keep.max(1));
-        }
-        if c.min_p > 0.0 {
-            let threshold = probs[0] * c.min_p as f64;
-            let keep = probs
-                .iter()
-                .take(cand.len())
-                .take_while(|&&p| p >= threshold)
-                .count();
-            cand.truncate(keep.max(1));
-        }
-        let probs = softmax(cand.iter().map(|&(_, l)| l / c.temperature));
-        let mut r = self.rng.next_f64();
-        for (&(id, _), p) in cand.iter().zip(&probs) {
-            if r < *p {
-                return id;
-            }
-            r -= p;
-        }
-        cand.last().map(|&(id, _)| id).unwrap_or(0)
-    }
-}
-
-fn softmax(logits: impl Iterator<Item = f32> + Clone) -> Vec<f64> {
-    let max = logits.clone().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let e: Vec<f64> = logits.map(|l| (l as f64 - max).exp()).collect();
-    let sum: f64 = e.iter().sum();
-    e.into_iter().map(|v| v / sum).collect()
-}
-
-/// The index of the largest logit (the first, on ties, as transformers' argmax).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+        SampleParams {
+            temperature: c.temperature,
+            top_k: c.top_k,
+            top_p: c.top_p,
+            min_p: c.min_p,
+            repeat_penalty: c.repeat_penalty,
+            draw: if c.temperature > 0.0 {
+                self.rng.next_f64()
+            } else {
+                0.0
+            },
         }
     }
-    best as u32
+
+    /// The distinct tokens among the last `repeat_last_n` of `history` (none when the
+    /// penalty is off).
+    pub fn penalized(&self, history: &[u32]) -> Vec<u32> {
+        if self.cfg.repeat_penalty == 1.0 {
+            return Vec::new();
+        }
+        let recent = &history[history.len().saturating_sub(self.cfg.repeat_last_n)..];
+        let mut seen = std::collections::HashSet::new();
+        recent.iter().copied().filter(|&t| seen.insert(t)).collect()
+    }
+
+    /// Pick a token from `logits` (modified in place by the penalty) on the host, given
+    /// the tokens so far.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        let params = self.next_params();
+        sampling::pick(logits, &self.penalized(history), &params)
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! Decoding one token at a time: greedy picks made on the device agree with the logits,
-//! and one-token steps are recorded and replayed as `Backend::capture` lays down.
+//! sampled ones follow the seed, and one-token steps are recorded and replayed as `Backend::capture` lays down.
 
 use kiln_core::{
     AttentionParams, Backend, DType, Device, HostBytes, Replay, Result, RopeLayout, Shape, Tensor,
@@ -82,10 +82,27 @@ fn greedy_with_and_without_graphs(backend: Arc<dyn Backend>) {
                 .unwrap()
                 .tokens
         };
+        // Sampled (on the device where it can), with a penalty: the seed decides.
+        let sampled = |model: &mut Model, seed: u64| {
+            let mut sampler = Sampler::new(SamplerConfig {
+                temperature: 1.2,
+                top_k: 40,
+                repeat_penalty: 1.1,
+                seed,
+                ..Default::default()
+            });
+            generate(model, &tokenizer, &prompt, &mut sampler, &opts, |_| {})
+                .unwrap()
+                .tokens
+        };
         let with_graphs = run(&mut model);
+        let sampled_with = [sampled(&mut model, 7), sampled(&mut model, 8)];
         model.set_graphs(false);
         let without = run(&mut model);
         assert_eq!(with_graphs, without, "{name}");
+        assert_eq!(sampled_with[0], sampled(&mut model, 7), "{name}: seed 7");
+        assert_eq!(sampled_with[1], sampled(&mut model, 8), "{name}: seed 8");
+        assert_ne!(sampled_with[0], sampled_with[1], "{name}: seeds 7 and 8");
         // Generation may stop early at an end-of-generation token.
         assert!(
             !with_graphs.is_empty() && want.starts_with(&with_graphs),

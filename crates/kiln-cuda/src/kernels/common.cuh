@@ -69,6 +69,14 @@ __device__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// GELU with the tanh approximation (what GPT-2 and Gemma use).
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+}
+
 __device__ __forceinline__ u16 load_u16(const u8* p) { return *(const u16*)p; }
 
 // ---- ggml block formats (byte layouts as in ggml-common.h) ----
@@ -76,20 +84,35 @@ __device__ __forceinline__ u16 load_u16(const u8* p) { return *(const u16*)p; }
 // Q8_0: f16 d, 32 x i8.  Q4_0: f16 d, 16 bytes (low nibbles: values 0..15, high: 16..31).
 // Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles.
 // Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 x i8 scales, f16 d.
+//
+// On the GPU a quantized tensor is stored split (done at upload by layout.rs): first the
+// quant bytes of every block, in order (QBYTES per block), then the rest of every block
+// (its scales and mins, in their order within the block). The bits are ggml's; the split
+// only puts the quants of a row at 16-byte aligned addresses, so a lane reads 16 bytes of
+// them at once (ggml's 18-, 34- and 210-byte blocks are only 2-byte aligned).
 enum WeightType { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_Q8_0 = 3, W_Q4_0 = 4, W_Q4_K = 5, W_Q6_K = 6 };
 
 template <int T> struct Fmt;
-template <> struct Fmt<W_F32>  { static constexpr int BLOCK = 1,   BYTES = 4; };
-template <> struct Fmt<W_F16>  { static constexpr int BLOCK = 1,   BYTES = 2; };
-template <> struct Fmt<W_BF16> { static constexpr int BLOCK = 1,   BYTES = 2; };
-template <> struct Fmt<W_Q8_0> { static constexpr int BLOCK = 32,  BYTES = 34; };
-template <> struct Fmt<W_Q4_0> { static constexpr int BLOCK = 32,  BYTES = 18; };
-template <> struct Fmt<W_Q4_K> { static constexpr int BLOCK = 256, BYTES = 144; };
-template <> struct Fmt<W_Q6_K> { static constexpr int BLOCK = 256, BYTES = 210; };
+template <> struct Fmt<W_F32>  { static constexpr int BLOCK = 1,   BYTES = 4,   QBYTES = 4; };
+template <> struct Fmt<W_F16>  { static constexpr int BLOCK = 1,   BYTES = 2,   QBYTES = 2; };
+template <> struct Fmt<W_BF16> { static constexpr int BLOCK = 1,   BYTES = 2,   QBYTES = 2; };
+template <> struct Fmt<W_Q8_0> { static constexpr int BLOCK = 32,  BYTES = 34,  QBYTES = 32; };
+template <> struct Fmt<W_Q4_0> { static constexpr int BLOCK = 32,  BYTES = 18,  QBYTES = 16; };
+template <> struct Fmt<W_Q4_K> { static constexpr int BLOCK = 256, BYTES = 144, QBYTES = 128; };
+template <> struct Fmt<W_Q6_K> { static constexpr int BLOCK = 256, BYTES = 210, QBYTES = 192; };
 
-// Bytes of a row of k values.
-template <int T> __device__ __forceinline__ size_t row_bytes(int k) {
-    return (size_t)(k / Fmt<T>::BLOCK) * Fmt<T>::BYTES;
+// Row r of a [rows, k] weight: its quants (for float types, its values) and, for
+// quantized types, its blocks' scales (`meta`, BYTES - QBYTES per block).
+struct WRow {
+    const u8* q;
+    const u8* meta;
+};
+
+template <int T> __device__ __forceinline__ WRow weight_row(const u8* w, int rows, int k, int r) {
+    const size_t blocks = (size_t)(k / Fmt<T>::BLOCK);
+    constexpr int META = Fmt<T>::BYTES - Fmt<T>::QBYTES;
+    return WRow{w + (size_t)r * blocks * Fmt<T>::QBYTES,
+                w + (size_t)rows * blocks * Fmt<T>::QBYTES + (size_t)r * blocks * META};
 }
 
 // Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
@@ -103,12 +126,12 @@ __device__ __forceinline__ void q4k_scale_min(int j, const u8* s, float* sc, flo
     }
 }
 
-// Decode unit `u` (values 32u .. 32u+31) of a row whose data starts at `row`.
+// Decode unit `u` (values 32u .. 32u+31) of a row.
 // Float rows must hold the whole unit (callers handle a row's tail themselves).
-template <int T> __device__ __forceinline__ void load_unit(const u8* row, int u, float w[32]);
+template <int T> __device__ __forceinline__ void load_unit(WRow row, int u, float w[32]);
 
-template <> __device__ __forceinline__ void load_unit<W_F32>(const u8* row, int u, float w[32]) {
-    const float* p = (const float*)row + (size_t)u * 32;
+template <> __device__ __forceinline__ void load_unit<W_F32>(WRow row, int u, float w[32]) {
+    const float* p = (const float*)row.q + (size_t)u * 32;
     if ((((size_t)p) & 15) == 0) {
 #pragma unroll
         for (int i = 0; i < 8; i++) {
@@ -122,8 +145,8 @@ template <> __device__ __forceinline__ void load_unit<W_F32>(const u8* row, int 
 }
 
 template <int T>
-__device__ __forceinline__ void load_unit_half(const u8* row, int u, float w[32]) {
-    const u16* p = (const u16*)row + (size_t)u * 32;
+__device__ __forceinline__ void load_unit_half(WRow row, int u, float w[32]) {
+    const u16* p = (const u16*)row.q + (size_t)u * 32;
     if ((((size_t)p) & 15) == 0) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -142,91 +165,81 @@ __device__ __forceinline__ void load_unit_half(const u8* row, int u, float w[32]
     }
 }
 
-template <> __device__ __forceinline__ void load_unit<W_F16>(const u8* row, int u, float w[32]) {
+template <> __device__ __forceinline__ void load_unit<W_F16>(WRow row, int u, float w[32]) {
     load_unit_half<W_F16>(row, u, w);
 }
 
-template <> __device__ __forceinline__ void load_unit<W_BF16>(const u8* row, int u, float w[32]) {
+template <> __device__ __forceinline__ void load_unit<W_BF16>(WRow row, int u, float w[32]) {
     load_unit_half<W_BF16>(row, u, w);
 }
 
-template <> __device__ __forceinline__ void load_unit<W_Q8_0>(const u8* row, int u, float w[32]) {
-    const u8* b = row + (size_t)u * 34;
-    const float d = f16_to_f32(load_u16(b));
-    // The quants sit at an even offset: read them as 16 pairs.
+// The 32 bytes at p (16-byte aligned) as eight words.
+__device__ __forceinline__ void load_words8(const u8* p, u32 words[8]) {
+    const uint4 a = ((const uint4*)p)[0], b = ((const uint4*)p)[1];
+    words[0] = a.x; words[1] = a.y; words[2] = a.z; words[3] = a.w;
+    words[4] = b.x; words[5] = b.y; words[6] = b.z; words[7] = b.w;
+}
+
+template <> __device__ __forceinline__ void load_unit<W_Q8_0>(WRow row, int u, float w[32]) {
+    const float d = f16_to_f32(load_u16(row.meta + 2 * (size_t)u));
+    u32 words[8];
+    load_words8(row.q + (size_t)u * 32, words);
+#pragma unroll
+    for (int i = 0; i < 32; i++) w[i] = d * (float)(i8)(words[i / 4] >> (8 * (i % 4)));
+}
+
+template <> __device__ __forceinline__ void load_unit<W_Q4_0>(WRow row, int u, float w[32]) {
+    const float d = f16_to_f32(load_u16(row.meta + 2 * (size_t)u));
+    const uint4 v = ((const uint4*)row.q)[u];
+    const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 16; i++) {
-        u16 pair = load_u16(b + 2 + 2 * i);
-        w[2 * i] = d * (float)(i8)(pair & 0xff);
-        w[2 * i + 1] = d * (float)(i8)(pair >> 8);
+        const u32 q = (words[i / 4] >> (8 * (i % 4))) & 0xFF;
+        w[i] = d * ((float)(q & 0xF) - 8.0f);
+        w[i + 16] = d * ((float)(q >> 4) - 8.0f);
     }
 }
 
-template <> __device__ __forceinline__ void load_unit<W_Q4_0>(const u8* row, int u, float w[32]) {
-    const u8* b = row + (size_t)u * 18;
-    const float d = f16_to_f32(load_u16(b));
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        u16 pair = load_u16(b + 2 + 2 * i);
-        u32 q0 = pair & 0xff, q1 = pair >> 8;
-        w[2 * i] = d * ((float)(q0 & 0xF) - 8.0f);
-        w[2 * i + 1] = d * ((float)(q1 & 0xF) - 8.0f);
-        w[2 * i + 16] = d * ((float)(q0 >> 4) - 8.0f);
-        w[2 * i + 17] = d * ((float)(q1 >> 4) - 8.0f);
-    }
-}
-
-template <> __device__ __forceinline__ void load_unit<W_Q4_K>(const u8* row, int u, float w[32]) {
-    // Blocks are 144 bytes, so with an aligned base every block is 16-byte aligned.
-    const u8* b = row + (size_t)(u >> 3) * 144;
-    const int j = u & 7;
-    const float d = f16_to_f32(load_u16(b)), dmin = f16_to_f32(load_u16(b + 2));
+template <> __device__ __forceinline__ void load_unit<W_Q4_K>(WRow row, int u, float w[32]) {
+    const int blk = u >> 3, j = u & 7;
+    const u8* m = row.meta + (size_t)blk * 16;
+    const float d = f16_to_f32(load_u16(m)), dmin = f16_to_f32(load_u16(m + 2));
     float sc, mn;
-    q4k_scale_min(j, b + 4, &sc, &mn);
+    q4k_scale_min(j, m + 4, &sc, &mn);
     const float scale = d * sc, offset = dmin * mn;
-    const uint4* q = (const uint4*)(b + 16 + (j >> 1) * 32);
+    // Sub-blocks 2c and 2c + 1 share the 32 bytes of chunk c: low and high nibbles.
+    u32 words[8];
+    load_words8(row.q + (size_t)blk * 128 + (j >> 1) * 32, words);
     const int shift = (j & 1) * 4;
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        uint4 v = q[i];
-        u32 words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int wd = 0; wd < 4; wd++) {
-#pragma unroll
-            for (int by = 0; by < 4; by++) {
-                u32 q4 = (words[wd] >> (8 * by + shift)) & 0xF;
-                w[16 * i + 4 * wd + by] = scale * (float)q4 - offset;
-            }
-        }
-    }
+    for (int i = 0; i < 32; i++)
+        w[i] = scale * (float)((words[i / 4] >> (8 * (i % 4) + shift)) & 0xF) - offset;
 }
 
-template <> __device__ __forceinline__ void load_unit<W_Q6_K>(const u8* row, int u, float w[32]) {
-    const u8* b = row + (size_t)(u >> 3) * 210;
-    const int j = u & 7, half = j >> 2, t = j & 3;
-    const u8* ql = b + 64 * half + 32 * (t & 1);
-    const u8* qh = b + 128 + 32 * half;
-    const i8* sc = (const i8*)(b + 192) + 8 * half + 2 * t;
-    const float d = f16_to_f32(load_u16(b + 208));
+template <> __device__ __forceinline__ void load_unit<W_Q6_K>(WRow row, int u, float w[32]) {
+    const int blk = u >> 3, j = u & 7, half = j >> 2, t = j & 3;
+    const u8* b = row.q + (size_t)blk * 192;
+    const u8* m = row.meta + (size_t)blk * 18;
+    u32 lo[8], hi[8];
+    load_words8(b + 64 * half + 32 * (t & 1), lo);
+    load_words8(b + 128 + 32 * half, hi);
+    const i8* sc = (const i8*)m + 8 * half + 2 * t;
+    const float d = f16_to_f32(load_u16(m + 16));
     const int lshift = 4 * (t >> 1), hshift = 2 * t;
     const float s0 = d * (float)sc[0], s1 = d * (float)sc[1];
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        u16 lo = load_u16(ql + 2 * i), hi = load_u16(qh + 2 * i);
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            int l = 2 * i + e;
-            int q = (((lo >> (8 * e)) >> lshift) & 0xF) | ((((hi >> (8 * e)) >> hshift) & 3) << 4);
-            w[l] = (l < 16 ? s0 : s1) * (float)(q - 32);
-        }
+    for (int l = 0; l < 32; l++) {
+        const int sh = 8 * (l % 4);
+        const int q = ((lo[l / 4] >> (sh + lshift)) & 0xF) | (((hi[l / 4] >> (sh + hshift)) & 3) << 4);
+        w[l] = (l < 16 ? s0 : s1) * (float)(q - 32);
     }
 }
 
 // Plain float types: one value at index i of a row.
-template <int T> __device__ __forceinline__ float load_one(const u8* row, int i) {
-    if (T == W_F32) return ((const float*)row)[i];
-    if (T == W_F16) return f16_to_f32(((const u16*)row)[i]);
-    return bf16_to_f32(((const u16*)row)[i]);
+template <int T> __device__ __forceinline__ float load_one(WRow row, int i) {
+    if (T == W_F32) return ((const float*)row.q)[i];
+    if (T == W_F16) return f16_to_f32(((const u16*)row.q)[i]);
+    return bf16_to_f32(((const u16*)row.q)[i]);
 }
 
 // Matvec kernels may split a row over blockDim.z warps (threadIdx.z = part; short rows

@@ -11,7 +11,7 @@ __device__ void dequant_f16(const u8* __restrict__ w, u16* __restrict__ out, int
     const size_t r = g / units_per_row;
     const int u = (int)(g % units_per_row);
     float v[32];
-    load_unit<T>(w + r * row_bytes<T>(k), u, v);
+    load_unit<T>(weight_row<T>(w, m, k, (int)r), u, v);
     uint4* o = (uint4*)(out + r * k + (size_t)u * 32);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -50,7 +50,7 @@ __device__ void embedding(const u8* __restrict__ table, const int* __restrict__ 
         for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = 0.0f;
         return;
     }
-    const u8* row = table + (size_t)id * row_bytes<T>(dim);
+    const WRow row = weight_row<T>(table, rows, dim, id);
     const int units = dim / 32;
     for (int u = threadIdx.x; u < units; u += blockDim.x) {
         float v[32];

@@ -21,17 +21,9 @@ extern "C" __global__ void fill(float* x, size_t n, float v) {
     if (i < n) x[i] = v;
 }
 
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
-}
-
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
-    }
+    if (i < n) out[i] = silu(gate[i]) * up[i];
 }
 
 extern "C" __global__ void gelu_mul(const float* gate, const float* up, float* out, size_t n) {
