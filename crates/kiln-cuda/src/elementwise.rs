@@ -213,15 +213,38 @@ pub(crate) fn argmax(b: &CudaBackend, x: &Tensor, out: &mut Tensor) -> Result<()
     if rows == 0 || cols == 0 {
         return Ok(());
     }
+    // A piece per 4096 values, at most 128 of them.
+    let pieces = cols.div_ceil(4096).clamp(1, 128);
+    if rows > 65_535 {
+        return Err(Error::shape(format!(
+            "argmax of {rows} rows: at most 65535 a launch"
+        )));
+    }
+    let rows_i = rows as i32;
+    let piece_v = b.scratch("argmax_piece_v", 4 * rows * pieces)?;
+    let piece_i = b.scratch("argmax_piece_i", 4 * rows * pieces)?;
     b.launch(
-        "argmax",
-        (to_i32(rows, "rows")? as u32, 1, 1),
-        (1024, 1, 1),
+        "argmax_pieces",
+        (pieces as u32, rows_i as u32, 1),
+        (256, 1, 1),
         0,
         &[
             Arg::Ptr(ptr(x)?),
-            Arg::Ptr(ptr(out)?),
+            Arg::Ptr(piece_v),
+            Arg::Ptr(piece_i),
             Arg::I32(to_i32(cols, "columns")?),
+        ],
+    )?;
+    b.launch(
+        "argmax_finish",
+        (rows_i as u32, 1, 1),
+        (32 * pieces.div_ceil(32) as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(piece_v),
+            Arg::Ptr(piece_i),
+            Arg::I32(pieces as i32),
+            Arg::Ptr(ptr(out)?),
         ],
     )
 }

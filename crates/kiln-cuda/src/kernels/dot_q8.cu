@@ -123,16 +123,22 @@ template <> struct Item<W_Q4_K> {
         unit_a = blk * 8 + 2 * c;
         q = load16(row.q + 16 * (size_t)i);
         const uint4 meta = *(const uint4*)(row.meta + 16 * (size_t)blk);
-        const u32 scales[3] = {meta.y, meta.z, meta.w};
-        const u8* s = (const u8*)scales;
         const float d = f16_to_f32((u16)(meta.x & 0xffff)), dmin = f16_to_f32((u16)(meta.x >> 16));
-        float sc, mn;
-        q4k_scale_min(2 * c, s, &sc, &mn);
-        da = d * sc;
-        ma = dmin * mn;
-        q4k_scale_min(2 * c + 1, s, &sc, &mn);
-        db = d * sc;
-        mb = dmin * mn;
+        // Scales and mins of sub-blocks 2c and 2c + 1, in registers (ggml's
+        // get_scale_min_k4 on the 12 bytes meta.y, meta.z, meta.w). c < 2 reads 6-bit
+        // fields; c >= 2 joins 4 bits with the top 2 bits of the first 8 bytes. Both
+        // are computed and one kept, so lanes of a warp do not diverge.
+        const int sh = 16 * (c & 1);  // byte (2c) % 4 of each word, and the next
+        const u32 s0 = meta.y >> sh, s1 = meta.z >> sh, s2 = meta.w >> sh;  // two bytes each
+        const bool high = c >= 2;
+        const u32 sc_lo = s0 & 0x3F3F, mn_lo = s1 & 0x3F3F;
+        const u32 sc_hi = (s2 & 0x0F0F) | ((s0 >> 2) & 0x3030);
+        const u32 mn_hi = ((s2 >> 4) & 0x0F0F) | ((s1 >> 2) & 0x3030);
+        const u32 scs = high ? sc_hi : sc_lo, mns = high ? mn_hi : mn_lo;
+        da = d * (float)(scs & 0xFF);
+        db = d * (float)((scs >> 8) & 0xFF);
+        ma = dmin * (float)(mns & 0xFF);
+        mb = dmin * (float)((mns >> 8) & 0xFF);
     }
     __device__ __forceinline__ float dot(const i8* xq, const float* xd) const {
         const int4 xa = load16(xq + 32 * unit_a + l), xb = load16(xq + 32 * (unit_a + 1) + l);

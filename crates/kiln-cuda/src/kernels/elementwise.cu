@@ -60,21 +60,14 @@ extern "C" __global__ void slice_cols(const float* src, float* dst, int src_cols
     for (int i = threadIdx.x; i < dst_cols; i += blockDim.x) d[i] = s[i];
 }
 
-// out[r] = first index of the largest value of row r.   Launch: grid (rows), block 1024.
-extern "C" __global__ void argmax(const float* x, int* out, int cols) {
+// The best (largest value, then lowest index) of the block's (bv, bi); thread 0 gets it.
+// NaN never wins. blockDim.x a multiple of 32, at most 1024.
+__device__ void block_best(float& bv, int& bi) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
-    const float* r = x + (size_t)blockIdx.x * cols;
-    float bv = NEG_INF;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = r[i];
-        // NaN never wins; ties keep the lower index (threads see increasing i).
-        if (v > bv) { bv = v; bi = i; }
-    }
     for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
         if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -85,10 +78,41 @@ extern "C" __global__ void argmax(const float* x, int* out, int cols) {
         bv = lane < warps ? best_v[lane] : NEG_INF;
         bi = lane < warps ? best_i[lane] : 0x7fffffff;
         for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
         }
-        if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
     }
+}
+
+// Argmax of each row in two launches, so that a long row (a 128k vocabulary) is read
+// by many SMs: first the best of each of gridDim.x pieces of a row, then the best of
+// the pieces. Launch: grid (pieces, rows), block 256.
+extern "C" __global__ void argmax_pieces(const float* x, float* piece_v, int* piece_i, int cols) {
+    const float* r = x + (size_t)blockIdx.y * cols;
+    const int per = (cols + gridDim.x - 1) / gridDim.x;
+    const int lo = blockIdx.x * per, hi = min(lo + per, cols);
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    // Threads see increasing i, so ties keep the lower index.
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const float v = r[i];
+        if (v > bv) { bv = v; bi = i; }
+    }
+    block_best(bv, bi);
+    if (threadIdx.x == 0) {
+        piece_v[blockIdx.y * gridDim.x + blockIdx.x] = bv;
+        piece_i[blockIdx.y * gridDim.x + blockIdx.x] = bi;
+    }
+}
+
+// out[r] = the first index of the largest value of row r. Launch: grid (rows), block 32
+// times ceil(pieces / 32), pieces <= 1024.
+extern "C" __global__ void argmax_finish(const float* piece_v, const int* piece_i, int pieces,
+                                         int* out) {
+    const int p = threadIdx.x;
+    float bv = p < pieces ? piece_v[blockIdx.x * pieces + p] : NEG_INF;
+    int bi = p < pieces ? piece_i[blockIdx.x * pieces + p] : 0x7fffffff;
+    block_best(bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
 }
