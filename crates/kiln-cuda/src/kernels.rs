@@ -33,6 +33,8 @@ pub(crate) struct Kernels {
     functions: Mutex<HashMap<&'static str, sys::CUfunction>>,
     /// The most dynamic shared memory a block may ask for on this GPU.
     max_shared: i32,
+    /// Launch with programmatic dependent launch (see `follow_previous` in common.cuh).
+    programmatic: bool,
 }
 
 // CUmodule and CUfunction are handles the driver lets any thread of the context use.
@@ -40,13 +42,16 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 impl Kernels {
-    pub(crate) fn load(cubin: &[u8], max_shared: i32) -> Result<Kernels> {
+    /// `programmatic`: launch each kernel so that it may be scheduled while the one
+    /// before it finishes (sm_90 and later).
+    pub(crate) fn load(cubin: &[u8], max_shared: i32, programmatic: bool) -> Result<Kernels> {
         let module = unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) }
             .map_err(|e| Error::Device(format!("cannot load the compiled kernels: {e}")))?;
         Ok(Kernels {
             module,
             functions: Mutex::new(HashMap::new()),
             max_shared,
+            programmatic,
         })
     }
 
@@ -100,8 +105,30 @@ impl Kernels {
             .iter_mut()
             .map(|s| s as *mut u64 as *mut c_void)
             .collect();
-        unsafe { result::launch_kernel(f, grid, block, shared, stream, &mut params) }
-            .map_err(|e| Error::Device(format!("launching {name}: {e}")))
+        let err = |e| Error::Device(format!("launching {name}: {e}"));
+        if !self.programmatic {
+            return unsafe { result::launch_kernel(f, grid, block, shared, stream, &mut params) }
+                .map_err(err);
+        }
+        // SAFETY: the attribute union is plain data; zeroed, then the one field set.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: shared,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(err)
     }
 }
 

@@ -85,7 +85,10 @@ impl CudaBackend {
             )
             .map_err(driver_error)?;
         let (cubin, cache_outcome) = compile::kernels_for(arch, driver)?;
-        let kernels = match Kernels::load(&cubin, max_shared) {
+        // Programmatic dependent launch from Hopper on; KILN_NO_PDL=1 turns it off (to
+        // measure what it brings).
+        let programmatic = arch.0 >= 9 && std::env::var_os("KILN_NO_PDL").is_none_or(|v| v != "1");
+        let kernels = match Kernels::load(&cubin, max_shared, programmatic) {
             Ok(k) => k,
             Err(e) if cache_outcome == CacheOutcome::Hit => {
                 // A cached binary the driver refuses: drop it and compile afresh.
@@ -93,7 +96,11 @@ impl CudaBackend {
                 if let Some(p) = compile::cache_path(arch, driver)? {
                     let _ = std::fs::remove_file(p);
                 }
-                Kernels::load(&compile::kernels_for(arch, driver)?.0, max_shared)?
+                Kernels::load(
+                    &compile::kernels_for(arch, driver)?.0,
+                    max_shared,
+                    programmatic,
+                )?
             }
             Err(e) => return Err(e),
         };

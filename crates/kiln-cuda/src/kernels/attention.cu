@@ -23,6 +23,7 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
                                float* __restrict__ out, float* __restrict__ part, int n,
                                int heads, int kv_heads, int D, float scale, float cap,
                                int window, int qt, int span) {
+    follow_previous();
     extern __shared__ float smem[];
     const int group = heads / kv_heads;
     const int kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -145,6 +146,7 @@ ATTENTION(8)
 // Launch: grid (n * heads), block 32.
 extern "C" __global__ void attention_combine(const float* part, float* out, int n, int heads,
                                              int D, int splits) {
+    follow_previous();
     const size_t row = blockIdx.x;  // qi * heads + h
     const size_t stride = (size_t)n * heads * (D + 2);
     float M = NEG_INF;

@@ -13,6 +13,19 @@ typedef unsigned long long u64;
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// Programmatic dependent launch (sm_90 and later; kernels.rs launches every kernel with
+// it): a kernel's blocks may be scheduled while the kernel before it finishes, so the
+// launch latency hides behind the previous kernel's tail. Every kernel calls this
+// first: it waits until the previous kernel has completed and its writes are visible,
+// then lets the next kernel be scheduled (only once all of this grid's blocks have run
+// it, so the next kernel never takes the place of one of ours).
+__device__ __forceinline__ void follow_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

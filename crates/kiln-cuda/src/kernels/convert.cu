@@ -5,6 +5,7 @@
 // Launch: 1-D, one thread per unit (m * k / 32 of them); k a multiple of 32.
 template <int T>
 __device__ void dequant_f16(const u8* __restrict__ w, u16* __restrict__ out, int m, int k) {
+    follow_previous();
     const size_t units_per_row = k / 32;
     const size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (size_t)m * units_per_row) return;
@@ -29,11 +30,13 @@ extern "C" __global__ void dequant_f16_q4_k(const u8* w, u16* out, int m, int k)
 extern "C" __global__ void dequant_f16_q6_k(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q6_K>(w, out, m, k); }
 
 extern "C" __global__ void f32_to_f16_kernel(const float* x, u16* out, size_t n) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f32_to_f16(x[i]);
 }
 
 extern "C" __global__ void f32_to_bf16_kernel(const float* x, u16* out, size_t n) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f32_to_bf16(x[i]);
 }
@@ -43,6 +46,7 @@ extern "C" __global__ void f32_to_bf16_kernel(const float* x, u16* out, size_t n
 template <int T>
 __device__ void embedding(const u8* __restrict__ table, const int* __restrict__ ids,
                           float* __restrict__ out, int rows, int dim) {
+    follow_previous();
     const int i = blockIdx.x;
     const int id = ids[i];
     float* o = out + (size_t)i * dim;

@@ -11,6 +11,7 @@
 // Launch: 1-D, one thread per 32 values.
 extern "C" __global__ void quantize_x_q8(const float* __restrict__ x, i8* __restrict__ xq,
                                          float* __restrict__ xd, int units) {
+    follow_previous();
     const int u = blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= units) return;
     const float4* src = (const float4*)(x + (size_t)u * 32);

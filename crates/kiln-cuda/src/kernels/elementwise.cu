@@ -2,41 +2,49 @@
 
 // acc[i] += x[i % period] (period = numel of x: equal shapes, or one row broadcast).
 extern "C" __global__ void add_assign(float* acc, const float* x, size_t n, size_t period) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) acc[i] += x[i % period];
 }
 
 extern "C" __global__ void mul_assign(float* acc, const float* x, size_t n, size_t period) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) acc[i] *= x[i % period];
 }
 
 extern "C" __global__ void scale(float* x, size_t n, float s) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= s;
 }
 
 extern "C" __global__ void fill(float* x, size_t n, float v) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = v;
 }
 
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, size_t n) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = silu(gate[i]) * up[i];
 }
 
 extern "C" __global__ void gelu_mul(const float* gate, const float* up, float* out, size_t n) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = gelu_tanh(gate[i]) * up[i];
 }
 
 extern "C" __global__ void gelu(float* x, size_t n) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = gelu_tanh(x[i]);
 }
 
 extern "C" __global__ void softcap(float* x, size_t n, float cap) {
+    follow_previous();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }
@@ -45,6 +53,7 @@ extern "C" __global__ void softcap(float* x, size_t n, float cap) {
 // checks positions it wrote; a recorded step cannot report).   Launch: grid (rows), block 256.
 extern "C" __global__ void write_rows(const float* src, float* dst, const int* pos, int row_len,
                                       int dst_rows) {
+    follow_previous();
     const int p = pos[blockIdx.x];
     if (p < 0 || p >= dst_rows) return;
     const float* s = src + (size_t)blockIdx.x * row_len;
@@ -55,6 +64,7 @@ extern "C" __global__ void write_rows(const float* src, float* dst, const int* p
 // dst[r, :] = src[r, col0 : col0 + dst_cols].   Launch: grid (rows), block 256.
 extern "C" __global__ void slice_cols(const float* src, float* dst, int src_cols, int col0,
                                       int dst_cols) {
+    follow_previous();
     const float* s = src + (size_t)blockIdx.x * src_cols + col0;
     float* d = dst + (size_t)blockIdx.x * dst_cols;
     for (int i = threadIdx.x; i < dst_cols; i += blockDim.x) d[i] = s[i];
@@ -89,6 +99,7 @@ __device__ void block_best(float& bv, int& bi) {
 // by many SMs: first the best of each of gridDim.x pieces of a row, then the best of
 // the pieces. Launch: grid (pieces, rows), block 256.
 extern "C" __global__ void argmax_pieces(const float* x, float* piece_v, int* piece_i, int cols) {
+    follow_previous();
     const float* r = x + (size_t)blockIdx.y * cols;
     const int per = (cols + gridDim.x - 1) / gridDim.x;
     const int lo = blockIdx.x * per, hi = min(lo + per, cols);
@@ -110,6 +121,7 @@ extern "C" __global__ void argmax_pieces(const float* x, float* piece_v, int* pi
 // times ceil(pieces / 32), pieces <= 1024.
 extern "C" __global__ void argmax_finish(const float* piece_v, const int* piece_i, int pieces,
                                          int* out) {
+    follow_previous();
     const int p = threadIdx.x;
     float bv = p < pieces ? piece_v[blockIdx.x * pieces + p] : NEG_INF;
     int bi = p < pieces ? piece_i[blockIdx.x * pieces + p] : 0x7fffffff;

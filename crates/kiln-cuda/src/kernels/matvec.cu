@@ -13,6 +13,7 @@
 template <int T, int B, class X>
 __device__ __forceinline__ void matvec(const u8* w, X x, float* out, int m, int k, int n,
                                        int accumulate) {
+    follow_previous();
     const int r0 = blockIdx.x * blockDim.y + threadIdx.y;
     const bool valid = r0 < m;
     const int r = valid ? r0 : m - 1;  // idle rows still reach combine_parts' barrier
@@ -34,6 +35,7 @@ template <int T, int B, class X>
 __device__ __forceinline__ void matvec3(const u8* w0, const u8* w1, const u8* w2, float* o0,
                                         float* o1, float* o2, int m0, int m1, int m2, X x,
                                         int k, int n) {
+    follow_previous();
     int r = blockIdx.x * blockDim.y + threadIdx.y;
     bool valid = true;
     const u8* w;
@@ -56,6 +58,7 @@ __device__ __forceinline__ void matvec3(const u8* w0, const u8* w1, const u8* w2
 template <int T, int B, class X>
 __device__ __forceinline__ void gate_up(const u8* wg, const u8* wu, X x, float* out, int m,
                                         int k, int n, int gelu) {
+    follow_previous();
     const int r0 = blockIdx.x * blockDim.y + threadIdx.y;
     const bool valid = r0 < m;
     const int r = valid ? r0 : m - 1;  // idle rows still reach combine_parts' barrier

@@ -6,6 +6,7 @@
 // a chain of memory latencies).
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
                                     float* __restrict__ out, int dim, float eps) {
+    follow_previous();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
@@ -38,6 +39,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 extern "C" __global__ void layer_norm(const float* __restrict__ x, const float* __restrict__ w,
                                       const float* __restrict__ b, float* __restrict__ out,
                                       int dim, float eps) {
+    follow_previous();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
@@ -56,6 +58,7 @@ extern "C" __global__ void layer_norm(const float* __restrict__ x, const float* 
 
 // Softmax of each row in place.   Launch: grid (rows), block 256.
 extern "C" __global__ void softmax(float* x, int cols) {
+    follow_previous();
     __shared__ float scratch[32];
     float* r = x + (size_t)blockIdx.x * cols;
     float m = NEG_INF;

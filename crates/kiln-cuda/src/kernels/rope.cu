@@ -3,6 +3,7 @@
 // (2i, 2i+1), NeoX pairs (i, i + rot_dim/2).   Launch: grid (tokens * heads), block 64.
 extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads,
                                 int head_dim, int rot_dim, int neox) {
+    follow_previous();
     const int t = blockIdx.x / heads;
     float* v = x + (size_t)blockIdx.x * head_dim;
     const float p = (float)pos[t];
@@ -25,6 +26,7 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, con
                                          const float* inv_freq, float* k_cache,
                                          float* v_cache, int tokens, int heads, int kv_heads,
                                          int D, int rot_dim, int neox, int cap) {
+    follow_previous();
     const int qblocks = tokens * heads;
     const bool is_q = blockIdx.x < qblocks;
     const int idx = is_q ? blockIdx.x : blockIdx.x - qblocks;

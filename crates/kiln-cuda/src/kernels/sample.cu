@@ -51,6 +51,7 @@ extern "C" __global__ void sample_top_k(float* logits, int vocab, const int* pen
                                         int n_penalized, float penalty, int top_k,
                                         float top_p, float min_p, float temperature,
                                         float draw, int* out) {
+    follow_previous();
     __shared__ u32 hist[256];
     __shared__ u32 chosen_prefix, chosen_left;
     __shared__ int count;
