@@ -100,8 +100,12 @@ fn batch_kernel(names: [&'static str; 4], n: usize) -> &'static str {
 /// A launch's grid or block size.
 type Dim3 = (u32, u32, u32);
 
-/// Weight rows per block of the matvec kernels.
-const MATVEC_ROWS_PER_BLOCK: usize = 4;
+/// Warps (blockDim.y) per block of the matvec kernels.
+const MATVEC_WARPS_PER_BLOCK: usize = 4;
+
+/// Weight rows a warp of the matvec and matvec3 kernels takes (MATVEC_ROWS_PER_WARP in
+/// matvec.cu); a gate_up warp takes one row of each matrix.
+const MATVEC_ROWS_PER_WARP: usize = 2;
 
 /// 16-byte pieces a lane takes at a time along a row of k values (chunks of 8 values
 /// for float weights, the `Item`s of dot_q8.cu for quantized ones).
@@ -113,21 +117,22 @@ fn items_per_row(dtype: DType, k: usize) -> usize {
     }
 }
 
-/// Grid and block of a matvec launch over `rows` weight rows of `items` pieces each. A
-/// warp walks its row with a chain of loads; with few rows (tinyllama's 2048) that
-/// chain, not the bandwidth, sets the time, so short matrices split each row over up to
-/// 4 warps (blockDim.z), aiming at ~6k warps in flight on the GPU, as long as each warp
-/// keeps a full round of 32 pieces.
-fn matvec_shape(rows: usize, items: usize) -> Result<(Dim3, Dim3)> {
-    let by_rows = 6144usize.div_ceil(rows.max(1)).next_power_of_two();
+/// Grid and block of a matvec launch over `rows` weight rows of `items` pieces each,
+/// `per_warp` rows to a warp. A warp walks its rows with a chain of loads; with few rows
+/// (tinyllama's 2048) that chain, not the bandwidth, sets the time, so short matrices
+/// split each row over up to 4 warps (blockDim.z), aiming at ~6k warps in flight on the
+/// GPU, as long as each warp keeps a full round of 32 pieces.
+fn matvec_shape(rows: usize, items: usize, per_warp: usize) -> Result<(Dim3, Dim3)> {
+    let warps = rows.div_ceil(per_warp).max(1);
+    let by_rows = 6144usize.div_ceil(warps).next_power_of_two();
     let by_items = (items / 32).max(1);
     let by_items = 1usize << by_items.ilog2();
     let parts = by_rows.min(by_items).clamp(1, 4);
-    let blocks = u32::try_from(rows.div_ceil(MATVEC_ROWS_PER_BLOCK))
+    let blocks = u32::try_from(warps.div_ceil(MATVEC_WARPS_PER_BLOCK))
         .map_err(|_| Error::shape(format!("{rows} rows are too many for one launch")))?;
     Ok((
         (blocks, 1, 1),
-        (32, MATVEC_ROWS_PER_BLOCK as u32, parts as u32),
+        (32, MATVEC_WARPS_PER_BLOCK as u32, parts as u32),
     ))
 }
 
@@ -232,7 +237,7 @@ fn matvec(
         Arg::I32(n as i32),
         Arg::I32(accumulate as i32),
     ]);
-    let (grid, block) = matvec_shape(m, items_per_row(w.dtype(), k))?;
+    let (grid, block) = matvec_shape(m, items_per_row(w.dtype(), k), MATVEC_ROWS_PER_WARP)?;
     b.launch(batch_kernel(MATVEC[t], n), grid, block, 0, &args)
 }
 
@@ -275,7 +280,11 @@ pub(crate) fn matmul_many(
     ];
     args.extend(matvec_input(b, ws[0].dtype(), x)?);
     args.extend([Arg::I32(to_i32(k, "row length")?), Arg::I32(n as i32)]);
-    let (grid, block) = matvec_shape(m0 + m1 + m2, items_per_row(ws[0].dtype(), k))?;
+    let (grid, block) = matvec_shape(
+        m0 + m1 + m2,
+        items_per_row(ws[0].dtype(), k),
+        MATVEC_ROWS_PER_WARP,
+    )?;
     b.launch(batch_kernel(MATVEC3[t], n), grid, block, 0, &args)
 }
 
@@ -313,7 +322,7 @@ pub(crate) fn gated_ffn(
         Arg::I32(n as i32),
         Arg::I32(gelu as i32),
     ]);
-    let (grid, block) = matvec_shape(m, items_per_row(gate.dtype(), k))?;
+    let (grid, block) = matvec_shape(m, items_per_row(gate.dtype(), k), 1)?;
     b.launch(batch_kernel(GATE_UP[t], n), grid, block, 0, &args)
 }
 

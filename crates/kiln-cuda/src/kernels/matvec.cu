@@ -1,32 +1,45 @@
 // out[b, r] = sum_k x[b, k] * w[r, k] for a few rows b of x (batch 1..8): decode and
 // small batches, where reading the weights once is the whole cost.
 //
-// One warp per weight row (or pair of rows), the row split over blockDim.z warps when
-// matrices are short; each piece of weights is decoded once and used for every row of x.
+// One warp per pair of weight rows (gate_up: a gate row and its up row), the rows split
+// over blockDim.z warps when matrices are short; each piece of weights is decoded once and used for every row of x.
 // The kernels are written once over the activations' form `X` (dot_float.cu: f32 x for
 // float weights; dot_q8.cu: int8 x for quantized weights), which picks `dot_rows`.
 //
 // Kernels come per weight type and per batch bound B (1, 2, 4, 8), so that decode
-// (B = 1) keeps few registers. Launch: block (32, 4, parts), grid (ceil(rows / 4)).
+// (B = 1) keeps few registers. Launch: block (32, 4, parts), grid (ceil(rows / 8)) for
+// matvec and matvec3, (ceil(rows / 4)) for gate_up.
+
+// A warp of matvec and matvec3 takes two weight rows (2w, 2w + 1) and reads each piece
+// of x once for both: with one row, the loads of x (4 bytes per float weight, 1 or 2
+// per quantized one) were as many as the weights' and held the kernel back.
+#define MATVEC_ROWS_PER_WARP 2
 
 // out (+)= x · wᵀ.
 template <int T, int B, class X>
 __device__ __forceinline__ void matvec(const u8* w, X x, float* out, int m, int k, int n,
                                        int accumulate) {
     follow_previous();
-    const int r0 = blockIdx.x * blockDim.y + threadIdx.y;
-    const bool valid = r0 < m;
-    const int r = valid ? r0 : m - 1;  // idle rows still reach combine_parts' barrier
-    const WRow rows[1] = {weight_row<T>(w, m, k, r)};
-    float acc[1][B];
-    dot_rows<T, B, 1>(rows, x, k, n, acc);
-    if (combine_parts<1, B>(acc) && valid)
+    const int r0 = MATVEC_ROWS_PER_WARP * (blockIdx.x * blockDim.y + threadIdx.y);
+    int r[2];
+    WRow rows[2];
 #pragma unroll
-        for (int b = 0; b < B; b++)
-            if (b < n) {
-                float* o = out + (size_t)b * m + r;
-                *o = accumulate ? *o + acc[0][b] : acc[0][b];
-            }
+    for (int j = 0; j < 2; j++) {
+        r[j] = min(r0 + j, m - 1);  // idle rows still reach combine_parts' barrier
+        rows[j] = weight_row<T>(w, m, k, r[j]);
+    }
+    float acc[2][B];
+    dot_rows<T, B, 2>(rows, x, k, n, acc);
+    if (combine_parts<2, B>(acc))
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            if (r0 + j < m)
+#pragma unroll
+                for (int b = 0; b < B; b++)
+                    if (b < n) {
+                        float* o = out + (size_t)b * m + r[j];
+                        *o = accumulate ? *o + acc[j][b] : acc[j][b];
+                    }
 }
 
 // Three projections of the same x (Q, K, V) in one launch: rows [0, m0) of the grid go
@@ -36,22 +49,32 @@ __device__ __forceinline__ void matvec3(const u8* w0, const u8* w1, const u8* w2
                                         float* o1, float* o2, int m0, int m1, int m2, X x,
                                         int k, int n) {
     follow_previous();
-    int r = blockIdx.x * blockDim.y + threadIdx.y;
-    bool valid = true;
-    const u8* w;
-    float* out;
-    int m;
-    if (r < m0) { w = w0; out = o0; m = m0; }
-    else if (r < m0 + m1) { r -= m0; w = w1; out = o1; m = m1; }
-    else if (r < m0 + m1 + m2) { r -= m0 + m1; w = w2; out = o2; m = m2; }
-    else { r = 0; w = w0; out = o0; m = m0; valid = false; }
-    const WRow rows[1] = {weight_row<T>(w, m, k, r)};
-    float acc[1][B];
-    dot_rows<T, B, 1>(rows, x, k, n, acc);
-    if (combine_parts<1, B>(acc) && valid)
+    const int g0 = MATVEC_ROWS_PER_WARP * (blockIdx.x * blockDim.y + threadIdx.y);
+    int r[2], m[2];
+    bool valid[2];
+    float* out[2];
+    WRow rows[2];
 #pragma unroll
-        for (int b = 0; b < B; b++)
-            if (b < n) out[(size_t)b * m + r] = acc[0][b];
+    for (int j = 0; j < 2; j++) {
+        int g = g0 + j;
+        const u8* wj;
+        valid[j] = true;
+        if (g < m0) { wj = w0; out[j] = o0; m[j] = m0; }
+        else if (g < m0 + m1) { g -= m0; wj = w1; out[j] = o1; m[j] = m1; }
+        else if (g < m0 + m1 + m2) { g -= m0 + m1; wj = w2; out[j] = o2; m[j] = m2; }
+        else { g = 0; wj = w0; out[j] = o0; m[j] = m0; valid[j] = false; }
+        r[j] = g;
+        rows[j] = weight_row<T>(wj, m[j], k, g);
+    }
+    float acc[2][B];
+    dot_rows<T, B, 2>(rows, x, k, n, acc);
+    if (combine_parts<2, B>(acc))
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            if (valid[j])
+#pragma unroll
+                for (int b = 0; b < B; b++)
+                    if (b < n) out[j][(size_t)b * m[j] + r[j]] = acc[j][b];
 }
 
 // out = act(x · gateᵀ) * (x · upᵀ): a warp reads row r of gate and of up together.
