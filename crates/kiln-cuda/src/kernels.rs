@@ -90,6 +90,13 @@ impl Kernels {
         self.max_shared as usize
     }
 
+    pub(crate) fn programmatic(&self) -> bool {
+        self.programmatic
+    }
+
+    /// Launch `name`; `programmatic` (where this GPU allows it) lets it be scheduled
+    /// while the kernel before it finishes.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch(
         &self,
         stream: sys::CUstream,
@@ -98,6 +105,7 @@ impl Kernels {
         block: (u32, u32, u32),
         shared: u32,
         args: &[Arg],
+        programmatic: bool,
     ) -> Result<()> {
         let f = self.function(name)?;
         let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
@@ -106,7 +114,7 @@ impl Kernels {
             .map(|s| s as *mut u64 as *mut c_void)
             .collect();
         let err = |e| Error::Device(format!("launching {name}: {e}"));
-        if !self.programmatic {
+        if !(programmatic && self.programmatic) {
             return unsafe { result::launch_kernel(f, grid, block, shared, stream, &mut params) }
                 .map_err(err);
         }

@@ -55,6 +55,10 @@ pub struct CudaBackend {
     /// partials), kept and grown, so that steady-state steps allocate nothing.
     scratch: Mutex<HashMap<&'static str, DeviceBuffer>>,
     cache_outcome: CacheOutcome,
+    /// Whether the last operation queued on the stream was one of our kernels: only then
+    /// may the next kernel launch programmatically (its wait covers a kernel before it,
+    /// not a copy, a memset or a library call).
+    follows_kernel: std::sync::atomic::AtomicBool,
 }
 
 impl CudaBackend {
@@ -116,6 +120,7 @@ impl CudaBackend {
             blas,
             scratch: Mutex::new(HashMap::new()),
             cache_outcome,
+            follows_kernel: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -148,8 +153,43 @@ impl CudaBackend {
         args: &[Arg],
     ) -> Result<()> {
         self.bind()?;
-        self.kernels
-            .launch(self.stream.cu_stream(), name, grid, block, shared, args)
+        let programmatic = self.follows_kernel.swap(true, Ordering::Relaxed);
+        self.kernels.launch(
+            self.stream.cu_stream(),
+            name,
+            grid,
+            block,
+            shared,
+            args,
+            programmatic,
+        )
+    }
+
+    /// Record that something other than one of our kernels was queued on the stream.
+    pub(crate) fn queued_other_work(&self) {
+        self.follows_kernel.store(false, Ordering::Relaxed);
+    }
+
+    /// Call before a library kernel (cuBLAS). Our kernels let the next kernel be
+    /// scheduled as soon as they start (programmatic launch, see common.cuh), which is
+    /// safe only for a successor that waits before reading; a library kernel may not.
+    /// An empty kernel launched the ordinary way starts after the previous kernel has
+    /// completed and releases nothing early.
+    pub(crate) fn fence_before_library_kernel(&self) -> Result<()> {
+        if !self.kernels.programmatic() {
+            return Ok(());
+        }
+        self.bind()?;
+        self.queued_other_work();
+        self.kernels.launch(
+            self.stream.cu_stream(),
+            "library_fence",
+            (1, 1, 1),
+            (32, 1, 1),
+            0,
+            &[],
+            false,
+        )
     }
 
     /// A 1-D launch over `n` elements.
@@ -254,6 +294,7 @@ impl Backend for CudaBackend {
         let bytes = storage(&t)?.bytes;
         if bytes > 0 {
             self.bind()?;
+            self.queued_other_work();
             unsafe { result::memset_d8_async(ptr(&t)?, 0, bytes, self.stream.cu_stream()) }
                 .map_err(driver_error)?;
         }
@@ -273,10 +314,14 @@ impl Backend for CudaBackend {
             let split = layout::split(dtype, data.as_slice());
             let bytes = split.as_deref().unwrap_or(data.as_slice());
             self.bind()?;
-            // Ordered after earlier work on the stream; the host bytes are copied before
-            // this returns.
+            // On our stream, so that the kernels queued after it see the bytes: a
+            // synchronous copy from pageable memory goes through the legacy stream and
+            // may return before the bytes land, and our stream does not wait for it.
+            // The synchronize keeps `data` alive until the copy is done.
+            self.queued_other_work();
+            unsafe { result::memcpy_htod_async(ptr(&t)?, bytes, self.stream.cu_stream()) }
+                .map_err(driver_error)?;
             self.stream.synchronize().map_err(driver_error)?;
-            unsafe { result::memcpy_htod_sync(ptr(&t)?, bytes) }.map_err(driver_error)?;
         }
         Ok(t)
     }
@@ -286,8 +331,11 @@ impl Backend for CudaBackend {
         let mut out = vec![0u8; s.bytes];
         if s.bytes > 0 {
             self.bind()?;
+            // Queued on our stream (after the kernels that wrote `t`), then waited for.
+            self.queued_other_work();
+            unsafe { result::memcpy_dtoh_async(&mut out, s.buf.ptr, self.stream.cu_stream()) }
+                .map_err(driver_error)?;
             self.stream.synchronize().map_err(driver_error)?;
-            unsafe { result::memcpy_dtoh_sync(&mut out, s.buf.ptr) }.map_err(driver_error)?;
         }
         Ok(layout::join(t.dtype(), &out).unwrap_or(out))
     }
@@ -306,6 +354,7 @@ impl Backend for CudaBackend {
             let bytes = split.as_deref().unwrap_or(data);
             self.bind()?;
             // From pageable memory the driver stages the bytes before returning.
+            self.queued_other_work();
             unsafe { result::memcpy_htod_async(s.buf.ptr, bytes, self.stream.cu_stream()) }
                 .map_err(driver_error)?;
         }

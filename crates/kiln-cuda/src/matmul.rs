@@ -103,9 +103,10 @@ type Dim3 = (u32, u32, u32);
 /// Warps (blockDim.y) per block of the matvec kernels.
 const MATVEC_WARPS_PER_BLOCK: usize = 4;
 
-/// Weight rows a warp of the matvec and matvec3 kernels takes (MATVEC_ROWS_PER_WARP in
-/// matvec.cu); a gate_up warp takes one row of each matrix.
+/// Weight rows a warp of the matvec and matvec3 kernels takes, and rows of each matrix a
+/// gate_up warp takes (the same names in matvec.cu).
 const MATVEC_ROWS_PER_WARP: usize = 2;
+const GATE_UP_ROWS_PER_WARP: usize = 1;
 
 /// 16-byte pieces a lane takes at a time along a row of k values (chunks of 8 values
 /// for float weights, the `Item`s of dot_q8.cu for quantized ones).
@@ -322,7 +323,7 @@ pub(crate) fn gated_ffn(
         Arg::I32(n as i32),
         Arg::I32(gelu as i32),
     ]);
-    let (grid, block) = matvec_shape(m, items_per_row(gate.dtype(), k), 1)?;
+    let (grid, block) = matvec_shape(m, items_per_row(gate.dtype(), k), GATE_UP_ROWS_PER_WARP)?;
     b.launch(batch_kernel(GATE_UP[t], n), grid, block, 0, &args)
 }
 
@@ -348,6 +349,8 @@ fn gemm(
     // Column-major view: out[n, m] row-major is outᵀ (m × n) column-major, which is
     // w (stored k × m column-major, transposed) times x (k × n column-major).
     if w.dtype() == DType::F32 {
+        b.fence_before_library_kernel()?;
+        b.queued_other_work();
         return unsafe {
             blas::sgemm(
                 handle.0,
@@ -396,6 +399,8 @@ fn gemm(
             buf
         }
     };
+    b.fence_before_library_kernel()?;
+    b.queued_other_work();
     unsafe {
         blas::gemm_ex(
             handle.0,

@@ -93,6 +93,10 @@ impl Pool {
     }
 
     fn release_cached(&self) {
+        // A cached buffer may still be in use by queued kernels (its tensor dropped after
+        // they were launched); once freed, another allocation, possibly of another
+        // stream, could take its memory while they run. Let the GPU finish first.
+        let _ = result::ctx::synchronize();
         let mut free = self.free.lock().expect("pool lock");
         for (_, ptrs) in free.drain() {
             for p in ptrs {

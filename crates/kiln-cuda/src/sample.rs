@@ -44,6 +44,7 @@ pub(crate) fn sample(
     if !pen.is_empty() {
         let bytes: Vec<u8> = pen.iter().flat_map(|t| t.to_le_bytes()).collect();
         // From pageable memory the driver stages the bytes before returning.
+        b.queued_other_work();
         unsafe { result::memcpy_htod_async(pen_ptr, &bytes[..], b.stream.cu_stream()) }
             .map_err(driver_error)?;
     }

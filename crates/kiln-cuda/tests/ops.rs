@@ -618,6 +618,13 @@ fn sampling_on_the_device_follows_the_host_reference() {
             let mut out = g.zeros(DType::I32, Shape::new(vec![1]).unwrap()).unwrap();
             g.sample(&mut lt, penalized, &params, &mut out).unwrap();
             let got = read_i32(&g, &out)[0] as u32;
+            if penalized.is_empty() {
+                assert_eq!(
+                    read(&g, &lt),
+                    logits,
+                    "vocab {vocab} case {case}: logits changed"
+                );
+            }
             trials += 1;
             if got == want {
                 exact += 1;
@@ -641,7 +648,7 @@ fn sampling_on_the_device_follows_the_host_reference() {
                 });
             assert!(
                 nudged,
-                "vocab {vocab} {params:?}: device {got}, host {want}"
+                "vocab {vocab} case {case} {params:?}: device {got}, host {want}"
             );
         }
     }
@@ -663,4 +670,40 @@ fn sampling_on_the_device_follows_the_host_reference() {
         read_i32(&g, &out)[0] as u32,
         pick(&mut logits.clone(), &[], &params)
     );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn prompt_gemms_read_what_the_kernels_before_them_wrote() {
+    // cuBLAS runs right after kiln's own kernels (weights decoded to f16, x rounded),
+    // which let their successor start early; each product must still see their output.
+    let g = gpu();
+    let mut rng = StdRng::seed_from_u64(13);
+    let (m, k, n) = (2048, 2048, 12);
+    for round in 0..12 {
+        let dtype = [DType::Q6_K, DType::Q4_K, DType::Q8_0][round % 3];
+        let w_vals = random(m * k, &mut rng, 1.0);
+        let x_vals = random(n * k, &mut rng, 1.0);
+        let w = upload(&g, dtype, &[m, k], &w_vals);
+        let x = upload(&g, DType::F32, &[n, k], &x_vals);
+        let mut out = poisoned(&g, &[n, m]);
+        g.matmul(&x, &w, &mut out).unwrap();
+        let got = read(&g, &out);
+        let wq = quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &w_vals).unwrap(), m * k)
+            .unwrap();
+        for idx in (0..n * m).step_by(97) {
+            let (r, c) = (idx / m, idx % m);
+            let (mut dot, mut mag) = (0f64, 0f64);
+            for i in 0..k {
+                let p = x_vals[r * k + i] as f64 * wq[c * k + i] as f64;
+                dot += p;
+                mag += p.abs();
+            }
+            let v = got[idx] as f64;
+            assert!(
+                (v - dot).abs() <= 1e-3 * mag,
+                "round {round} {dtype} [{r},{c}]: got {v}, want {dot}"
+            );
+        }
+    }
 }

@@ -263,7 +263,8 @@ template <int R, int B>
 __device__ __forceinline__ bool combine_parts(float acc[R][B]) {
     const int lane = threadIdx.x & 31;
     if (blockDim.z == 1) return lane == 0;
-    __shared__ float parts[8][8][16];  // [part][row of the block][R * B]
+    static_assert(R * B <= 32, "combine_parts holds 32 sums a warp");
+    __shared__ float parts[4][4][32];  // [part (at most 4)][warp of the block][R * B]
     if (lane == 0)
 #pragma unroll
         for (int j = 0; j < R; j++)

@@ -1,43 +1,44 @@
 // out[b, r] = sum_k x[b, k] * w[r, k] for a few rows b of x (batch 1..8): decode and
 // small batches, where reading the weights once is the whole cost.
 //
-// One warp per pair of weight rows (gate_up: a gate row and its up row), the rows split
-// over blockDim.z warps when matrices are short; each piece of weights is decoded once and used for every row of x.
+// A warp takes a few weight rows (below), split over blockDim.z warps when matrices are
+// short; each piece of weights is decoded once and used for every row of x.
 // The kernels are written once over the activations' form `X` (dot_float.cu: f32 x for
 // float weights; dot_q8.cu: int8 x for quantized weights), which picks `dot_rows`.
 //
 // Kernels come per weight type and per batch bound B (1, 2, 4, 8), so that decode
-// (B = 1) keeps few registers. Launch: block (32, 4, parts), grid (ceil(rows / 8)) for
-// matvec and matvec3, (ceil(rows / 4)) for gate_up.
+// (B = 1) keeps few registers. Launch: block (32, 4, parts), grid (ceil(rows / (4 rows
+// per warp))).
 
-// A warp of matvec and matvec3 takes two weight rows (2w, 2w + 1) and reads each piece
-// of x once for both: with one row, the loads of x (4 bytes per float weight, 1 or 2
-// per quantized one) were as many as the weights' and held the kernel back.
+// A warp of matvec and matvec3 takes MATVEC_ROWS_PER_WARP consecutive weight rows, and a
+// warp of gate_up GATE_UP_ROWS_PER_WARP rows of each matrix, and reads each piece of x
+// once for all of them: with one row a warp, the loads of x (4 bytes per float weight,
+// 1 or 2 per quantized one) were as many as the weights' and held the kernel back.
+// (matmul.rs sizes the grids with the same numbers.)
 #define MATVEC_ROWS_PER_WARP 2
+#define GATE_UP_ROWS_PER_WARP 1
 
 // out (+)= x · wᵀ.
 template <int T, int B, class X>
 __device__ __forceinline__ void matvec(const u8* w, X x, float* out, int m, int k, int n,
                                        int accumulate) {
     follow_previous();
-    const int r0 = MATVEC_ROWS_PER_WARP * (blockIdx.x * blockDim.y + threadIdx.y);
-    int r[2];
-    WRow rows[2];
+    constexpr int R = MATVEC_ROWS_PER_WARP;
+    const int r0 = R * (blockIdx.x * blockDim.y + threadIdx.y);
+    WRow rows[R];
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-        r[j] = min(r0 + j, m - 1);  // idle rows still reach combine_parts' barrier
-        rows[j] = weight_row<T>(w, m, k, r[j]);
-    }
-    float acc[2][B];
-    dot_rows<T, B, 2>(rows, x, k, n, acc);
-    if (combine_parts<2, B>(acc))
+    for (int j = 0; j < R; j++)  // idle rows read row m - 1 and still reach the barrier
+        rows[j] = weight_row<T>(w, m, k, min(r0 + j, m - 1));
+    float acc[R][B];
+    dot_rows<T, B, R>(rows, x, k, n, acc);
+    if (combine_parts<R, B>(acc))
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+        for (int j = 0; j < R; j++)
             if (r0 + j < m)
 #pragma unroll
                 for (int b = 0; b < B; b++)
                     if (b < n) {
-                        float* o = out + (size_t)b * m + r[j];
+                        float* o = out + (size_t)b * m + r0 + j;
                         *o = accumulate ? *o + acc[j][b] : acc[j][b];
                     }
 }
@@ -49,13 +50,14 @@ __device__ __forceinline__ void matvec3(const u8* w0, const u8* w1, const u8* w2
                                         float* o1, float* o2, int m0, int m1, int m2, X x,
                                         int k, int n) {
     follow_previous();
-    const int g0 = MATVEC_ROWS_PER_WARP * (blockIdx.x * blockDim.y + threadIdx.y);
-    int r[2], m[2];
-    bool valid[2];
-    float* out[2];
-    WRow rows[2];
+    constexpr int R = MATVEC_ROWS_PER_WARP;
+    const int g0 = R * (blockIdx.x * blockDim.y + threadIdx.y);
+    int r[R], m[R];
+    bool valid[R];
+    float* out[R];
+    WRow rows[R];
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
+    for (int j = 0; j < R; j++) {
         int g = g0 + j;
         const u8* wj;
         valid[j] = true;
@@ -66,35 +68,43 @@ __device__ __forceinline__ void matvec3(const u8* w0, const u8* w1, const u8* w2
         r[j] = g;
         rows[j] = weight_row<T>(wj, m[j], k, g);
     }
-    float acc[2][B];
-    dot_rows<T, B, 2>(rows, x, k, n, acc);
-    if (combine_parts<2, B>(acc))
+    float acc[R][B];
+    dot_rows<T, B, R>(rows, x, k, n, acc);
+    if (combine_parts<R, B>(acc))
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+        for (int j = 0; j < R; j++)
             if (valid[j])
 #pragma unroll
                 for (int b = 0; b < B; b++)
                     if (b < n) out[j][(size_t)b * m[j] + r[j]] = acc[j][b];
 }
 
-// out = act(x · gateᵀ) * (x · upᵀ): a warp reads row r of gate and of up together.
+// out = act(x · gateᵀ) * (x · upᵀ): a warp reads rows of gate and of up together.
 template <int T, int B, class X>
 __device__ __forceinline__ void gate_up(const u8* wg, const u8* wu, X x, float* out, int m,
                                         int k, int n, int gelu) {
     follow_previous();
-    const int r0 = blockIdx.x * blockDim.y + threadIdx.y;
-    const bool valid = r0 < m;
-    const int r = valid ? r0 : m - 1;  // idle rows still reach combine_parts' barrier
-    const WRow rows[2] = {weight_row<T>(wg, m, k, r), weight_row<T>(wu, m, k, r)};
-    float acc[2][B];
-    dot_rows<T, B, 2>(rows, x, k, n, acc);
-    if (combine_parts<2, B>(acc) && valid)
+    constexpr int R = GATE_UP_ROWS_PER_WARP;
+    const int r0 = R * (blockIdx.x * blockDim.y + threadIdx.y);
+    WRow rows[2 * R];  // gate rows, then up rows
 #pragma unroll
-        for (int b = 0; b < B; b++)
-            if (b < n) {
-                const float g = acc[0][b];
-                out[(size_t)b * m + r] = (gelu ? gelu_tanh(g) : silu(g)) * acc[1][b];
-            }
+    for (int j = 0; j < R; j++) {
+        const int r = min(r0 + j, m - 1);
+        rows[j] = weight_row<T>(wg, m, k, r);
+        rows[R + j] = weight_row<T>(wu, m, k, r);
+    }
+    float acc[2 * R][B];
+    dot_rows<T, B, 2 * R>(rows, x, k, n, acc);
+    if (combine_parts<2 * R, B>(acc))
+#pragma unroll
+        for (int j = 0; j < R; j++)
+            if (r0 + j < m)
+#pragma unroll
+                for (int b = 0; b < B; b++)
+                    if (b < n) {
+                        const float g = acc[j][b];
+                        out[(size_t)b * m + r0 + j] = (gelu ? gelu_tanh(g) : silu(g)) * acc[R + j][b];
+                    }
 }
 
 // One set of kernels for weight type T, batch bound B and activations X, passed to the
