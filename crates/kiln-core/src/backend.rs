@@ -18,6 +18,13 @@ pub enum RopeLayout {
     Neox,
 }
 
+/// An RMS norm on the way into matmuls: `x / sqrt(mean(x²) + eps) * weight` per row.
+pub struct RmsNorm<'a> {
+    pub x: &'a Tensor,
+    pub weight: &'a Tensor,
+    pub eps: f32,
+}
+
 /// How attention scores are formed beyond `q·k`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionParams {
@@ -153,6 +160,37 @@ pub trait Backend: Send + Sync {
             self.matmul(x, w, out)?;
         }
         Ok(())
+    }
+
+    /// `normed = rms_norm(norm)`, then `outs[i] = normed · ws[i]ᵀ`: the norm feeding the
+    /// attention's projections, which a device may fuse (the norm writing its output in
+    /// the form the matmuls read).
+    fn rms_norm_matmul_many(
+        &self,
+        norm: &RmsNorm,
+        normed: &mut Tensor,
+        ws: &[&Tensor],
+        outs: &mut [&mut Tensor],
+    ) -> Result<()> {
+        self.rms_norm(norm.x, norm.weight, norm.eps, normed)?;
+        self.matmul_many(normed, ws, outs)
+    }
+
+    /// `normed = rms_norm(norm)` feeding [`Backend::gated_ffn`].
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_gated_ffn(
+        &self,
+        norm: &RmsNorm,
+        normed: &mut Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        gelu: bool,
+        out: &mut Tensor,
+        tmp_gate: &mut Tensor,
+        tmp_up: &mut Tensor,
+    ) -> Result<()> {
+        self.rms_norm(norm.x, norm.weight, norm.eps, normed)?;
+        self.gated_ffn(normed, gate, up, gelu, out, tmp_gate, tmp_up)
     }
 
     /// `out = act(x · gateᵀ) * (x · upᵀ)`, with `act` SiLU or, when `gelu`, GELU (tanh).

@@ -14,7 +14,7 @@ pub mod sampling;
 pub mod shape;
 pub mod tensor;
 
-pub use backend::{to_device, AttentionParams, Backend, Replay, RopeLayout};
+pub use backend::{to_device, AttentionParams, Backend, Replay, RmsNorm, RopeLayout};
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -25,7 +25,7 @@ pub use memory::CudaStorage;
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use kernels::{Arg, Kernels};
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, HostBytes, Replay, Result, RopeLayout,
+    AttentionParams, Backend, DType, Device, Error, HostBytes, Replay, Result, RmsNorm, RopeLayout,
     SampleParams, Shape, Tensor,
 };
 use memory::{DeviceBuffer, Pool};
@@ -485,6 +485,30 @@ impl Backend for CudaBackend {
 
     fn matmul_many(&self, x: &Tensor, ws: &[&Tensor], outs: &mut [&mut Tensor]) -> Result<()> {
         matmul::matmul_many(self, x, ws, outs)
+    }
+
+    fn rms_norm_matmul_many(
+        &self,
+        norm: &RmsNorm,
+        normed: &mut Tensor,
+        ws: &[&Tensor],
+        outs: &mut [&mut Tensor],
+    ) -> Result<()> {
+        matmul::rms_norm_matmul_many(self, norm, normed, ws, outs)
+    }
+
+    fn rms_norm_gated_ffn(
+        &self,
+        norm: &RmsNorm,
+        normed: &mut Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        gelu: bool,
+        out: &mut Tensor,
+        tmp_gate: &mut Tensor,
+        tmp_up: &mut Tensor,
+    ) -> Result<()> {
+        matmul::rms_norm_gated_ffn(self, norm, normed, gate, up, gelu, out, tmp_gate, tmp_up)
     }
 
     fn gated_ffn(

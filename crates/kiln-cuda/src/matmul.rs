@@ -11,7 +11,7 @@ use crate::kernels::Arg;
 use crate::{expect, ptr, to_i32, CudaBackend};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::CudaStream;
-use kiln_core::{DType, Error, Result, Tensor};
+use kiln_core::{DType, Error, Result, RmsNorm, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// Rows of x up to which the matvec kernels are used.
@@ -187,50 +187,77 @@ pub(crate) fn matmul(
     out: &mut Tensor,
     accumulate: bool,
 ) -> Result<()> {
+    matmul_in(b, x, None, w, out, accumulate)
+}
+
+/// [`matmul`] where `quantized`, when given, is x already rounded to int8 by the op
+/// that made it (see [`quantized_x`]).
+fn matmul_in(
+    b: &CudaBackend,
+    x: &Tensor,
+    quantized: Option<[Arg; 2]>,
+    w: &Tensor,
+    out: &mut Tensor,
+    accumulate: bool,
+) -> Result<()> {
     let (n, m, k) = matmul_dims(x, w, out)?;
     if n == 0 || m == 0 {
         return Ok(());
     }
     let t = kernel_suffix(w.dtype())?;
     if use_matvec(n, k) {
-        return matvec(b, t, x, w, out, accumulate);
+        return matvec(b, t, x, quantized, w, out, accumulate);
     }
     gemm(b, t, x, w, out, accumulate)
 }
 
+/// Buffers for `values` activations rounded to int8 per 32 values: the quants, then
+/// one f32 scale per 32 (what the quantized matvec kernels read).
+pub(crate) fn quantized_x(b: &CudaBackend, values: usize) -> Result<[Arg; 2]> {
+    let units = values / 32;
+    Ok([
+        Arg::Ptr(b.scratch("matvec_xq", units * 32)?),
+        Arg::Ptr(b.scratch("matvec_xd", units * 4)?),
+    ])
+}
+
 /// The activation arguments of the matvec kernels: x itself for float weights; for
-/// quantized weights x rounded to int8 per 32 values (quants, then scales), made here.
-fn matvec_input(b: &CudaBackend, dtype: DType, x: &Tensor) -> Result<Vec<Arg>> {
+/// quantized weights x rounded to int8 per 32 values: `quantized` where the op that
+/// made x wrote it, else made here.
+fn matvec_input(
+    b: &CudaBackend,
+    dtype: DType,
+    x: &Tensor,
+    quantized: Option<[Arg; 2]>,
+) -> Result<Vec<Arg>> {
     if !dtype.is_quantized() {
         return Ok(vec![Arg::Ptr(ptr(x)?)]);
     }
+    if let Some(q) = quantized {
+        return Ok(q.to_vec());
+    }
     let units = x.shape().numel() / 32;
-    let xq = b.scratch("matvec_xq", units * 32)?;
-    let xd = b.scratch("matvec_xd", units * 4)?;
+    let [xq, xd] = quantized_x(b, x.shape().numel())?;
     b.launch_1d(
         "quantize_x_q8",
         units,
-        &[
-            Arg::Ptr(ptr(x)?),
-            Arg::Ptr(xq),
-            Arg::Ptr(xd),
-            Arg::I32(to_i32(units, "units")?),
-        ],
+        &[Arg::Ptr(ptr(x)?), xq, xd, Arg::I32(to_i32(units, "units")?)],
     )?;
-    Ok(vec![Arg::Ptr(xq), Arg::Ptr(xd)])
+    Ok(vec![xq, xd])
 }
 
 fn matvec(
     b: &CudaBackend,
     t: usize,
     x: &Tensor,
+    quantized: Option<[Arg; 2]>,
     w: &Tensor,
     out: &mut Tensor,
     accumulate: bool,
 ) -> Result<()> {
     let (n, k, m) = (x.shape().rows(), x.shape().row_len(), w.shape().rows());
     let mut args = vec![Arg::Ptr(ptr(w)?)];
-    args.extend(matvec_input(b, w.dtype(), x)?);
+    args.extend(matvec_input(b, w.dtype(), x, quantized)?);
     args.extend([
         Arg::Ptr(ptr(out)?),
         Arg::I32(to_i32(m, "rows")?),
@@ -250,6 +277,44 @@ pub(crate) fn matmul_many(
     ws: &[&Tensor],
     outs: &mut [&mut Tensor],
 ) -> Result<()> {
+    matmul_many_in(b, x, None, ws, outs)
+}
+
+/// `normed = rms_norm(x)` feeding [`matmul_many`]: for a few tokens and quantized
+/// weights the norm kernel also rounds its output to int8, so no separate launch does.
+pub(crate) fn rms_norm_matmul_many(
+    b: &CudaBackend,
+    norm: &RmsNorm,
+    normed: &mut Tensor,
+    ws: &[&Tensor],
+    outs: &mut [&mut Tensor],
+) -> Result<()> {
+    let quantized = rms_norm_for(b, norm, normed, ws)?;
+    matmul_many_in(b, normed, quantized, ws, outs)
+}
+
+/// The norm, with int8 output where the matvec kernels of `ws` will read it.
+fn rms_norm_for(
+    b: &CudaBackend,
+    norm: &RmsNorm,
+    normed: &mut Tensor,
+    ws: &[&Tensor],
+) -> Result<Option<[Arg; 2]>> {
+    let (n, k) = (norm.x.shape().rows(), norm.x.shape().row_len());
+    if use_matvec(n, k) && k.is_multiple_of(32) && ws.iter().any(|w| w.dtype().is_quantized()) {
+        return crate::norm::rms_norm_quantized(b, norm.x, norm.weight, norm.eps, normed).map(Some);
+    }
+    crate::norm::rms_norm(b, norm.x, norm.weight, norm.eps, normed)?;
+    Ok(None)
+}
+
+fn matmul_many_in(
+    b: &CudaBackend,
+    x: &Tensor,
+    quantized: Option<[Arg; 2]>,
+    ws: &[&Tensor],
+    outs: &mut [&mut Tensor],
+) -> Result<()> {
     if ws.len() != outs.len() {
         return Err(Error::shape("matmul_many: as many outputs as weights"));
     }
@@ -262,7 +327,7 @@ pub(crate) fn matmul_many(
         ws.len() == 3 && use_matvec(n, k) && n > 0 && ws.iter().all(|w| w.dtype() == ws[0].dtype());
     if !fused {
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul(b, x, w, out, false)?;
+            matmul_in(b, x, quantized, w, out, false)?;
         }
         return Ok(());
     }
@@ -279,7 +344,7 @@ pub(crate) fn matmul_many(
         Arg::I32(to_i32(m1, "rows")?),
         Arg::I32(to_i32(m2, "rows")?),
     ];
-    args.extend(matvec_input(b, ws[0].dtype(), x)?);
+    args.extend(matvec_input(b, ws[0].dtype(), x, quantized)?);
     args.extend([Arg::I32(to_i32(k, "row length")?), Arg::I32(n as i32)]);
     let (grid, block) = matvec_shape(
         m0 + m1 + m2,
@@ -302,20 +367,53 @@ pub(crate) fn gated_ffn(
     tmp_gate: &mut Tensor,
     tmp_up: &mut Tensor,
 ) -> Result<()> {
+    gated_ffn_in(b, x, None, gate, up, gelu, out, tmp_gate, tmp_up)
+}
+
+/// `normed = rms_norm(x)` feeding [`gated_ffn`], the norm writing int8 where the
+/// matvec kernels read it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rms_norm_gated_ffn(
+    b: &CudaBackend,
+    norm: &RmsNorm,
+    normed: &mut Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    gelu: bool,
+    out: &mut Tensor,
+    tmp_gate: &mut Tensor,
+    tmp_up: &mut Tensor,
+) -> Result<()> {
+    let quantized = rms_norm_for(b, norm, normed, &[gate, up])?;
+    gated_ffn_in(b, normed, quantized, gate, up, gelu, out, tmp_gate, tmp_up)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gated_ffn_in(
+    b: &CudaBackend,
+    x: &Tensor,
+    quantized: Option<[Arg; 2]>,
+    gate: &Tensor,
+    up: &Tensor,
+    gelu: bool,
+    out: &mut Tensor,
+    tmp_gate: &mut Tensor,
+    tmp_up: &mut Tensor,
+) -> Result<()> {
     let (n, m, k) = matmul_dims(x, gate, out)?;
     matmul_dims(x, up, out)?;
     if n == 0 || m == 0 {
         return Ok(());
     }
     if !(use_matvec(n, k) && gate.dtype() == up.dtype()) {
-        matmul(b, x, gate, tmp_gate, false)?;
-        matmul(b, x, up, tmp_up, false)?;
+        matmul_in(b, x, quantized, gate, tmp_gate, false)?;
+        matmul_in(b, x, quantized, up, tmp_up, false)?;
         let kernel = if gelu { "gelu_mul" } else { "silu_mul" };
         return crate::elementwise::gated(b, kernel, tmp_gate, tmp_up, out);
     }
     let t = kernel_suffix(gate.dtype())?;
     let mut args = vec![Arg::Ptr(ptr(gate)?), Arg::Ptr(ptr(up)?)];
-    args.extend(matvec_input(b, gate.dtype(), x)?);
+    args.extend(matvec_input(b, gate.dtype(), x, quantized)?);
     args.extend([
         Arg::Ptr(ptr(out)?),
         Arg::I32(to_i32(m, "rows")?),

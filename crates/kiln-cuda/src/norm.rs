@@ -35,6 +35,32 @@ pub(crate) fn rms_norm(
     eps: f32,
     out: &mut Tensor,
 ) -> Result<()> {
+    rms_norm_with(b, x, w, eps, out, None)
+}
+
+/// `rms_norm`, also writing its output as the quantized matvec kernels read it (int8
+/// rows and per-32 scales, in the buffers `matmul::quantized_x` hands out). Rows of a
+/// multiple of 32 values.
+pub(crate) fn rms_norm_quantized(
+    b: &CudaBackend,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    out: &mut Tensor,
+) -> Result<[Arg; 2]> {
+    let quantized = crate::matmul::quantized_x(b, x.shape().numel())?;
+    rms_norm_with(b, x, w, eps, out, Some(quantized))?;
+    Ok(quantized)
+}
+
+fn rms_norm_with(
+    b: &CudaBackend,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    out: &mut Tensor,
+    quantized: Option<[Arg; 2]>,
+) -> Result<()> {
     expect(x, DType::F32, "rms_norm input")?;
     same_shape(x, out, "rms_norm")?;
     let dim = x.shape().row_len();
@@ -42,6 +68,12 @@ pub(crate) fn rms_norm(
     if x.shape().numel() == 0 {
         return Ok(());
     }
+    if quantized.is_some() && !dim.is_multiple_of(32) {
+        return Err(Error::shape(format!(
+            "rms_norm into int8: rows of {dim} are not whole 32-value units"
+        )));
+    }
+    let [xq, xd] = quantized.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
     b.launch(
         "rms_norm",
         (rows(x)?, 1, 1),
@@ -51,6 +83,8 @@ pub(crate) fn rms_norm(
             Arg::Ptr(ptr(x)?),
             Arg::Ptr(ptr(w)?),
             Arg::Ptr(ptr(out)?),
+            xq,
+            xd,
             Arg::I32(to_i32(dim, "row length")?),
             Arg::F32(eps),
         ],

@@ -707,3 +707,96 @@ fn prompt_gemms_read_what_the_kernels_before_them_wrote() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn norms_fused_into_matmuls_match_the_plain_sequence() {
+    use kiln_core::RmsNorm;
+    let g = gpu();
+    let mut rng = StdRng::seed_from_u64(14);
+    let (k, m) = (512, 96);
+    // The three projections of one type, or of two (Q4_K_M's Q6_K values).
+    for dtypes in [
+        [DType::Q4_K; 3],
+        [DType::Q4_K, DType::Q4_K, DType::Q6_K],
+        [DType::Q8_0; 3],
+        [DType::F16; 3],
+    ] {
+        for n in [1, 3, 12] {
+            let x = upload(&g, DType::F32, &[n, k], &random(n * k, &mut rng, 2.0));
+            let weight = upload(&g, DType::F32, &[k], &random(k, &mut rng, 1.5));
+            let norm = RmsNorm {
+                x: &x,
+                weight: &weight,
+                eps: 1e-5,
+            };
+            let mut plain_normed = poisoned(&g, &[n, k]);
+            g.rms_norm(&x, &weight, 1e-5, &mut plain_normed).unwrap();
+            let ws: Vec<Tensor> = dtypes
+                .iter()
+                .map(|&dt| upload(&g, dt, &[m, k], &random(m * k, &mut rng, 1.0)))
+                .collect();
+            let what = format!("{dtypes:?} n={n}");
+
+            let mut normed = poisoned(&g, &[n, k]);
+            let mut outs: Vec<Tensor> = (0..3).map(|_| poisoned(&g, &[n, m])).collect();
+            {
+                let [o0, o1, o2] = &mut outs[..] else {
+                    unreachable!()
+                };
+                g.rms_norm_matmul_many(
+                    &norm,
+                    &mut normed,
+                    &[&ws[0], &ws[1], &ws[2]],
+                    &mut [o0, o1, o2],
+                )
+                .unwrap();
+            }
+            assert_close(&read(&g, &normed), &read(&g, &plain_normed), 0.0, &what);
+            for (i, w) in ws.iter().enumerate() {
+                let mut one = poisoned(&g, &[n, m]);
+                g.matmul(&plain_normed, w, &mut one).unwrap();
+                assert_close(
+                    &read(&g, &outs[i]),
+                    &read(&g, &one),
+                    1e-6,
+                    &format!("{what} #{i}"),
+                );
+            }
+
+            let mut normed = poisoned(&g, &[n, k]);
+            let mut out = poisoned(&g, &[n, m]);
+            let (mut tg, mut tu) = (poisoned(&g, &[n, m]), poisoned(&g, &[n, m]));
+            g.rms_norm_gated_ffn(
+                &norm,
+                &mut normed,
+                &ws[0],
+                &ws[1],
+                false,
+                &mut out,
+                &mut tg,
+                &mut tu,
+            )
+            .unwrap();
+            let mut want = poisoned(&g, &[n, m]);
+            let (mut pg, mut pu) = (poisoned(&g, &[n, m]), poisoned(&g, &[n, m]));
+            g.gated_ffn(
+                &plain_normed,
+                &ws[0],
+                &ws[1],
+                false,
+                &mut want,
+                &mut pg,
+                &mut pu,
+            )
+            .unwrap();
+            assert_close(&read(&g, &normed), &read(&g, &plain_normed), 0.0, &what);
+            assert_close(
+                &read(&g, &out),
+                &read(&g, &want),
+                1e-6,
+                &format!("{what} ffn"),
+            );
+        }
+    }
+}

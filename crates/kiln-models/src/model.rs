@@ -4,7 +4,8 @@
 use crate::config::{Ffn, ModelConfig, Norm};
 use crate::weights::{FfnWeights, GateUp, Linear, ModelWeights, NormWeights, Qkv};
 use kiln_core::{
-    quant, AttentionParams, Backend, DType, Error, Replay, Result, SampleParams, Shape, Tensor,
+    quant, AttentionParams, Backend, DType, Error, Replay, Result, RmsNorm, SampleParams, Shape,
+    Tensor,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -389,9 +390,9 @@ impl Model {
 
         for (l, lw) in w.layers.iter().enumerate() {
             // Attention block.
-            self.norm(&lw.attn_norm, &s.x, &mut s.h)?;
             match &lw.qkv {
                 Qkv::Fused(qkv) => {
+                    self.norm(&lw.attn_norm, &s.x, &mut s.h)?;
                     let buf = s.qkv.as_mut().expect("allocated for fused models");
                     self.linear(qkv, &s.h, buf)?;
                     b.slice_cols(buf, 0, &mut s.q)?;
@@ -399,11 +400,14 @@ impl Model {
                     b.slice_cols(buf, c.q_dim() + c.kv_dim(), &mut s.v)?;
                 }
                 Qkv::Split { q, k, v } => {
-                    b.matmul_many(
-                        &s.h,
-                        &[&q.w, &k.w, &v.w],
-                        &mut [&mut s.q, &mut s.k, &mut s.v],
-                    )?;
+                    let (ws, outs) = (&[&q.w, &k.w, &v.w], &mut [&mut s.q, &mut s.k, &mut s.v]);
+                    match self.rms_norm(&lw.attn_norm, &s.x) {
+                        Some(norm) => b.rms_norm_matmul_many(&norm, &mut s.h, ws, outs)?,
+                        None => {
+                            self.norm(&lw.attn_norm, &s.x, &mut s.h)?;
+                            b.matmul_many(&s.h, ws, outs)?;
+                        }
+                    }
                     for (l, out) in [(q, &mut s.q), (k, &mut s.k), (v, &mut s.v)] {
                         if let Some(bias) = &l.b {
                             b.add_assign(out, bias)?;
@@ -456,21 +460,39 @@ impl Model {
             reshape(&mut s.attn, &[n, c.n_heads, c.head_dim])?;
 
             // Feed-forward block.
-            self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
             match &lw.ffn {
                 FfnWeights::Gated {
                     gate_up: GateUp::Split { gate, up },
                     ..
-                } if gate.b.is_none() && up.b.is_none() => b.gated_ffn(
-                    &s.h,
-                    &gate.w,
-                    &up.w,
-                    c.ffn == Ffn::GeGlu,
-                    &mut s.act,
-                    &mut s.gate,
-                    &mut s.up,
-                )?,
+                } if gate.b.is_none() && up.b.is_none() => {
+                    let gelu = c.ffn == Ffn::GeGlu;
+                    match self.rms_norm(&lw.ffn_norm, &s.x) {
+                        Some(norm) => b.rms_norm_gated_ffn(
+                            &norm,
+                            &mut s.h,
+                            &gate.w,
+                            &up.w,
+                            gelu,
+                            &mut s.act,
+                            &mut s.gate,
+                            &mut s.up,
+                        )?,
+                        None => {
+                            self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
+                            b.gated_ffn(
+                                &s.h,
+                                &gate.w,
+                                &up.w,
+                                gelu,
+                                &mut s.act,
+                                &mut s.gate,
+                                &mut s.up,
+                            )?;
+                        }
+                    }
+                }
                 FfnWeights::Gated { gate_up, .. } => {
+                    self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
                     match gate_up {
                         GateUp::Fused(gu) => {
                             let buf = s.gate_up.as_mut().expect("allocated for fused models");
@@ -489,6 +511,7 @@ impl Model {
                     }
                 }
                 FfnWeights::Plain { up, .. } => {
+                    self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
                     self.linear(up, &s.h, &mut s.act)?;
                     b.gelu(&mut s.act)?;
                 }
@@ -527,6 +550,19 @@ impl Model {
             b.softcap(logits, cap)?;
         }
         Ok(())
+    }
+
+    /// The norm `nw` of `x` as an [`RmsNorm`] a backend can fuse into the matmuls it
+    /// feeds; `None` for LayerNorm.
+    fn rms_norm<'a>(&self, nw: &'a NormWeights, x: &'a Tensor) -> Option<RmsNorm<'a>> {
+        match self.config.norm {
+            Norm::Rms { eps } => Some(RmsNorm {
+                x,
+                weight: &nw.w,
+                eps,
+            }),
+            Norm::Layer { .. } => None,
+        }
     }
 
     fn norm(&self, nw: &NormWeights, x: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -4,8 +4,14 @@
 // out = x / sqrt(mean(x^2) + eps) * w.   Launch: grid (rows), block of up to 1024 (a
 // row is one step of float4 per thread where possible: at n = 1 a longer loop would be
 // a chain of memory latencies).
+//
+// With xq non-null (dim a multiple of 32) the kernel also writes out rounded to int8 per
+// 32 values, as quantize_x_q8 does, for the quantized matvec that reads it next: a
+// launch fewer. Eight consecutive lanes hold a 32-value unit; they find its largest
+// magnitude by shuffles.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
-                                    float* __restrict__ out, int dim, float eps) {
+                                    float* __restrict__ out, i8* __restrict__ xq,
+                                    float* __restrict__ xd, int dim, float eps) {
     follow_previous();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
@@ -26,9 +32,31 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
         const float4* x4 = (const float4*)xr;
         const float4* w4 = (const float4*)w;
         float4* o4 = (float4*)o;
-        for (int i = threadIdx.x; i < dim / 4; i += blockDim.x) {
-            const float4 v = x4[i], g = w4[i];
-            o4[i] = make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+        // Every thread runs every round (the shuffles need whole warps).
+        for (int base = 0; base < dim / 4; base += blockDim.x) {
+            const int i = base + threadIdx.x;
+            const bool here = i < dim / 4;
+            float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (here) {
+                const float4 v = x4[i], g = w4[i];
+                r = make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+                o4[i] = r;
+            }
+            if (xq != nullptr) {
+                float amax = fmaxf(fmaxf(fabsf(r.x), fabsf(r.y)), fmaxf(fabsf(r.z), fabsf(r.w)));
+#pragma unroll
+                for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+                const float d = amax / 127.0f;
+                const float id = d > 0.0f ? 1.0f / d : 0.0f;
+                if (here) {
+                    const u32 q = (u32)(u8)(i8)__float2int_rn(r.x * id) |
+                                  ((u32)(u8)(i8)__float2int_rn(r.y * id) << 8) |
+                                  ((u32)(u8)(i8)__float2int_rn(r.z * id) << 16) |
+                                  ((u32)(u8)(i8)__float2int_rn(r.w * id) << 24);
+                    ((u32*)(xq + (size_t)blockIdx.x * dim))[i] = q;
+                    if ((i & 7) == 0) xd[((size_t)blockIdx.x * dim + 4 * i) / 32] = d;
+                }
+            }
         }
     } else {
         for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * w[i];
