@@ -63,6 +63,28 @@ fn poisoned(b: &dyn Backend, dims: &[usize]) -> Tensor {
     t
 }
 
+/// The stored weights of `values` (quantized and decoded back), as the GPU sees them.
+fn stored(dtype: DType, values: &[f32]) -> Vec<f32> {
+    quant::dequantize_to_vec(
+        dtype,
+        &quant::quantize(dtype, values).unwrap(),
+        values.len(),
+    )
+    .unwrap()
+}
+
+/// Row `r` of x [_, k] dotted with row `c` of w [_, k] in float64, and the sum of the
+/// products' magnitudes (the scale rounding errors grow with).
+fn dot_f64(x: &[f32], w: &[f32], k: usize, r: usize, c: usize) -> (f64, f64) {
+    let (mut dot, mut mag) = (0f64, 0f64);
+    for i in 0..k {
+        let p = x[r * k + i] as f64 * w[c * k + i] as f64;
+        dot += p;
+        mag += p.abs();
+    }
+    (dot, mag)
+}
+
 fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -98,12 +120,7 @@ fn matmul_every_dtype_and_batch_against_f64() {
                 g.matmul(&x, &w, &mut out).unwrap();
                 let got = read(&g, &out);
                 // Reference: the stored weights, decoded, in float64.
-                let wq = quant::dequantize_to_vec(
-                    dtype,
-                    &quant::quantize(dtype, &w_vals).unwrap(),
-                    m * k,
-                )
-                .unwrap();
+                let wq = stored(dtype, &w_vals);
                 // Batches past 8 round x to 16 bits for the tensor cores; up to 8 rows,
                 // quantized weights meet x rounded to int8 per 32 values (error at most
                 // half a step, max|x| / 254, per value), float weights x as it is.
@@ -115,12 +132,8 @@ fn matmul_every_dtype_and_batch_against_f64() {
                 let int8_x = n <= 8 && dtype.is_quantized();
                 for r in 0..n {
                     for c in 0..m {
-                        let (mut dot, mut mag, mut rounding) = (0f64, 0f64, 0f64);
-                        for i in 0..k {
-                            let p = x_vals[r * k + i] as f64 * wq[c * k + i] as f64;
-                            dot += p;
-                            mag += p.abs();
-                        }
+                        let (dot, mag) = dot_f64(&x_vals, &wq, k, r, c);
+                        let mut rounding = 0f64;
                         if int8_x {
                             for blk in 0..k / 32 {
                                 let xs = &x_vals[r * k + blk * 32..][..32];
@@ -689,16 +702,10 @@ fn prompt_gemms_read_what_the_kernels_before_them_wrote() {
         let mut out = poisoned(&g, &[n, m]);
         g.matmul(&x, &w, &mut out).unwrap();
         let got = read(&g, &out);
-        let wq = quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &w_vals).unwrap(), m * k)
-            .unwrap();
+        let wq = stored(dtype, &w_vals);
         for idx in (0..n * m).step_by(97) {
             let (r, c) = (idx / m, idx % m);
-            let (mut dot, mut mag) = (0f64, 0f64);
-            for i in 0..k {
-                let p = x_vals[r * k + i] as f64 * wq[c * k + i] as f64;
-                dot += p;
-                mag += p.abs();
-            }
+            let (dot, mag) = dot_f64(&x_vals, &wq, k, r, c);
             let v = got[idx] as f64;
             assert!(
                 (v - dot).abs() <= 1e-3 * mag,
