@@ -108,6 +108,12 @@ pub(crate) fn attention(
         0
     };
     let out_ptr = ptr(out)?;
+    // For a few queries the output also goes out as int8 rows, which the quantized
+    // output projection reads next instead of rounding it in a launch of its own.
+    let int8 = (crate::matmul::reads_int8(n, heads * d) && d.is_multiple_of(32))
+        .then(|| crate::matmul::quantized_x(b, n * heads * d))
+        .transpose()?;
+    let [xq, xd] = int8.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
     b.launch(
         KERNELS[dv - 1],
         (
@@ -124,6 +130,8 @@ pub(crate) fn attention(
             Arg::Ptr(ptr(pos)?),
             Arg::Ptr(out_ptr),
             Arg::Ptr(part),
+            xq,
+            xd,
             Arg::I32(n as i32),
             Arg::I32(heads as i32),
             Arg::I32(kv_heads as i32),
@@ -144,12 +152,17 @@ pub(crate) fn attention(
             &[
                 Arg::Ptr(part),
                 Arg::Ptr(out_ptr),
+                xq,
+                xd,
                 Arg::I32(n as i32),
                 Arg::I32(heads as i32),
                 Arg::I32(d as i32),
                 Arg::I32(splits as i32),
             ],
         )?;
+    }
+    if let Some(int8) = int8 {
+        b.note_int8_copy(out, int8)?;
     }
     Ok(())
 }

@@ -59,6 +59,21 @@ pub struct CudaBackend {
     /// may the next kernel launch programmatically (its wait covers a kernel before it,
     /// not a copy, a memset or a library call).
     follows_kernel: std::sync::atomic::AtomicBool,
+    /// Work queued on the stream so far (kernels, copies, library calls): a tag that
+    /// tells whether anything ran after a given op.
+    queued: std::sync::atomic::AtomicU64,
+    /// A tensor whose last writer also wrote it as int8 rows; current only while
+    /// nothing else has been queued since.
+    int8_copy: Mutex<Option<Int8Copy>>,
+}
+
+/// A tensor (address, length) also written as int8 rows (`matmul::quantized_x`), and
+/// the `queued` count right after that write.
+#[derive(Clone, Copy)]
+struct Int8Copy {
+    tensor: (u64, usize),
+    queued_at: u64,
+    buffers: [Arg; 2],
 }
 
 impl CudaBackend {
@@ -121,6 +136,8 @@ impl CudaBackend {
             scratch: Mutex::new(HashMap::new()),
             cache_outcome,
             follows_kernel: std::sync::atomic::AtomicBool::new(false),
+            queued: std::sync::atomic::AtomicU64::new(0),
+            int8_copy: Mutex::new(None),
         })
     }
 
@@ -153,6 +170,7 @@ impl CudaBackend {
         args: &[Arg],
     ) -> Result<()> {
         self.bind()?;
+        self.queued.fetch_add(1, Ordering::Relaxed);
         let programmatic = self.follows_kernel.swap(true, Ordering::Relaxed);
         self.kernels.launch(
             self.stream.cu_stream(),
@@ -167,7 +185,29 @@ impl CudaBackend {
 
     /// Record that something other than one of our kernels was queued on the stream.
     pub(crate) fn queued_other_work(&self) {
+        self.queued.fetch_add(1, Ordering::Relaxed);
         self.follows_kernel.store(false, Ordering::Relaxed);
+    }
+
+    /// The op just queued also wrote `t` as int8 rows into `int8`.
+    pub(crate) fn note_int8_copy(&self, t: &Tensor, int8: [Arg; 2]) -> Result<()> {
+        *self.int8_copy.lock().expect("int8 copy lock") = Some(Int8Copy {
+            tensor: (ptr(t)?, t.shape().numel()),
+            queued_at: self.queued.load(Ordering::Relaxed),
+            buffers: int8,
+        });
+        Ok(())
+    }
+
+    /// `x` as int8 rows, if the op that wrote it also wrote those and nothing has been
+    /// queued since (so neither `x` nor the buffers changed).
+    pub(crate) fn int8_copy(&self, x: &Tensor) -> Result<Option<[Arg; 2]>> {
+        let tensor = (ptr(x)?, x.shape().numel());
+        let now = self.queued.load(Ordering::Relaxed);
+        let copy = *self.int8_copy.lock().expect("int8 copy lock");
+        Ok(copy
+            .filter(|c| c.tensor == tensor && c.queued_at == now)
+            .map(|c| c.buffers))
     }
 
     /// Call before a library kernel (cuBLAS). Our kernels let the next kernel be

@@ -178,6 +178,12 @@ fn use_matvec(n: usize, k: usize) -> bool {
     n <= MATVEC_MAX_ROWS && k.is_multiple_of(4)
 }
 
+/// Whether an input of `n` rows of `k` values reaches quantized weights as int8 rows
+/// (the matvec kernels) rather than as f16 (cuBLAS).
+pub(crate) fn reads_int8(n: usize, k: usize) -> bool {
+    use_matvec(n, k) && k.is_multiple_of(32)
+}
+
 /// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate` (the matvec kernels add in
 /// their epilogue, cuBLAS with beta = 1).
 pub(crate) fn matmul(
@@ -233,7 +239,7 @@ fn matvec_input(
     if !dtype.is_quantized() {
         return Ok(vec![Arg::Ptr(ptr(x)?)]);
     }
-    if let Some(q) = quantized {
+    if let Some(q) = quantized.or(b.int8_copy(x)?) {
         return Ok(q.to_vec());
     }
     let units = x.shape().numel() / 32;
@@ -301,7 +307,7 @@ fn rms_norm_for(
     ws: &[&Tensor],
 ) -> Result<Option<[Arg; 2]>> {
     let (n, k) = (norm.x.shape().rows(), norm.x.shape().row_len());
-    if use_matvec(n, k) && k.is_multiple_of(32) && ws.iter().any(|w| w.dtype().is_quantized()) {
+    if reads_int8(n, k) && ws.iter().any(|w| w.dtype().is_quantized()) {
         return crate::norm::rms_norm_quantized(b, norm.x, norm.weight, norm.eps, normed).map(Some);
     }
     crate::norm::rms_norm(b, norm.x, norm.weight, norm.eps, normed)?;

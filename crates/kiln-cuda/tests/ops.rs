@@ -807,3 +807,73 @@ fn norms_fused_into_matmuls_match_the_plain_sequence() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn attention_output_feeds_the_next_matvec_as_int8() {
+    // Attention also writes its output as int8 rows for the quantized projection after
+    // it; that copy must give what rounding the output afresh gives, and must not be
+    // used once anything else has run.
+    let g = gpu();
+    let mut rng = StdRng::seed_from_u64(15);
+    // (queries, heads, kv_heads, head_dim, capacity, first position): one split, several
+    for (n, heads, kvh, hd, cap, p0) in [(1, 8, 2, 64, 40, 30), (2, 4, 4, 128, 700, 600)] {
+        let qt = upload(
+            &g,
+            DType::F32,
+            &[n, heads, hd],
+            &random(n * heads * hd, &mut rng, 1.0),
+        );
+        let kt = upload(
+            &g,
+            DType::F32,
+            &[cap, kvh, hd],
+            &random(cap * kvh * hd, &mut rng, 1.0),
+        );
+        let vt = upload(
+            &g,
+            DType::F32,
+            &[cap, kvh, hd],
+            &random(cap * kvh * hd, &mut rng, 1.0),
+        );
+        let positions: Vec<i32> = (p0..p0 + n).map(|p| p as i32).collect();
+        let pos = indices(&g, &positions);
+        let params = AttentionParams {
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap: None,
+            window: None,
+        };
+        let (k, m) = (heads * hd, 72);
+        for dtype in [DType::Q4_K, DType::Q8_0, DType::Q6_K] {
+            let w = upload(&g, dtype, &[m, k], &random(m * k, &mut rng, 1.0));
+            let what = format!("{dtype} n={n} hd={hd}");
+            let mut attn = poisoned(&g, &[n, heads, hd]);
+            g.attention(&qt, &kt, &vt, &pos, &params, &mut attn)
+                .unwrap();
+            attn.reshape(Shape::new(vec![n, k]).unwrap()).unwrap();
+            let mut fused = poisoned(&g, &[n, m]);
+            g.matmul(&attn, &w, &mut fused).unwrap();
+            // The same values in a fresh tensor: rounded by the matmul itself.
+            let fresh = upload(&g, DType::F32, &[n, k], &read(&g, &attn));
+            let mut want = poisoned(&g, &[n, m]);
+            g.matmul(&fresh, &w, &mut want).unwrap();
+            assert_close(&read(&g, &fused), &read(&g, &want), 1e-6, &what);
+            // Attention, then an op on its output: the int8 copy is stale.
+            attn.reshape(Shape::new(vec![n, heads, hd]).unwrap())
+                .unwrap();
+            g.attention(&qt, &kt, &vt, &pos, &params, &mut attn)
+                .unwrap();
+            attn.reshape(Shape::new(vec![n, k]).unwrap()).unwrap();
+            g.scale(&mut attn, 2.0).unwrap();
+            let mut scaled = poisoned(&g, &[n, m]);
+            g.matmul(&attn, &w, &mut scaled).unwrap();
+            let twice: Vec<f32> = read(&g, &want).iter().map(|v| 2.0 * v).collect();
+            assert_close(
+                &read(&g, &scaled),
+                &twice,
+                1e-5,
+                &format!("{what} after scale"),
+            );
+        }
+    }
+}

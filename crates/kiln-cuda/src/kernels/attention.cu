@@ -20,7 +20,8 @@
 template <int DV>  // ceil(D / 32): output dimensions per lane
 __device__ void attention_body(const float* __restrict__ q, const float* __restrict__ kc,
                                const float* __restrict__ vc, const int* __restrict__ pos,
-                               float* __restrict__ out, float* __restrict__ part, int n,
+                               float* __restrict__ out, float* __restrict__ part,
+                               i8* __restrict__ xq, float* __restrict__ xd, int n,
                                int heads, int kv_heads, int D, float scale, float cap,
                                int window, int qt, int span) {
     follow_previous();
@@ -125,11 +126,15 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
 
     if (splits == 1) {
         const float inv = 1.0f / l;
-        float* o = out + ((size_t)qi * heads + h) * D;
+        const size_t row = (size_t)qi * heads + h;
+        float* o = out + row * D;
 #pragma unroll
         for (int i = 0; i < DV; i++) {
             const int d = lane + 32 * i;
             if (d < D) o[d] = acc[i] * inv;
+            // int8 copy for the output projection (the host passes xq only when D is
+            // a multiple of 32, so every lane holds a value)
+            if (xq != nullptr) quantize_warp_unit(acc[i] * inv, xq + row * D + 32 * i, xd + row * (D / 32) + i);
         }
     } else {
         float* pp = part + (((size_t)split * n + qi) * heads + h) * (D + 2);
@@ -148,10 +153,10 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
 #define ATTENTION(DV)                                                                        \
     extern "C" __global__ void attention_##DV(                                               \
         const float* q, const float* kc, const float* vc, const int* pos, float* out,        \
-        float* part, int n, int heads, int kv_heads, int D, float scale, float cap,          \
-        int window, int qt, int span) {                                                      \
-        attention_body<DV>(q, kc, vc, pos, out, part, n, heads, kv_heads, D, scale, cap,     \
-                           window, qt, span);                                                \
+        float* part, i8* xq, float* xd, int n, int heads, int kv_heads, int D, float scale,  \
+        float cap, int window, int qt, int span) {                                           \
+        attention_body<DV>(q, kc, vc, pos, out, part, xq, xd, n, heads, kv_heads, D, scale,  \
+                           cap, window, qt, span);                                           \
     }
 ATTENTION(1)
 ATTENTION(2)
@@ -162,10 +167,10 @@ ATTENTION(6)
 ATTENTION(7)
 ATTENTION(8)
 
-// Merge the splits' partial results of each (query, head).
-// Launch: grid (n * heads), block 32.
-extern "C" __global__ void attention_combine(const float* part, float* out, int n, int heads,
-                                             int D, int splits) {
+// Merge the splits' partial results of each (query, head); with xq non-null also the
+// int8 copy, as attention_body writes it. Launch: grid (n * heads), block 32.
+extern "C" __global__ void attention_combine(const float* part, float* out, i8* xq, float* xd,
+                                             int n, int heads, int D, int splits) {
     follow_previous();
     const size_t row = blockIdx.x;  // qi * heads + h
     const size_t stride = (size_t)n * heads * (D + 2);
@@ -184,5 +189,6 @@ extern "C" __global__ void attention_combine(const float* part, float* out, int 
             if (pp[0] != NEG_INF) o += pp[2 + d] * expf(pp[0] - M);
         }
         out[row * D + d] = o * inv;
+        if (xq != nullptr) quantize_warp_unit(o * inv, xq + row * D + (d & ~31), xd + row * (D / 32) + d / 32);
     }
 }

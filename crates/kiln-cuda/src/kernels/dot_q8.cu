@@ -39,6 +39,17 @@ extern "C" __global__ void quantize_x_q8(const float* __restrict__ x, i8* __rest
     xd[u] = d;
 }
 
+// A warp's 32 values (one a lane, consecutive in memory) rounded to int8 into q[lane]
+// with their scale into *d, as quantize_x_q8 rounds a 32-value unit: for kernels whose
+// output a quantized matvec reads next. Every lane of the warp calls it.
+__device__ __forceinline__ void quantize_warp_unit(float v, i8* q, float* d) {
+    const float amax = warp_max(fabsf(v));
+    const float scale = amax / 127.0f;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    q[threadIdx.x & 31] = (i8)__float2int_rn(v * inv);
+    if ((threadIdx.x & 31) == 0) *d = scale;
+}
+
 // The activations of a quantized-weight matvec: x [n, k] as int8 (16-byte aligned rows)
 // and one f32 scale per 32 values.
 struct XQ8 {
