@@ -88,7 +88,7 @@ pub(crate) fn attention(
     // A block holds group * qt warps; tiles of queries share each chunk of keys.
     let qt = (16 / group).clamp(1, n);
     let rows = group * qt;
-    let shared = (32 * (d + 1) + 32 * d + rows * d) * 4;
+    let shared = (32 * (d + 4) + 32 * d + rows * d) * 4;
     if shared > b.max_shared() {
         return Err(Error::unsupported(format!(
             "attention needs {shared} bytes of shared memory per block; the GPU allows {}",

@@ -193,7 +193,7 @@ pub(crate) fn matmul(
     out: &mut Tensor,
     accumulate: bool,
 ) -> Result<()> {
-    matmul_in(b, x, None, w, out, accumulate)
+    matmul_in(b, x, None, &mut HalfX::default(), w, out, accumulate)
 }
 
 /// [`matmul`] where `quantized`, when given, is x already rounded to int8 by the op
@@ -202,6 +202,7 @@ fn matmul_in(
     b: &CudaBackend,
     x: &Tensor,
     quantized: Option<[Arg; 2]>,
+    half_x: &mut HalfX,
     w: &Tensor,
     out: &mut Tensor,
     accumulate: bool,
@@ -214,7 +215,7 @@ fn matmul_in(
     if use_matvec(n, k) {
         return matvec(b, t, x, quantized, w, out, accumulate);
     }
-    gemm(b, t, x, w, out, accumulate)
+    gemm(b, t, x, half_x, w, out, accumulate)
 }
 
 /// Buffers for `values` activations rounded to int8 per 32 values: the quants, then
@@ -332,8 +333,9 @@ fn matmul_many_in(
     let fused =
         ws.len() == 3 && use_matvec(n, k) && n > 0 && ws.iter().all(|w| w.dtype() == ws[0].dtype());
     if !fused {
+        let mut half_x = HalfX::default();
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul_in(b, x, quantized, w, out, false)?;
+            matmul_in(b, x, quantized, &mut half_x, w, out, false)?;
         }
         return Ok(());
     }
@@ -412,8 +414,9 @@ fn gated_ffn_in(
         return Ok(());
     }
     if !(use_matvec(n, k) && gate.dtype() == up.dtype()) {
-        matmul_in(b, x, quantized, gate, tmp_gate, false)?;
-        matmul_in(b, x, quantized, up, tmp_up, false)?;
+        let mut half_x = HalfX::default();
+        matmul_in(b, x, quantized, &mut half_x, gate, tmp_gate, false)?;
+        matmul_in(b, x, quantized, &mut half_x, up, tmp_up, false)?;
         let kernel = if gelu { "gelu_mul" } else { "silu_mul" };
         return crate::elementwise::gated(b, kernel, tmp_gate, tmp_up, out);
     }
@@ -432,10 +435,46 @@ fn gated_ffn_in(
 }
 
 /// `out (+)= x · wᵀ` through cuBLAS (beta = 1 adds to what `out` holds).
+/// x rounded to f16 and to bf16 for cuBLAS, each made at most once for the GEMMs of one
+/// op that all read the same x (the projections of Q, K and V; gate and up).
+#[derive(Default)]
+struct HalfX {
+    f16: Option<u64>,
+    bf16: Option<u64>,
+}
+
+impl HalfX {
+    fn get(&mut self, b: &CudaBackend, x: &Tensor, bf16: bool) -> Result<u64> {
+        let (slot, name) = if bf16 {
+            (&mut self.bf16, "gemm_x_bf16")
+        } else {
+            (&mut self.f16, "gemm_x_f16")
+        };
+        if let Some(p) = *slot {
+            return Ok(p);
+        }
+        let n = x.shape().numel();
+        let p = b.scratch(name, n * 2)?;
+        b.launch_1d(
+            "f32_to_half",
+            n.div_ceil(4),
+            &[
+                Arg::Ptr(ptr(x)?),
+                Arg::Ptr(p),
+                Arg::U64(n as u64),
+                Arg::I32(bf16 as i32),
+            ],
+        )?;
+        *slot = Some(p);
+        Ok(p)
+    }
+}
+
 fn gemm(
     b: &CudaBackend,
     t: usize,
     x: &Tensor,
+    half_x: &mut HalfX,
     w: &Tensor,
     out: &mut Tensor,
     accumulate: bool,
@@ -476,21 +515,13 @@ fn gemm(
         .map_err(blas_err);
     }
     // Half-precision inputs: bf16 weights pair with bf16 activations, all else with f16.
-    let (half_type, convert) = if w.dtype() == DType::BF16 {
-        (blas_sys::cudaDataType::CUDA_R_16BF, "f32_to_bf16_kernel")
+    let bf16 = w.dtype() == DType::BF16;
+    let half_type = if bf16 {
+        blas_sys::cudaDataType::CUDA_R_16BF
     } else {
-        (blas_sys::cudaDataType::CUDA_R_16F, "f32_to_f16_kernel")
+        blas_sys::cudaDataType::CUDA_R_16F
     };
-    let x_half = b.scratch("gemm_x_half", n * k * 2)?;
-    b.launch_1d(
-        convert,
-        n * k,
-        &[
-            Arg::Ptr(ptr(x)?),
-            Arg::Ptr(x_half),
-            Arg::U64((n * k) as u64),
-        ],
-    )?;
+    let x_half = half_x.get(b, x, bf16)?;
     let w_half = match DEQUANT_F16[t] {
         None => ptr(w)?,
         Some(kernel) => {

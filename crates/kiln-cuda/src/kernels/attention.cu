@@ -15,7 +15,7 @@
 // attention_combine merges them. One token of decode then still fills the GPU.
 //
 // Launch: grid (ceil(n / qt), kv_heads, splits), block (32, group * qt), dynamic shared
-// memory (32 * (D + 1) + 32 * D + group * qt * D) floats.
+// memory (32 * (D + 4) + 32 * D + group * qt * D) floats.
 
 template <int DV>  // ceil(D / 32): output dimensions per lane
 __device__ void attention_body(const float* __restrict__ q, const float* __restrict__ kc,
@@ -30,8 +30,13 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
     const int kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x, r = threadIdx.y;
     const int tid = r * 32 + lane, nthreads = blockDim.y * 32;
-    float* Ks = smem;                 // [32][D + 1]: the +1 spreads lanes over banks
-    float* Vs = Ks + 32 * (D + 1);    // [32][D]
+    // Key rows are padded so that the lanes, each reading its own key, spread over the
+    // banks: by 4 floats when D allows 16-byte reads (lanes then 4 banks apart, eight
+    // lanes a phase), else by 1.
+    const bool vec4 = (D & 3) == 0;
+    const int ks = vec4 ? D + 4 : D + 1;
+    float* Ks = smem;                 // [32][ks]
+    float* Vs = Ks + 32 * (D + 4);    // [32][D]
     float* Qs = Vs + 32 * D;          // [rows][D]
 
     const int q0 = blockIdx.x * qt;
@@ -62,7 +67,7 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
         // The chunk's keys and values into shared memory; past the range, zeros (never
         // NaN garbage). Unrolled so that each thread has several loads in flight: for
         // one token of decode this load, not the arithmetic, is the kernel's time.
-        if ((D & 3) == 0) {
+        if (vec4) {
             const int D4 = D >> 2;
 #pragma unroll 4
             for (int idx = tid; idx < 32 * D4; idx += nthreads) {
@@ -73,8 +78,7 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
                     kv = *(const float4*)(kc + off);
                     vv = *(const float4*)(vc + off);
                 }
-                float* kd = Ks + j * (D + 1) + d;
-                kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
+                *(float4*)(Ks + j * ks + d) = kv;
                 *(float4*)(Vs + j * D + d) = vv;
             }
         } else {
@@ -86,7 +90,7 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
                     kv = kc[off];
                     vv = vc[off];
                 }
-                Ks[j * (D + 1) + d] = kv;
+                Ks[j * ks + d] = kv;
                 Vs[j * D + d] = vv;
             }
         }
@@ -96,10 +100,23 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
         const int kp = c0 + lane;
         float s = NEG_INF;
         if (kp <= hi && kp <= qpos && (window <= 0 || kp > qpos - window)) {
-            const float* kr = Ks + lane * (D + 1);
+            const float* kr = Ks + lane * ks;
             const float* qr = Qs + r * D;
             float dot = 0.0f;
-            for (int d = 0; d < D; d++) dot += qr[d] * kr[d];
+            if (vec4) {
+                // 16-byte reads (the query's a broadcast) and four running sums.
+                float4 part = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                for (int d = 0; d < D; d += 4) {
+                    const float4 a = *(const float4*)(qr + d), c = *(const float4*)(kr + d);
+                    part.x += a.x * c.x;
+                    part.y += a.y * c.y;
+                    part.z += a.z * c.z;
+                    part.w += a.w * c.w;
+                }
+                dot = (part.x + part.y) + (part.z + part.w);
+            } else {
+                for (int d = 0; d < D; d++) dot += qr[d] * kr[d];
+            }
             s = dot * scale;
             if (cap > 0.0f) s = cap * tanhf(s / cap);
         }

@@ -29,16 +29,22 @@ extern "C" __global__ void dequant_f16_q4_0(const u8* w, u16* out, int m, int k)
 extern "C" __global__ void dequant_f16_q4_k(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q4_K>(w, out, m, k); }
 extern "C" __global__ void dequant_f16_q6_k(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q6_K>(w, out, m, k); }
 
-extern "C" __global__ void f32_to_f16_kernel(const float* x, u16* out, size_t n) {
+// x [n] f32 -> out [n] f16, or bf16 when `bf16`: four values a thread (one 16-byte load,
+// one 8-byte store). Launch: 1-D, ceil(n / 4) threads.
+extern "C" __global__ void f32_to_half(const float* __restrict__ x, u16* __restrict__ out,
+                                       size_t n, int bf16) {
     follow_previous();
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = f32_to_f16(x[i]);
-}
-
-extern "C" __global__ void f32_to_bf16_kernel(const float* x, u16* out, size_t n) {
-    follow_previous();
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = f32_to_bf16(x[i]);
+    const size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i + 3 < n) {
+        const float4 v = *(const float4*)(x + i);
+        const float f[4] = {v.x, v.y, v.z, v.w};
+        u32 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) h[j] = bf16 ? f32_to_bf16(f[j]) : f32_to_f16(f[j]);
+        *(uint2*)(out + i) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+    } else {
+        for (size_t j = i; j < n; j++) out[j] = bf16 ? f32_to_bf16(x[j]) : f32_to_f16(x[j]);
+    }
 }
 
 // out[i, :] = table[ids[i], :] decoded to f32; an id outside the table gives zeros.
