@@ -18,15 +18,16 @@ const MAX_SPLITS: usize = 128;
 /// Queries up to which the key range is split.
 const SPLIT_MAX_QUERIES: usize = 8;
 
-const KERNELS: [&str; 8] = [
-    "attention_1",
-    "attention_2",
-    "attention_3",
-    "attention_4",
-    "attention_5",
-    "attention_6",
-    "attention_7",
-    "attention_8",
+/// By output dimensions per lane (1..8) and queries per warp (1, 2).
+const KERNELS: [[&str; 2]; 8] = [
+    ["attention_1_1", "attention_1_2"],
+    ["attention_2_1", "attention_2_2"],
+    ["attention_3_1", "attention_3_2"],
+    ["attention_4_1", "attention_4_2"],
+    ["attention_5_1", "attention_5_2"],
+    ["attention_6_1", "attention_6_2"],
+    ["attention_7_1", "attention_7_2"],
+    ["attention_8_1", "attention_8_2"],
 ];
 
 pub(crate) fn attention(
@@ -85,10 +86,13 @@ pub(crate) fn attention(
             "attention heads of {d} dimensions (at most 256)"
         )));
     }
-    // A block holds group * qt warps; tiles of queries share each chunk of keys.
-    let qt = (16 / group).clamp(1, n);
-    let rows = group * qt;
-    let shared = (32 * (d + 4) + 32 * d + rows * d) * 4;
+    // A block holds group * tiles warps sharing each chunk of keys; a warp takes
+    // `per_warp` queries of one head: two for prompts, so that each key and value read
+    // from shared memory serves both.
+    let per_warp = if n > SPLIT_MAX_QUERIES { 2 } else { 1 };
+    let tiles = (16 / group).max(1).min(n.div_ceil(per_warp));
+    let (qt, rows) = (tiles * per_warp, group * tiles);
+    let shared = (32 * (d + 4) + 32 * d + rows * per_warp * d) * 4;
     if shared > b.max_shared() {
         return Err(Error::unsupported(format!(
             "attention needs {shared} bytes of shared memory per block; the GPU allows {}",
@@ -115,7 +119,7 @@ pub(crate) fn attention(
         .transpose()?;
     let [xq, xd] = int8.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
     b.launch(
-        KERNELS[dv - 1],
+        KERNELS[dv - 1][per_warp - 1],
         (
             to_i32(n.div_ceil(qt), "query tiles")? as u32,
             kv_heads as u32,

@@ -6,18 +6,20 @@
 // position pos[i] and sees keys at positions p with p <= pos[i] and p > pos[i] - window.
 //
 // A block serves one KV head and a tile of `qt` queries: its warps are the (query, head)
-// pairs of that tile that read this KV head (group * qt warps), so each chunk of keys is
-// loaded once for all of them. Within a warp, lane j scores key j of the chunk; for the
-// output, lane l owns dimensions l, l + 32, ...
+// pairs of that tile that read this KV head, QW queries of one head to a warp (group *
+// qt / QW warps), so each chunk of keys is loaded once for all of them. Within a warp,
+// lane j scores key j of the chunk for each of its queries; for the output, lane l owns
+// dimensions l, l + 32, ... With QW = 2 (prompts) each key and value read from shared
+// memory serves two queries.
 //
 // Split-K (flash-decoding): grid.z splits the key range into `span`-sized pieces; with
 // more than one split each writes (max, sum, unnormalised output) to `part` and
 // attention_combine merges them. One token of decode then still fills the GPU.
 //
-// Launch: grid (ceil(n / qt), kv_heads, splits), block (32, group * qt), dynamic shared
-// memory (32 * (D + 4) + 32 * D + group * qt * D) floats.
+// Launch: grid (ceil(n / qt), kv_heads, splits), block (32, group * qt / QW), dynamic
+// shared memory (32 * (D + 4) + 32 * D + group * qt * D) floats; qt a multiple of QW.
 
-template <int DV>  // ceil(D / 32): output dimensions per lane
+template <int DV, int QW>  // ceil(D / 32): output dimensions per lane; queries per warp
 __device__ void attention_body(const float* __restrict__ q, const float* __restrict__ kc,
                                const float* __restrict__ vc, const int* __restrict__ pos,
                                float* __restrict__ out, float* __restrict__ part,
@@ -37,13 +39,20 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
     const int ks = vec4 ? D + 4 : D + 1;
     float* Ks = smem;                 // [32][ks]
     float* Vs = Ks + 32 * (D + 4);    // [32][D]
-    float* Qs = Vs + 32 * D;          // [rows][D]
+    float* Qs = Vs + 32 * D;          // [warps * QW][D]
 
+    // This warp's queries: q0 + r / group + w * (qt / QW), all of head h.
     const int q0 = blockIdx.x * qt;
-    const int qi = q0 + r / group;
     const int h = kvh * group + r % group;
-    const bool active = qi < n;
-    const int qpos = active ? pos[qi] : -1;
+    int qi[QW], qpos[QW];
+    bool active[QW], any_active = false;
+#pragma unroll
+    for (int w = 0; w < QW; w++) {
+        qi[w] = q0 + r / group + w * (qt / QW);
+        active[w] = qi[w] < n;
+        qpos[w] = active[w] ? pos[qi[w]] : -1;
+        any_active |= active[w];
+    }
 
     // The keys any query of this tile can see, cut to this split's piece.
     int hi = -1, lo = 0x7fffffff;
@@ -55,12 +64,20 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
     lo = max(lo, split * span);
     hi = min(hi, (split + 1) * span - 1);
 
-    if (active)
-        for (int d = lane; d < D; d += 32) Qs[r * D + d] = q[((size_t)qi * heads + h) * D + d];
-
-    float m = NEG_INF, l = 0.0f, acc[DV];
 #pragma unroll
-    for (int i = 0; i < DV; i++) acc[i] = 0.0f;
+    for (int w = 0; w < QW; w++)
+        if (active[w])
+            for (int d = lane; d < D; d += 32)
+                Qs[(r * QW + w) * D + d] = q[((size_t)qi[w] * heads + h) * D + d];
+
+    float m[QW], l[QW], acc[QW][DV];
+#pragma unroll
+    for (int w = 0; w < QW; w++) {
+        m[w] = NEG_INF;
+        l[w] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DV; i++) acc[w][i] = 0.0f;
+    }
 
     for (int c0 = lo; c0 <= hi; c0 += 32) {
         __syncthreads();
@@ -95,94 +112,130 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
             }
         }
         __syncthreads();
-        if (!active) continue;
+        if (!any_active) continue;
 
+        // Scores of key c0 + lane against each query (the key read once for all).
         const int kp = c0 + lane;
-        float s = NEG_INF;
-        if (kp <= hi && kp <= qpos && (window <= 0 || kp > qpos - window)) {
-            const float* kr = Ks + lane * ks;
-            const float* qr = Qs + r * D;
-            float dot = 0.0f;
-            if (vec4) {
-                // 16-byte reads (the query's a broadcast) and four running sums.
-                float4 part = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                for (int d = 0; d < D; d += 4) {
-                    const float4 a = *(const float4*)(qr + d), c = *(const float4*)(kr + d);
-                    part.x += a.x * c.x;
-                    part.y += a.y * c.y;
-                    part.z += a.z * c.z;
-                    part.w += a.w * c.w;
-                }
-                dot = (part.x + part.y) + (part.z + part.w);
-            } else {
-                for (int d = 0; d < D; d++) dot += qr[d] * kr[d];
-            }
-            s = dot * scale;
-            if (cap > 0.0f) s = cap * tanhf(s / cap);
-        }
-        const float cm = warp_max(s);
-        if (cm == NEG_INF) continue;  // nothing visible in this chunk for this query
-        const float m_new = fmaxf(m, cm);
-        const float corr = expf(m - m_new);
-        const float p = s == NEG_INF ? 0.0f : expf(s - m_new);
-        l = l * corr + warp_sum(p);
+        const float* kr = Ks + lane * ks;
+        float dot[QW];
 #pragma unroll
-        for (int i = 0; i < DV; i++) acc[i] *= corr;
+        for (int w = 0; w < QW; w++) dot[w] = 0.0f;
+        if (kp <= hi) {
+            if (vec4) {
+                // 16-byte reads (the queries' are broadcasts) and four running sums.
+                float4 acc4[QW];
+#pragma unroll
+                for (int w = 0; w < QW; w++) acc4[w] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                for (int d = 0; d < D; d += 4) {
+                    const float4 c = *(const float4*)(kr + d);
+#pragma unroll
+                    for (int w = 0; w < QW; w++) {
+                        const float4 a = *(const float4*)(Qs + (r * QW + w) * D + d);
+                        acc4[w].x += a.x * c.x;
+                        acc4[w].y += a.y * c.y;
+                        acc4[w].z += a.z * c.z;
+                        acc4[w].w += a.w * c.w;
+                    }
+                }
+#pragma unroll
+                for (int w = 0; w < QW; w++)
+                    dot[w] = (acc4[w].x + acc4[w].y) + (acc4[w].z + acc4[w].w);
+            } else {
+                for (int d = 0; d < D; d++) {
+                    const float c = kr[d];
+#pragma unroll
+                    for (int w = 0; w < QW; w++) dot[w] += Qs[(r * QW + w) * D + d] * c;
+                }
+            }
+        }
+        // Online softmax per query; p[w] is 0 where the key is not visible.
+        float p[QW];
+        bool any = false;
+#pragma unroll
+        for (int w = 0; w < QW; w++) {
+            float s = NEG_INF;
+            if (kp <= hi && kp <= qpos[w] && (window <= 0 || kp > qpos[w] - window)) {
+                s = dot[w] * scale;
+                if (cap > 0.0f) s = cap * tanhf(s / cap);
+            }
+            p[w] = 0.0f;
+            const float cm = warp_max(s);
+            if (cm == NEG_INF) continue;  // nothing visible in this chunk for this query
+            any = true;
+            const float m_new = fmaxf(m[w], cm);
+            const float corr = expf(m[w] - m_new);
+            p[w] = s == NEG_INF ? 0.0f : expf(s - m_new);
+            l[w] = l[w] * corr + warp_sum(p[w]);
+#pragma unroll
+            for (int i = 0; i < DV; i++) acc[w][i] *= corr;
+            m[w] = m_new;
+        }
+        if (!any) continue;
         for (int j = 0; j < 32; j++) {
-            const float pj = __shfl_sync(0xffffffffu, p, j);
+            float pj[QW];
+#pragma unroll
+            for (int w = 0; w < QW; w++) pj[w] = __shfl_sync(0xffffffffu, p[w], j);
             const float* vr = Vs + j * D;
 #pragma unroll
             for (int i = 0; i < DV; i++) {
                 const int d = lane + 32 * i;
-                if (d < D) acc[i] += pj * vr[d];
+                if (d < D) {
+                    const float v = vr[d];
+#pragma unroll
+                    for (int w = 0; w < QW; w++) acc[w][i] += pj[w] * v;
+                }
             }
         }
-        m = m_new;
     }
-    if (!active) return;
 
-    if (splits == 1) {
-        const float inv = 1.0f / l;
-        const size_t row = (size_t)qi * heads + h;
-        float* o = out + row * D;
 #pragma unroll
-        for (int i = 0; i < DV; i++) {
-            const int d = lane + 32 * i;
-            if (d < D) o[d] = acc[i] * inv;
-            // int8 copy for the output projection (the host passes xq only when D is
-            // a multiple of 32, so every lane holds a value)
-            if (xq != nullptr) quantize_warp_unit(acc[i] * inv, xq + row * D + 32 * i, xd + row * (D / 32) + i);
-        }
-    } else {
-        float* pp = part + (((size_t)split * n + qi) * heads + h) * (D + 2);
-        if (lane == 0) {
-            pp[0] = m;
-            pp[1] = l;
-        }
+    for (int w = 0; w < QW; w++) {
+        if (!active[w]) continue;
+        if (splits == 1) {
+            const float inv = 1.0f / l[w];
+            const size_t row = (size_t)qi[w] * heads + h;
+            float* o = out + row * D;
 #pragma unroll
-        for (int i = 0; i < DV; i++) {
-            const int d = lane + 32 * i;
-            if (d < D) pp[2 + d] = acc[i];
+            for (int i = 0; i < DV; i++) {
+                const int d = lane + 32 * i;
+                if (d < D) o[d] = acc[w][i] * inv;
+                // int8 copy for the output projection (the host passes xq only when D
+                // is a multiple of 32, so every lane holds a value)
+                if (xq != nullptr)
+                    quantize_warp_unit(acc[w][i] * inv, xq + row * D + 32 * i, xd + row * (D / 32) + i);
+            }
+        } else {
+            float* pp = part + (((size_t)split * n + qi[w]) * heads + h) * (D + 2);
+            if (lane == 0) {
+                pp[0] = m[w];
+                pp[1] = l[w];
+            }
+#pragma unroll
+            for (int i = 0; i < DV; i++) {
+                const int d = lane + 32 * i;
+                if (d < D) pp[2 + d] = acc[w][i];
+            }
         }
     }
 }
 
-#define ATTENTION(DV)                                                                        \
-    extern "C" __global__ void attention_##DV(                                               \
+#define ATTENTION(DV, QW)                                                                    \
+    extern "C" __global__ void attention_##DV##_##QW(                                        \
         const float* q, const float* kc, const float* vc, const int* pos, float* out,        \
         float* part, i8* xq, float* xd, int n, int heads, int kv_heads, int D, float scale,  \
         float cap, int window, int qt, int span) {                                           \
-        attention_body<DV>(q, kc, vc, pos, out, part, xq, xd, n, heads, kv_heads, D, scale,  \
-                           cap, window, qt, span);                                           \
+        attention_body<DV, QW>(q, kc, vc, pos, out, part, xq, xd, n, heads, kv_heads, D,     \
+                               scale, cap, window, qt, span);                                \
     }
-ATTENTION(1)
-ATTENTION(2)
-ATTENTION(3)
-ATTENTION(4)
-ATTENTION(5)
-ATTENTION(6)
-ATTENTION(7)
-ATTENTION(8)
+#define ATTENTION_QW(DV) ATTENTION(DV, 1) ATTENTION(DV, 2)
+ATTENTION_QW(1)
+ATTENTION_QW(2)
+ATTENTION_QW(3)
+ATTENTION_QW(4)
+ATTENTION_QW(5)
+ATTENTION_QW(6)
+ATTENTION_QW(7)
+ATTENTION_QW(8)
 
 // Merge the splits' partial results of each (query, head); with xq non-null also the
 // int8 copy, as attention_body writes it. Launch: grid (n * heads), block 32.
