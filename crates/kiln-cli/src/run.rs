@@ -19,15 +19,19 @@ pub struct RunArgs {
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     pub n_predict: usize,
     /// Temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, value_parser = non_negative)]
     pub temp: f32,
+    /// Keep the k most likely tokens; 0 keeps all.
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
-    #[arg(long, default_value_t = 0.95)]
+    /// Keep the most likely tokens up to this much probability; 1 keeps all.
+    #[arg(long, default_value_t = 0.95, value_parser = probability)]
     pub top_p: f32,
-    #[arg(long, default_value_t = 0.05)]
+    /// Drop tokens less likely than this share of the most likely one; 0 keeps all.
+    #[arg(long, default_value_t = 0.05, value_parser = probability)]
     pub min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
+    /// Divide the logits of recent tokens by this (multiply when negative); 1 is off.
+    #[arg(long, default_value_t = 1.0, value_parser = positive)]
     pub repeat_penalty: f32,
     /// Random seed (default: from the clock).
     #[arg(short = 's', long)]
@@ -163,4 +167,43 @@ pub fn run(a: RunArgs) -> Result<()> {
         let _ = writeln!(stdout, "{json}");
     }
     Ok(())
+}
+
+fn number(s: &str) -> Result<f32, String> {
+    let v: f32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err(format!("{s} is not a finite number"))
+    }
+}
+
+fn non_negative(s: &str) -> Result<f32, String> {
+    number(s).and_then(|v| {
+        if v >= 0.0 {
+            Ok(v)
+        } else {
+            Err(format!("{v} is below 0"))
+        }
+    })
+}
+
+fn positive(s: &str) -> Result<f32, String> {
+    number(s).and_then(|v| {
+        if v > 0.0 {
+            Ok(v)
+        } else {
+            Err(format!("{v} is not above 0"))
+        }
+    })
+}
+
+fn probability(s: &str) -> Result<f32, String> {
+    number(s).and_then(|v| {
+        if (0.0..=1.0).contains(&v) {
+            Ok(v)
+        } else {
+            Err(format!("{v} is not between 0 and 1"))
+        }
+    })
 }

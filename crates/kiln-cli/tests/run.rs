@@ -195,3 +195,22 @@ fn cuda_without_a_gpu_is_a_clear_error_and_auto_falls_back() {
         "{err}"
     );
 }
+
+#[test]
+fn sampling_settings_out_of_range_are_clear_errors() {
+    for (flag, value, says) in [
+        ("--top-p", "1.5", "not between 0 and 1"),
+        ("--min-p", "-0.1", "not between 0 and 1"),
+        ("--temp", "nan", "not a finite number"),
+        ("--temp", "-1", "below 0"),
+        ("--repeat-penalty", "0", "not above 0"),
+    ] {
+        let o = kiln(&["run", "-p", "x", "-n", "1", &format!("{flag}={value}")]);
+        assert_eq!(o.status.code(), Some(2), "{flag} {value}");
+        let err = stderr(&o);
+        assert!(
+            err.contains(flag) && err.contains(says),
+            "{flag} {value}: {err}"
+        );
+    }
+}
