@@ -1,12 +1,14 @@
 #!/bin/bash
+set -u
 # kiln and llama.cpp on the same GGUF files, alternating, two rounds (kiln bench and
 # llama-bench, -p 64 -n 32 -r 3 -t 2). Make the files with make_random_gguf.py and
 # llama-quantize.
 # llama.cpp tools built from the source vendored in the PyPI sdist of llama-cpp-python 0.3.36
 # (llama.cpp 0c1e570), CPU build without AMX (see BENCHMARKS.md); set LLAMA_BIN to its bin/.
-B=${LLAMA_BIN:?set LLAMA_BIN to llama.cpp's build/bin}
+B=${LLAMA_BIN:?set LLAMA_BIN to the bin folder of a llama.cpp build}
 K=${KILN:-$(pwd)/target/release/kiln}
-cd "${MODELS:?set MODELS to the folder of tl-{Q4_0,Q8_0,Q4_K_M}.gguf and tl-f16.gguf}"
+# MODELS: the folder holding tl-Q4_0.gguf, tl-Q8_0.gguf, tl-Q4_K_M.gguf and tl-f16.gguf.
+cd "${MODELS:?set MODELS to the folder of the tl-*.gguf files}" || exit 1
 for round in 1 2; do
 for t in Q4_0 Q8_0 Q4_K_M F16; do
   f=tl-$t.gguf; [ $t = F16 ] && f=tl-f16.gguf

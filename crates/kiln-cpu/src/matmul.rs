@@ -4,10 +4,11 @@
 //! Q8_0/Q4_0 weights, Q8_K for the K formats, as ggml does) and every weight row is dotted
 //! with it in integer arithmetic. Weight rows are split over the thread pool; each thread
 //! streams its own contiguous range of the weight matrix, which is what a memory-bound
-//! matrix-vector product needs. F32/F16/BF16 weights with many activation rows go to the
-//! `gemm` crate instead, where reuse of each weight across rows makes it compute-bound.
+//! matrix-vector product needs. With many activation rows each weight is reused across
+//! rows and the product is compute-bound: on AVX-512 it goes to the register-tiled kernels
+//! (`qgemm`, `fgemm`); F32/F16/BF16 weights elsewhere go to the `gemm` crate.
 
-use crate::{dot, f32s, f32s_mut, qgemm, storage};
+use crate::{dot, f32s, f32s_mut, fgemm, qgemm, storage};
 use bytemuck::Zeroable;
 use half::{bf16, f16};
 use kiln_core::quant::{self, as_blocks, BlockQ4_0, BlockQ8K, BlockQ8_0, QK, QK_K};
@@ -43,6 +44,14 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
     }
     match w.dtype() {
         DType::I32 => return Err(Error::unsupported("matmul weights cannot be i32")),
+        // Prefill on AVX-512: the kernel that reads 16-bit weights where they lie.
+        DType::F32 | DType::F16 | DType::BF16 if n >= fgemm::MIN_ROWS && fgemm::available() => {
+            match w.dtype() {
+                DType::F32 => fgemm::matmul::<f32>(cast(wb)?, xs, out, n, m, k),
+                DType::F16 => fgemm::matmul::<f16>(cast(wb)?, xs, out, n, m, k),
+                _ => fgemm::matmul::<bf16>(cast(wb)?, xs, out, n, m, k),
+            }
+        }
         DType::F32 | DType::F16 | DType::BF16 if n >= GEMM_MIN_ROWS => {
             gemm_f32(xs, wb, w.dtype(), out, n, m, k, threads)
         }
