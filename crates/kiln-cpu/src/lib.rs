@@ -3,14 +3,15 @@
 //! Matrix-vector and matrix products run on ggml's block formats directly: activations
 //! are quantized to Q8_0 or Q8_K and multiplied with integer SIMD dot products chosen at
 //! run time ([`dot`]), rows spread over a rayon pool. Products with several activation rows
-//! (prompts) use register-tiled kernels on AVX-512 (`qgemm` for quantized weights, `fgemm`
-//! for F32/F16/BF16) and the `gemm` crate for float weights elsewhere. The remaining ops
-//! are plain f32 loops.
+//! (prompts) use register-tiled kernels on AVX-512 (`qgemm` and `kgemm` for quantized
+//! weights, `fgemm` for F32/F16/BF16) and the `gemm` crate for float weights elsewhere.
+//! The remaining ops are plain f32 loops.
 
 mod attention;
 pub mod dot;
 mod elementwise;
 mod fgemm;
+mod kgemm;
 mod matmul;
 mod norm;
 mod qgemm;

@@ -8,10 +8,12 @@
 //! rows and the product is compute-bound: on AVX-512 it goes to the register-tiled kernels
 //! (`qgemm`, `fgemm`); F32/F16/BF16 weights elsewhere go to the `gemm` crate.
 
-use crate::{dot, f32s, f32s_mut, fgemm, qgemm, storage};
+use crate::{dot, f32s, f32s_mut, fgemm, kgemm, qgemm, storage};
 use bytemuck::Zeroable;
 use half::{bf16, f16};
-use kiln_core::quant::{self, as_blocks, BlockQ4_0, BlockQ8K, BlockQ8_0, QK, QK_K};
+use kiln_core::quant::{
+    self, as_blocks, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K,
+};
 use kiln_core::{DType, Error, Result, Tensor};
 use rayon::prelude::*;
 
@@ -100,6 +102,14 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
             let mut xq = vec![bytemuck::Zeroable::zeroed(); n * nb];
             quant::quantize_q8_k(xs, &mut xq)?;
             let xq: &[BlockQ8K] = &xq;
+            if n >= qgemm::MIN_ROWS && qgemm::available() {
+                if w.dtype() == DType::Q4_K {
+                    kgemm::matmul::<BlockQ4K>(&as_blocks(wb)?, xq, out, n, m, k);
+                } else {
+                    kgemm::matmul::<BlockQ6K>(&as_blocks(wb)?, xq, out, n, m, k);
+                }
+                return Ok(());
+            }
             let xq = |i: usize| &xq[i * nb..][..nb];
             if w.dtype() == DType::Q4_K {
                 let ws = as_blocks(wb)?;

@@ -32,7 +32,7 @@ use rayon::prelude::*;
 pub(crate) const MIN_ROWS: usize = 4;
 
 /// Weight rows per panel: one per i32 lane of a zmm register.
-const P: usize = 16;
+pub(crate) const P: usize = 16;
 /// Activation rows per register tile.
 const C: usize = 8;
 
@@ -106,14 +106,60 @@ impl WeightBlock for BlockQ4_0 {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) use x86::transpose_rows;
+
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// Repack rows `rows` (16 indices into `w`, each a row of `nb` blocks) into `panel`.
+    /// Transpose 16 rows of 32 bytes into 8 registers: lane `r` (bytes `4r..4r+4`) of
+    /// `out[j]` = bytes `4j..4j+4` of row `r`. In-register shuffles, not gathers.
     ///
-    /// Per block this is a 16 × 8 transpose of dwords (row r's quants 4j..4j+4 go to lane
-    /// r of `q[j]`), done with in-register shuffles rather than gathers.
+    /// # Safety
+    /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(crate) unsafe fn transpose_rows(r: [__m256i; P], out: &mut [[u8; 64]; 8]) {
+        // SAFETY: the features are enabled on this function; stores go through references.
+        unsafe {
+            // Qword indices picking 128-bit lanes (a0, b0, a2, b2) and (a1, b1, a3, b3).
+            let lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+            let hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+            // z[i]: row i in the low 256 bits, row i + 8 in the high 256 bits.
+            let z: [__m512i; 8] = std::array::from_fn(|i| {
+                _mm512_inserti64x4(_mm512_castsi256_si512(r[i]), r[i + 8], 1)
+            });
+            // Classic 8 × 8 dword transpose, applied to both 256-bit halves at once.
+            let t: [__m512i; 8] = std::array::from_fn(|i| {
+                let (x, y) = (z[i / 2 * 2], z[i / 2 * 2 + 1]);
+                if i % 2 == 0 {
+                    _mm512_unpacklo_epi32(x, y)
+                } else {
+                    _mm512_unpackhi_epi32(x, y)
+                }
+            });
+            // u[g·4 + c], c < 4: per 128-bit lane, column c (lanes 0, 2) or c + 4
+            // (lanes 1, 3) of rows 4g..4g+4 (lanes 0, 1) and 8 + 4g.. (lanes 2, 3).
+            let u: [__m512i; 8] = std::array::from_fn(|i| {
+                let (g, c) = (i / 4, i % 4);
+                let (x, y) = (t[g * 4 + c / 2], t[g * 4 + 2 + c / 2]);
+                if c % 2 == 0 {
+                    _mm512_unpacklo_epi64(x, y)
+                } else {
+                    _mm512_unpackhi_epi64(x, y)
+                }
+            });
+            for (j, o) in out.iter_mut().enumerate() {
+                let idx = if j < 4 { lo } else { hi };
+                let v = _mm512_permutex2var_epi64(u[j % 4], idx, u[4 + j % 4]);
+                _mm512_storeu_si512(o.as_mut_ptr() as *mut _, v);
+            }
+        }
+    }
+
+    /// Repack rows `rows` (16 indices into `w`, each a row of `nb` blocks) into `panel`:
+    /// per block a 16 × 8 transpose of dwords (row r's quants 4j..4j+4 go to lane r of
+    /// `q[j]`).
     ///
     /// # Safety
     /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
@@ -128,40 +174,8 @@ mod x86 {
         // SAFETY: the features are enabled on this function; all memory is accessed
         // through references.
         unsafe {
-            // Qword indices picking 128-bit lanes (a0, b0, a2, b2) and (a1, b1, a3, b3).
-            let lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
-            let hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
             for (b, out) in panel[..nb].iter_mut().enumerate() {
-                let r: [__m256i; P] = std::array::from_fn(|i| rows[i][b].unsigned());
-                // z[i]: row i in the low 256 bits, row i + 8 in the high 256 bits.
-                let z: [__m512i; 8] = std::array::from_fn(|i| {
-                    _mm512_inserti64x4(_mm512_castsi256_si512(r[i]), r[i + 8], 1)
-                });
-                // Classic 8 × 8 dword transpose, applied to both 256-bit halves at once.
-                let t: [__m512i; 8] = std::array::from_fn(|i| {
-                    let (x, y) = (z[i / 2 * 2], z[i / 2 * 2 + 1]);
-                    if i % 2 == 0 {
-                        _mm512_unpacklo_epi32(x, y)
-                    } else {
-                        _mm512_unpackhi_epi32(x, y)
-                    }
-                });
-                // u[g·4 + c], c < 4: per 128-bit lane, column c (lanes 0, 2) or c + 4
-                // (lanes 1, 3) of rows 4g..4g+4 (lanes 0, 1) and 8 + 4g.. (lanes 2, 3).
-                let u: [__m512i; 8] = std::array::from_fn(|i| {
-                    let (g, c) = (i / 4, i % 4);
-                    let (x, y) = (t[g * 4 + c / 2], t[g * 4 + 2 + c / 2]);
-                    if c % 2 == 0 {
-                        _mm512_unpacklo_epi64(x, y)
-                    } else {
-                        _mm512_unpackhi_epi64(x, y)
-                    }
-                });
-                for j in 0..8 {
-                    let idx = if j < 4 { lo } else { hi };
-                    let v = _mm512_permutex2var_epi64(u[j % 4], idx, u[4 + j % 4]);
-                    _mm512_storeu_si512(out.q[j].as_mut_ptr() as *mut _, v);
-                }
+                transpose_rows(std::array::from_fn(|i| rows[i][b].unsigned()), &mut out.q);
                 let d: [u16; P] = std::array::from_fn(|i| rows[i][b].d_bits());
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr() as *const __m256i));
                 _mm512_storeu_ps(out.d.as_mut_ptr(), d);

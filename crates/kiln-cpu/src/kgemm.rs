@@ -1,0 +1,360 @@
+//! Batched (prefill) matmul for the K formats, Q4_K and Q6_K weights against Q8_K
+//! activations on AVX-512 VNNI: `out[n, m] = x[n, k] · w[m, k]ᵀ` with n ≥
+//! [`qgemm::MIN_ROWS`].
+//!
+//! The same scheme as [`qgemm`] (read it first): a panel of 16 weight rows, one per i32
+//! lane, repacked per call into unsigned bytes so that `vpdpbusd` multiplies one weight
+//! register with 4 broadcast activation quants of each of 8 activation rows. What differs
+//! is the scales: a 256-element super-block has a scale per group of 32 (Q4_K) or 16
+//! (Q6_K) elements, so the exact integer sum of each group is converted and multiplied by
+//! that group's `d · scale` per lane, in f32:
+//!
+//! - Q4_K: `w = d·sc_j·q − dmin·m_j` with `q` in 0..=15, already unsigned. The `−dmin·m_j`
+//!   part contributes `−dmin·m_j · Σx` over the group, taken per super-block from the
+//!   activation block's sums of 16 (`bsums`), as ggml does.
+//! - Q6_K: `w = d·sc_g·(q − 32)` with `q` in 0..=63 as the unsigned form; the group's
+//!   integer sum starts at `−32·Σx` (from `bsums` again), which removes the offset exactly.
+//!
+//! Per group and activation row that is 8 (Q4_K) or 4 (Q6_K) `vpdpbusd` for one
+//! conversion and one FMA.
+
+use crate::qgemm::{self, P};
+use bytemuck::Zeroable;
+use kiln_core::quant::{q4k_scale_min, BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
+use rayon::prelude::*;
+
+/// Activation rows per register tile.
+const C: usize = 8;
+
+/// One super-block of a 16-row weight panel, transposed for the kernel.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Zeroable)]
+pub(crate) struct KPanelBlock {
+    /// `q[j]` lane `r` (bytes `4r..4r+4`) = unsigned quants `4j..4j+4` of row `r`.
+    q: [[u8; 64]; QK_K / 4],
+    /// Per scale group, `d · scale` of each row (Q4_K uses the first 8 groups).
+    scale: [[f32; P]; 16],
+    /// Q4_K: per group of 32, `dmin · m` of each row.
+    min: [[f32; P]; 8],
+}
+
+/// What the kernel needs of an activation block besides its quants.
+#[derive(Clone, Copy, Zeroable)]
+struct ActBlock {
+    d: f32,
+    /// Q6_K: `−32 · Σx` per group of 16, the integer sums' starting values.
+    corr: [i32; 16],
+    /// Q4_K: `Σx` per group of 32.
+    sum32: [f32; 8],
+}
+
+/// A K-format weight block the kernel can consume.
+pub(crate) trait KBlock: bytemuck::Pod + Sync {
+    /// Scale groups per super-block.
+    const GROUPS: usize;
+    /// Whether the format subtracts a per-group minimum (Q4_K) rather than an offset.
+    const HAS_MIN: bool;
+    /// Quants `32·part..32·part + 32` as unsigned bytes.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn unsigned(&self, part: usize) -> std::arch::x86_64::__m256i;
+    /// `d · scale` (and `dmin · min`) per group, as f32.
+    fn scales(&self, scale: &mut [f32; 16], min: &mut [f32; 8]);
+}
+
+impl KBlock for BlockQ4K {
+    const GROUPS: usize = 8;
+    const HAS_MIN: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn unsigned(&self, part: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: 32 readable bytes at `32·(part/2)` < 128; the caller enabled AVX2. Part
+        // 2g is the low nibbles of bytes 32g.., part 2g + 1 their high nibbles.
+        unsafe {
+            let v = _mm256_loadu_si256(self.qs.as_ptr().add(32 * (part / 2)) as *const __m256i);
+            let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (part % 2) as i32));
+            _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
+        }
+    }
+    fn scales(&self, scale: &mut [f32; 16], min: &mut [f32; 8]) {
+        let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
+        for j in 0..8 {
+            let (sc, m) = q4k_scale_min(j, &self.scales);
+            scale[j] = d * sc as f32;
+            min[j] = dmin * m as f32;
+        }
+    }
+}
+
+impl KBlock for BlockQ6K {
+    const GROUPS: usize = 16;
+    const HAS_MIN: bool = false;
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn unsigned(&self, part: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // Element 128h + 32s + l (s < 4, l < 32): low 4 bits from `ql[64h + 32(s%2) + l]`
+        // (low nibble for s < 2, high for s ≥ 2), high 2 bits from `qh[32h + l]` bits 2s..
+        let (h, s) = (part / 4, part % 4);
+        // SAFETY: 32 readable bytes at 64h + 32(s%2) + 32 ≤ 128 in `ql` and at 32h + 32
+        // ≤ 64 in `qh`; the caller enabled AVX2.
+        unsafe {
+            let ql = _mm256_loadu_si256(self.ql.as_ptr().add(64 * h + 32 * (s % 2)) as *const _);
+            let qh = _mm256_loadu_si256(self.qh.as_ptr().add(32 * h) as *const __m256i);
+            let lo = _mm256_and_si256(
+                _mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (s / 2) as i32)),
+                _mm256_set1_epi8(0x0F),
+            );
+            let hi = _mm256_and_si256(
+                _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * s as i32)),
+                _mm256_set1_epi8(0x03),
+            );
+            _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4))
+        }
+    }
+    fn scales(&self, scale: &mut [f32; 16], _min: &mut [f32; 8]) {
+        let d = self.d.to_f32();
+        for (s, &sc) in scale.iter_mut().zip(&self.scales) {
+            *s = d * sc as f32;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Repack rows `rows` (16 indices into `w`, each a row of `nb` super-blocks) into
+    /// `panel`.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn repack<W: KBlock>(
+        w: &[W],
+        rows: [usize; P],
+        nb: usize,
+        panel: &mut [KPanelBlock],
+    ) {
+        let rows: [&[W]; P] = rows.map(|r| &w[r * nb..][..nb]);
+        // SAFETY: the features are enabled on this function; memory goes through
+        // references.
+        unsafe {
+            for (b, out) in panel[..nb].iter_mut().enumerate() {
+                for (part, q) in out.q.chunks_exact_mut(8).enumerate() {
+                    let q: &mut [[u8; 64]; 8] = q.try_into().expect("chunks of 8");
+                    qgemm::transpose_rows(std::array::from_fn(|i| rows[i][b].unsigned(part)), q);
+                }
+                for (r, row) in rows.iter().enumerate() {
+                    let (mut scale, mut min) = ([0f32; 16], [0f32; 8]);
+                    row[b].scales(&mut scale, &mut min);
+                    for g in 0..W::GROUPS {
+                        out.scale[g][r] = scale[g];
+                    }
+                    if W::HAS_MIN {
+                        for (j, &v) in min.iter().enumerate() {
+                            out.min[j][r] = v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The tile `panel · x[c]ᵀ` for the C activation rows `x` (each `nb` blocks, with
+    /// `act` beside them): lane r of result c is row r · x[c].
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn tile<W: KBlock>(
+        panel: &[KPanelBlock],
+        x: [&[BlockQ8K]; C],
+        act: [&[ActBlock]; C],
+        nb: usize,
+    ) -> [[f32; P]; C] {
+        assert!(panel.len() >= nb);
+        assert!((0..C).all(|c| x[c].len() >= nb && act[c].len() >= nb));
+        let regs = QK_K / 4 / W::GROUPS;
+        // SAFETY: the features are enabled on this function; every block index is < nb,
+        // which all slices cover (asserted), and each 4-byte read lies inside a 256-byte
+        // `qs` (register index < 64).
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); C];
+            for b in 0..nb {
+                let pb = panel.get_unchecked(b);
+                let mut f = [_mm512_setzero_ps(); C];
+                for g in 0..W::GROUPS {
+                    let mut ia: [__m512i; C] = std::array::from_fn(|c| {
+                        if W::HAS_MIN {
+                            _mm512_setzero_si512()
+                        } else {
+                            _mm512_set1_epi32(act[c].get_unchecked(b).corr[g])
+                        }
+                    });
+                    for j in g * regs..(g + 1) * regs {
+                        let wv = _mm512_loadu_si512(pb.q[j].as_ptr() as *const _);
+                        for c in 0..C {
+                            let xp = x[c].get_unchecked(b).qs.as_ptr().add(4 * j) as *const i32;
+                            let xv = _mm512_set1_epi32(xp.read_unaligned());
+                            ia[c] = _mm512_dpbusd_epi32(ia[c], wv, xv);
+                        }
+                    }
+                    let sc = _mm512_loadu_ps(pb.scale[g].as_ptr());
+                    for c in 0..C {
+                        f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[c]), sc, f[c]);
+                    }
+                }
+                if W::HAS_MIN {
+                    for j in 0..8 {
+                        let mn = _mm512_loadu_ps(pb.min[j].as_ptr());
+                        for c in 0..C {
+                            let s = _mm512_set1_ps(act[c].get_unchecked(b).sum32[j]);
+                            f[c] = _mm512_fnmadd_ps(mn, s, f[c]);
+                        }
+                    }
+                }
+                for c in 0..C {
+                    let d = _mm512_set1_ps(act[c].get_unchecked(b).d);
+                    acc[c] = _mm512_fmadd_ps(f[c], d, acc[c]);
+                }
+            }
+            acc.map(|v| {
+                let mut o = [0f32; P];
+                _mm512_storeu_ps(o.as_mut_ptr(), v);
+                o
+            })
+        }
+    }
+}
+
+/// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k / QK_K` super-blocks and `xq` the Q8_K
+/// activations (`n` rows). Requires [`qgemm::available()`].
+pub(crate) fn matmul<W: KBlock>(
+    w: &[W],
+    xq: &[BlockQ8K],
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+    k: usize,
+) {
+    assert!(qgemm::available(), "batched matmul needs AVX-512 VNNI");
+    let nb = k / QK_K;
+    assert!(w.len() >= m * nb && xq.len() >= n * nb && out.len() >= n * m);
+    let act: Vec<ActBlock> = xq[..n * nb]
+        .iter()
+        .map(|b| ActBlock {
+            d: b.d,
+            corr: b.bsums.map(|s| -32 * s as i32),
+            sum32: std::array::from_fn(|j| {
+                (b.bsums[2 * j] as i32 + b.bsums[2 * j + 1] as i32) as f32
+            }),
+        })
+        .collect();
+    let panels = m.div_ceil(P);
+    // Results panel-major: t[p][c][r] is out[c, p·16 + r], so each task owns one panel's
+    // contiguous slice.
+    let mut t = vec![0f32; panels * n * P];
+    t.par_chunks_mut(n * P).enumerate().for_each_init(
+        || vec![KPanelBlock::zeroed(); nb],
+        |panel, (p, o)| {
+            // A ragged last panel repeats its last row; the repeats are not copied out.
+            let rows: [usize; P] = std::array::from_fn(|r| (p * P + r).min(m - 1));
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2,
+            // FMA and F16C were detected.
+            unsafe {
+                x86::repack(w, rows, nb, panel)
+            };
+            for ct in (0..n).step_by(C) {
+                // A ragged last tile repeats its last activation row; not stored.
+                let cols: [usize; C] = std::array::from_fn(|j| (ct + j).min(n - 1));
+                let x = cols.map(|c| &xq[c * nb..][..nb]);
+                let a = cols.map(|c| &act[c * nb..][..nb]);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                let res = unsafe { x86::tile::<W>(panel, x, a, nb) };
+                #[cfg(not(target_arch = "x86_64"))]
+                let res: [[f32; P]; C] = {
+                    let _ = (rows, x, a, &panel);
+                    unreachable!("checked by available()")
+                };
+                for (j, v) in res.iter().enumerate().take(n - ct) {
+                    o[(ct + j) * P..][..P].copy_from_slice(v);
+                }
+            }
+        },
+    );
+    for (p, tp) in t.chunks_exact(n * P).enumerate() {
+        let r0 = p * P;
+        let len = P.min(m - r0);
+        for i in 0..n {
+            out[i * m + r0..][..len].copy_from_slice(&tp[i * P..][..len]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dot::{self, test_util::ref_dot};
+    use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize, quantize_q8_k};
+    use kiln_core::DType;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn check<W: KBlock>(dtype: DType, dot: fn(&[W], &[BlockQ8K]) -> f32) {
+        let mut rng = StdRng::seed_from_u64(0x4b9e);
+        for &k in &[256usize, 768, 2048] {
+            for &m in &[1usize, 7, 130] {
+                for &n in &[4usize, 5, 17, 64] {
+                    let wv: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+                    let xv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                    let wbytes = quantize(dtype, &wv).unwrap();
+                    let w = as_blocks::<W>(&wbytes).unwrap().into_owned();
+                    let mut xq = vec![BlockQ8K::zeroed(); n * k / QK_K];
+                    quantize_q8_k(&xv, &mut xq).unwrap();
+                    let wf = dequantize_to_vec(dtype, &wbytes, m * k).unwrap();
+                    let xf: Vec<f32> = xq
+                        .iter()
+                        .flat_map(|b| b.qs.map(|q| q as f32 * b.d))
+                        .collect();
+                    let mut out = vec![f32::NAN; n * m];
+                    matmul(&w, &xq, &mut out, n, m, k);
+                    let nb = k / QK_K;
+                    for i in 0..n {
+                        for r in 0..m {
+                            let want = dot(&w[r * nb..][..nb], &xq[i * nb..][..nb]);
+                            let (_, abs) = ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]);
+                            let got = out[i * m + r];
+                            let err = (got - want).abs() as f64;
+                            assert!(
+                                err <= 1e-5 * abs.max(want.abs() as f64) + 1e-30,
+                                "{dtype} k={k} m={m} n={n} [{i}, {r}]: got {got}, want {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batched_matches_dot_q4_k() {
+        if !qgemm::available() {
+            eprintln!("no AVX-512 VNNI: batched path not testable here");
+            return;
+        }
+        check::<BlockQ4K>(DType::Q4_K, dot::dot_q4_k);
+    }
+
+    #[test]
+    fn batched_matches_dot_q6_k() {
+        if !qgemm::available() {
+            eprintln!("no AVX-512 VNNI: batched path not testable here");
+            return;
+        }
+        check::<BlockQ6K>(DType::Q6_K, dot::dot_q6_k);
+    }
+}
