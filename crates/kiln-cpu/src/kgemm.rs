@@ -149,8 +149,8 @@ mod x86 {
                 for (r, row) in rows.iter().enumerate() {
                     let (mut scale, mut min) = ([0f32; 16], [0f32; 8]);
                     row[b].scales(&mut scale, &mut min);
-                    for g in 0..W::GROUPS {
-                        out.scale[g][r] = scale[g];
+                    for (dst, &v) in out.scale.iter_mut().zip(&scale).take(W::GROUPS) {
+                        dst[r] = v;
                     }
                     if W::HAS_MIN {
                         for (j, &v) in min.iter().enumerate() {
