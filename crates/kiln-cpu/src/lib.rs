@@ -11,6 +11,7 @@ mod attention;
 pub mod dot;
 mod elementwise;
 mod fgemm;
+mod gemv;
 mod kgemm;
 mod matmul;
 mod norm;
