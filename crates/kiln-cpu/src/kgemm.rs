@@ -18,13 +18,9 @@
 //! Per group and activation row that is 8 (Q4_K) or 4 (Q6_K) `vpdpbusd` for one
 //! conversion and one FMA.
 
-use crate::qgemm::{self, P};
+use crate::qgemm::{self, C, P};
 use bytemuck::Zeroable;
 use kiln_core::quant::{q4k_scale_min, BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
-use rayon::prelude::*;
-
-/// Activation rows per register tile.
-const C: usize = 8;
 
 /// One super-block of a 16-row weight panel, transposed for the kernel.
 #[repr(C, align(64))]
@@ -252,47 +248,34 @@ pub(crate) fn matmul<W: KBlock>(
             }),
         })
         .collect();
-    let panels = m.div_ceil(P);
-    // Results panel-major: t[p][c][r] is out[c, p·16 + r], so each task owns one panel's
-    // contiguous slice.
-    let mut t = vec![0f32; panels * n * P];
-    t.par_chunks_mut(n * P).enumerate().for_each_init(
+    qgemm::run_panels(
+        out,
+        n,
+        m,
         || vec![KPanelBlock::zeroed(); nb],
-        |panel, (p, o)| {
-            // A ragged last panel repeats its last row; the repeats are not copied out.
-            let rows: [usize; P] = std::array::from_fn(|r| (p * P + r).min(m - 1));
+        |rows, panel| {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2,
             // FMA and F16C were detected.
             unsafe {
                 x86::repack(w, rows, nb, panel)
             };
-            for ct in (0..n).step_by(C) {
-                // A ragged last tile repeats its last activation row; not stored.
-                let cols: [usize; C] = std::array::from_fn(|j| (ct + j).min(n - 1));
-                let x = cols.map(|c| &xq[c * nb..][..nb]);
-                let a = cols.map(|c| &act[c * nb..][..nb]);
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                let res = unsafe { x86::tile::<W>(panel, x, a, nb) };
-                #[cfg(not(target_arch = "x86_64"))]
-                let res: [[f32; P]; C] = {
-                    let _ = (rows, x, a, &panel);
-                    unreachable!("checked by available()")
-                };
-                for (j, v) in res.iter().enumerate().take(n - ct) {
-                    o[(ct + j) * P..][..P].copy_from_slice(v);
-                }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (rows, panel);
+        },
+        |panel, cols| {
+            let x = cols.map(|c| &xq[c * nb..][..nb]);
+            let a = cols.map(|c| &act[c * nb..][..nb]);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            return unsafe { x86::tile::<W>(panel, x, a, nb) };
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                let _ = (x, a, panel);
+                unreachable!("checked by available()")
             }
         },
     );
-    for (p, tp) in t.chunks_exact(n * P).enumerate() {
-        let r0 = p * P;
-        let len = P.min(m - r0);
-        for i in 0..n {
-            out[i * m + r0..][..len].copy_from_slice(&tp[i * P..][..len]);
-        }
-    }
 }
 
 #[cfg(test)]

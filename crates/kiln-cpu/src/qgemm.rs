@@ -34,7 +34,7 @@ pub(crate) const MIN_ROWS: usize = 4;
 /// Weight rows per panel: one per i32 lane of a zmm register.
 pub(crate) const P: usize = 16;
 /// Activation rows per register tile.
-const C: usize = 8;
+pub(crate) const C: usize = 8;
 
 /// Whether this CPU can run the batched kernels.
 pub(crate) fn available() -> bool {
@@ -248,41 +248,65 @@ pub(crate) fn matmul<W: WeightBlock>(
         .map(|b| -W::OFFSET * b.qs.iter().map(|&q| q as i32).sum::<i32>())
         .collect();
     let dx: Vec<f32> = xq[..n * nb].iter().map(|b| b.d.to_f32()).collect();
-    let panels = m.div_ceil(P);
-    // Results panel-major: t[p][c][r] is out[c, p·16 + r], so each task owns one panel's
-    // contiguous slice.
-    let mut t = vec![0f32; panels * n * P];
-    t.par_chunks_mut(n * P).enumerate().for_each_init(
+    run_panels(
+        out,
+        n,
+        m,
         || vec![PANEL_ZERO; nb],
-        |panel, (p, o)| {
-            // A ragged last panel repeats its last row; the repeats are not copied out.
-            let rows: [usize; P] = std::array::from_fn(|r| (p * P + r).min(m - 1));
+        |rows, panel| {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2,
             // FMA and F16C were detected.
             unsafe {
                 x86::repack(w, rows, nb, panel)
             };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (rows, panel);
+        },
+        |panel, cols| {
+            let x = cols.map(|c| &xq[c * nb..][..nb]);
+            let cr = cols.map(|c| &corr[c * nb..][..nb]);
+            let ds = cols.map(|c| &dx[c * nb..][..nb]);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            return unsafe { x86::tile(panel, x, cr, ds, nb) };
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                let _ = (x, cr, ds, panel);
+                unreachable!("checked by available()")
+            }
+        },
+    );
+}
+
+/// The driver of the panel kernels (this one and [`crate::kgemm`]): weight rows in panels
+/// of [`P`], each repacked once per task into a scratch from `scratch` by `repack`, then
+/// multiplied by `tile` with every group of [`C`] activation rows; `out[n, m]` is
+/// assembled from the panels' results. A ragged last panel or group repeats its last row;
+/// the repeats are not stored.
+pub(crate) fn run_panels<B: Send>(
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+    scratch: impl Fn() -> Vec<B> + Sync + Send,
+    repack: impl Fn([usize; P], &mut [B]) + Sync,
+    tile: impl Fn(&[B], [usize; C]) -> [[f32; P]; C] + Sync,
+) {
+    let panels = m.div_ceil(P);
+    // Results panel-major: t[p][c][r] is out[c, p·16 + r], so each task owns one panel's
+    // contiguous slice.
+    let mut t = vec![0f32; panels * n * P];
+    t.par_chunks_mut(n * P)
+        .enumerate()
+        .for_each_init(scratch, |panel, (p, o)| {
+            repack(std::array::from_fn(|r| (p * P + r).min(m - 1)), panel);
             for ct in (0..n).step_by(C) {
-                // A ragged last tile repeats its last activation row; not stored.
-                let cols: [usize; C] = std::array::from_fn(|j| (ct + j).min(n - 1));
-                let x = cols.map(|c| &xq[c * nb..][..nb]);
-                let cr = cols.map(|c| &corr[c * nb..][..nb]);
-                let ds = cols.map(|c| &dx[c * nb..][..nb]);
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                let res = unsafe { x86::tile(panel, x, cr, ds, nb) };
-                #[cfg(not(target_arch = "x86_64"))]
-                let res: [[f32; P]; C] = {
-                    let _ = (rows, x, cr, ds, &panel);
-                    unreachable!("checked by available()")
-                };
+                let res = tile(panel, std::array::from_fn(|j| (ct + j).min(n - 1)));
                 for (j, v) in res.iter().enumerate().take(n - ct) {
                     o[(ct + j) * P..][..P].copy_from_slice(v);
                 }
             }
-        },
-    );
+        });
     for (p, tp) in t.chunks_exact(n * P).enumerate() {
         let r0 = p * P;
         let len = P.min(m - r0);
