@@ -6,7 +6,8 @@
 //! streams its own contiguous range of the weight matrix, which is what a memory-bound
 //! matrix-vector product needs. With many activation rows each weight is reused across
 //! rows and the product is compute-bound: on AVX-512 it goes to the register-tiled kernels
-//! (`qgemm`, `fgemm`); F32/F16/BF16 weights elsewhere go to the `gemm` crate.
+//! (`qgemm`, `kgemm`, `fgemm`); F32/F16/BF16 weights elsewhere go to the `gemm` crate.
+//! Q8_0/Q4_0 decode on AVX-512 has its own several-rows kernel (`gemv`).
 
 use crate::{dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, storage};
 use bytemuck::Zeroable;
@@ -167,8 +168,8 @@ fn by_rows(out: &mut [f32], n: usize, m: usize, w: &[u8], f: impl Fn(usize, usiz
     let chunk = chunk_rows(m);
     let row_bytes = w.len() / m;
     // The next row, requested before this one is read: rows of a few KiB are too short
-    // for the hardware prefetcher to ramp up (decode ran ~1.5x faster with this on the
-    // 2-core machine).
+    // for the hardware prefetcher to ramp up (Q4_K_M and F16 decode ran ~1.15x faster with
+    // this on the 2-core machine).
     let ahead = |r: usize| prefetch(w, (r + 1) * row_bytes, row_bytes);
     if n == 1 {
         out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
