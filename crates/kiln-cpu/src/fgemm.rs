@@ -46,12 +46,26 @@ pub(crate) trait FloatWeight: bytemuck::Pod + Sync {
     /// AVX-512 F/BW/VL, AVX2, FMA and F16C must be available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn widen(src: &[Self], dst: &mut [f32]);
+
+    /// The 16 elements at `p` as f32.
+    ///
+    /// # Safety
+    /// 16 elements must be readable at `p`; the caller must have enabled AVX-512 F/BW and
+    /// F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl FloatWeight for f32 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn widen(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller guarantees 16 readable elements and AVX-512 F.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 
@@ -61,6 +75,13 @@ impl FloatWeight for f16 {
         // SAFETY: the caller guarantees the features.
         unsafe { x86::widen_f16(src, dst) }
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees 16 readable elements, AVX-512 F and F16C.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
 }
 
 impl FloatWeight for bf16 {
@@ -68,6 +89,17 @@ impl FloatWeight for bf16 {
     unsafe fn widen(src: &[bf16], dst: &mut [f32]) {
         // SAFETY: the caller guarantees the features.
         unsafe { x86::widen_bf16(src, dst) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees 16 readable elements and AVX-512 F. A bf16 is the
+        // top half of the f32 with its bits.
+        unsafe {
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+        }
     }
 }
 

@@ -7,7 +7,8 @@
 //! matrix-vector product needs. With many activation rows each weight is reused across
 //! rows and the product is compute-bound: on AVX-512 it goes to the register-tiled kernels
 //! (`qgemm`, `kgemm`, `fgemm`); F32/F16/BF16 weights elsewhere go to the `gemm` crate.
-//! Q8_0/Q4_0 decode on AVX-512 has its own several-rows kernel (`gemv`).
+//! Decode (one activation row) on AVX-512 goes to the several-rows kernels of `gemv`;
+//! elsewhere each weight row is dotted on its own (`by_rows`).
 
 use crate::{dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, storage};
 use bytemuck::Zeroable;
@@ -58,6 +59,12 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         DType::F32 | DType::F16 | DType::BF16 if n >= GEMM_MIN_ROWS => {
             gemm_f32(xs, wb, w.dtype(), out, n, m, k, threads)
         }
+        // Decode: several weight rows per loop with the prefetch interleaved (`gemv`).
+        DType::F32 | DType::F16 | DType::BF16 if n == 1 && gemv::available() => match w.dtype() {
+            DType::F32 => gemv::float::matvec::<f32>(cast(wb)?, xs, out, m),
+            DType::F16 => gemv::float::matvec::<f16>(cast(wb)?, xs, out, m),
+            _ => gemv::float::matvec::<bf16>(cast(wb)?, xs, out, m),
+        },
         DType::F32 => {
             let ws: &[f32] = cast(wb)?;
             by_rows(out, n, m, wb, |r, i| {
@@ -92,9 +99,11 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
             // Decode: several weight rows per loop against the once-prepared row (`gemv`).
             if n == 1 && gemv::available() {
                 if w.dtype() == DType::Q8_0 {
-                    gemv::matvec::<BlockQ8_0>(&as_blocks(wb)?, &xq, out, m, k, dot::dot_q8_0);
+                    let w = as_blocks(wb)?;
+                    gemv::q8_0::matvec::<BlockQ8_0>(&w, &xq, out, m, k, dot::dot_q8_0);
                 } else {
-                    gemv::matvec::<BlockQ4_0>(&as_blocks(wb)?, &xq, out, m, k, dot::dot_q4_0);
+                    let w = as_blocks(wb)?;
+                    gemv::q8_0::matvec::<BlockQ4_0>(&w, &xq, out, m, k, dot::dot_q4_0);
                 }
                 return Ok(());
             }
@@ -121,6 +130,14 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
                     kgemm::matmul::<BlockQ4K>(&as_blocks(wb)?, xq, out, n, m, k);
                 } else {
                     kgemm::matmul::<BlockQ6K>(&as_blocks(wb)?, xq, out, n, m, k);
+                }
+                return Ok(());
+            }
+            if n == 1 && gemv::available() {
+                if w.dtype() == DType::Q4_K {
+                    gemv::k_quants::matvec_q4k(&as_blocks(wb)?, xq, out, m);
+                } else {
+                    gemv::k_quants::matvec_q6k(&as_blocks(wb)?, xq, out, m);
                 }
                 return Ok(());
             }

@@ -91,7 +91,7 @@ pub(crate) mod x86 {
 
     /// `[a·xd, b·xd]` for two f16 bit patterns `a`, `b`. Needs F16C.
     #[inline(always)]
-    unsafe fn f16x2_times(a: u16, b: u16, xd: f32) -> (f32, f32) {
+    pub(crate) unsafe fn f16x2_times(a: u16, b: u16, xd: f32) -> (f32, f32) {
         // SAFETY: the caller enabled F16C (and so SSE4.1).
         unsafe {
             let f = _mm_cvtph_ps(_mm_cvtsi32_si128((a as u32 | (b as u32) << 16) as i32));

@@ -12,7 +12,7 @@
 //! Q8_K (for the K formats) by the caller.
 
 mod float;
-mod k_quants;
+pub(crate) mod k_quants;
 mod q8_0;
 
 use half::{bf16, f16};

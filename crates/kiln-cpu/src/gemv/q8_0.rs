@@ -1,5 +1,4 @@
-//! Matrix-vector product (decode) for Q8_0 and Q4_0 weights against one Q8_0 activation
-//! row on AVX-512 VNNI: `out[r] = w[r] · x`.
+//! Q8_0 and Q4_0 weights against one Q8_0 activation row.
 //!
 //! The per-row dot kernels in [`crate::dot`] redo, for every weight row, work that depends
 //! only on `x`: loading and pairing its blocks, the second `vpdpbusd` that removes the
@@ -10,12 +9,9 @@
 //! from the offset correction, and the scale: the two weight scales broadcast to their
 //! halves, times the prepared activation scales, into one FMA.
 
-use crate::qgemm::{self, WeightBlock};
+use super::{available, by_groups, ROWS};
+use crate::qgemm::WeightBlock;
 use kiln_core::quant::{BlockQ8_0, QK};
-use rayon::prelude::*;
-
-/// Weight rows per loop.
-const ROWS: usize = 4;
 
 /// One pair of activation blocks, laid out for the kernel.
 #[repr(C, align(64))]
@@ -28,11 +24,6 @@ struct PreparedPair {
     corr: [i32; 16],
     /// The first block's scale in lanes 0..8, the second's in lanes 8..16.
     d: [f32; 16],
-}
-
-/// Whether this CPU can run the kernel.
-pub(crate) fn available() -> bool {
-    qgemm::available()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -60,11 +51,8 @@ mod x86 {
                 let dx = _mm512_load_ps(xp.d.as_ptr());
                 for (r, row) in w.iter().enumerate() {
                     let (a, b) = (row.get_unchecked(2 * p), row.get_unchecked(2 * p + 1));
-                    // Rows are short (a few KiB) and read four at a time, too short for
-                    // the hardware prefetcher to ramp up: ask for the same place ROWS rows
-                    // on, which the next group reads (prefetches never fault).
-                    let ahead = (a as *const W).wrapping_add(ROWS * row.len());
-                    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                    // The next group's rows (see the module docs of `gemv`).
+                    crate::gemv::prefetch((a as *const W).wrapping_add(ROWS * row.len()));
                     let u =
                         _mm512_inserti64x4(_mm512_castsi256_si512(a.unsigned()), b.unsigned(), 1);
                     let ia = _mm512_dpbusd_epi32(init, u, xv);
@@ -115,30 +103,21 @@ pub(crate) fn matvec<W: WeightBlock>(
     let pairs = prepare::<W>(&x[..nb]);
     // An odd last block goes through the per-row kernel.
     let tail = 2 * pairs.len();
-    let chunk = (m / (rayon::current_num_threads() * 8)).clamp(ROWS, 64) / ROWS * ROWS;
-    out[..m]
-        .par_chunks_mut(chunk)
-        .enumerate()
-        .for_each(|(c, o)| {
-            for (g, og) in o.chunks_mut(ROWS).enumerate() {
-                let r0 = c * chunk + g * ROWS;
-                // A ragged last group repeats its last row; the repeats are not stored.
-                let rows: [&[W]; ROWS] =
-                    std::array::from_fn(|i| &w[(r0 + i).min(m - 1) * nb..][..nb]);
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2, FMA
-                // and F16C were detected.
-                let sums = unsafe { x86::rows(rows, &pairs) };
-                #[cfg(not(target_arch = "x86_64"))]
-                let sums: [f32; ROWS] = unreachable!("checked by available()");
-                for (i, v) in og.iter_mut().enumerate() {
-                    *v = sums[i];
-                    if tail < nb {
-                        *v += dot(&rows[i][tail..], &x[tail..nb]);
-                    }
-                }
+    by_groups(out, m, |r| {
+        let rows: [&[W]; ROWS] = r.map(|r| &w[r * nb..][..nb]);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2, FMA and
+        // F16C were detected.
+        let mut sums = unsafe { x86::rows(rows, &pairs) };
+        #[cfg(not(target_arch = "x86_64"))]
+        let mut sums: [f32; ROWS] = unreachable!("checked by available()");
+        if tail < nb {
+            for (s, row) in sums.iter_mut().zip(rows) {
+                *s += dot(&row[tail..], &x[tail..nb]);
             }
-        });
+        }
+        sums
+    });
 }
 
 #[cfg(test)]

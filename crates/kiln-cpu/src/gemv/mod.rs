@@ -1,0 +1,60 @@
+//! Matrix-vector products (decode, one activation row) on AVX-512: `out[r] = w[r] · x`.
+//!
+//! Decode reads every weight once per token, so these kernels are about keeping memory
+//! busy while doing as little per weight as possible. Shared by every format here:
+//! - [`ROWS`] weight rows go through the loop together, so each piece of the activation
+//!   row is loaded (and anything derived from it computed) once for all of them;
+//! - work that depends only on the activation row is done once per call, not per row;
+//! - each load of a weight row is paired with a software prefetch of the same place
+//!   [`ROWS`] rows on, the rows the next group reads. Rows are a few KiB, too short for
+//!   the hardware prefetcher to ramp up, and requesting a whole row up front (as
+//!   `matmul::by_rows` does) fills the line-fill buffers and stalls the core; one request
+//!   per line consumed keeps a steady stream in flight.
+//!
+//! Formats: Q8_0/Q4_0 ([`q8_0`]), Q4_K/Q6_K ([`k_quants`]), F32/F16/BF16 ([`float`]).
+
+pub(crate) mod float;
+pub(crate) mod k_quants;
+pub(crate) mod q8_0;
+
+use crate::dot::{self, Isa};
+use rayon::prelude::*;
+
+/// Weight rows per loop.
+const ROWS: usize = 4;
+
+/// Whether this CPU can run the kernels.
+pub(crate) fn available() -> bool {
+    dot::isa() == Isa::Avx512Vnni
+}
+
+/// Fill `out[..m]` over the thread pool, [`ROWS`] rows at a time: `group(rows)` returns
+/// the products of weight rows `rows`. A ragged last group repeats its last row; the
+/// repeats are not stored.
+fn by_groups(out: &mut [f32], m: usize, group: impl Fn([usize; ROWS]) -> [f32; ROWS] + Sync) {
+    if m == 0 {
+        return;
+    }
+    // Enough rows per task to amortise scheduling, few enough to balance the pool.
+    let chunk = (m / (rayon::current_num_threads() * 8)).clamp(ROWS, 64) / ROWS * ROWS;
+    out[..m]
+        .par_chunks_mut(chunk)
+        .enumerate()
+        .for_each(|(c, o)| {
+            for (g, og) in o.chunks_mut(ROWS).enumerate() {
+                let r0 = c * chunk + g * ROWS;
+                let sums = group(std::array::from_fn(|i| (r0 + i).min(m - 1)));
+                og.copy_from_slice(&sums[..og.len()]);
+            }
+        });
+}
+
+/// Ask for the cache line at `p` (any address: prefetches never fault).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    // SAFETY: a prefetch has no architectural effect and never faults; SSE is baseline on
+    // x86_64.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+}
