@@ -3,6 +3,8 @@
 //! One task per (token, head): scores against every visible key, a softmax, then the
 //! weighted sum of values. Scores live in a per-task buffer of the visible length.
 
+use crate::dot::{self, Isa};
+use crate::elementwise::exp;
 use crate::{f32s, f32s_mut, indices};
 use kiln_core::{AttentionParams, Error, Result, Tensor};
 use rayon::prelude::*;
@@ -57,29 +59,93 @@ pub(crate) fn attention(
         let pos = positions[i] as usize;
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let g = h / group;
-        let qv = &qs[task * hd..][..hd];
-        let mut scores: Vec<f32> = (first..=pos)
-            .map(|j| {
-                let kv = &ks[(j * kv_heads + g) * hd..][..hd];
-                let s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * p.scale;
-                match p.softcap {
-                    Some(cap) => cap * (s / cap).tanh(),
-                    None => s,
-                }
-            })
-            .collect();
-        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        o.fill(0.0);
-        for (s, j) in scores.iter().zip(first..=pos) {
-            let w = s / sum;
-            let vv = &vs[(j * kv_heads + g) * hd..][..hd];
-            o.iter_mut().zip(vv).for_each(|(o, v)| *o += w * v);
+        let rows = Rows {
+            q: &qs[task * hd..][..hd],
+            k: ks,
+            v: vs,
+            stride: kv_heads * hd,
+            offset: g * hd,
+            visible: first..pos + 1,
+        };
+        match dot::isa() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the ISA was detected (see `dot::isa`).
+            Isa::Avx512Vnni => unsafe { x86::head(&rows, p, o) },
+            _ => head(&rows, p, o),
         }
     });
     Ok(())
+}
+
+/// One query row and the cache rows it sees: key/value j is `k[j·stride + offset..][..hd]`.
+struct Rows<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    stride: usize,
+    offset: usize,
+    visible: std::ops::Range<usize>,
+}
+
+/// One (token, head) task: scores, softmax, weighted sum of values into `o`. Written to
+/// vectorize: 16 independent partial sums in the dot product, the exponential inline.
+#[inline(always)]
+fn head(r: &Rows, p: &AttentionParams, o: &mut [f32]) {
+    let hd = r.q.len();
+    let at = |j: usize| j * r.stride + r.offset;
+    let mut scores: Vec<f32> = r
+        .visible
+        .clone()
+        .map(|j| {
+            let s = dot(r.q, &r.k[at(j)..][..hd]) * p.scale;
+            match p.softcap {
+                Some(cap) => cap * (s / cap).tanh(),
+                None => s,
+            }
+        })
+        .collect();
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    for s in scores.iter_mut() {
+        *s = exp(*s - max);
+    }
+    let sum: f32 = scores.iter().sum();
+    o.fill(0.0);
+    for (s, j) in scores.iter().zip(r.visible.clone()) {
+        let w = s / sum;
+        o.iter_mut()
+            .zip(&r.v[at(j)..][..hd])
+            .for_each(|(o, v)| *o += w * v);
+    }
+}
+
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..16 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+
+    /// [`super::head`] compiled for AVX-512 (it is inlined here).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL, AVX2 and FMA must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(super) unsafe fn head(r: &Rows, p: &AttentionParams, o: &mut [f32]) {
+        super::head(r, p, o)
+    }
 }

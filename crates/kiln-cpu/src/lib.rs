@@ -251,11 +251,12 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
-        elementwise::gated(gate, up, out, "silu_mul", elementwise::silu)
+        self.pool.install(|| elementwise::silu_mul(gate, up, out))
     }
 
     fn gelu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
-        elementwise::gated(gate, up, out, "gelu_mul", elementwise::gelu)
+        self.pool
+            .install(|| elementwise::gated(gate, up, out, "gelu_mul", elementwise::gelu))
     }
 
     fn gelu(&self, x: &mut Tensor) -> Result<()> {

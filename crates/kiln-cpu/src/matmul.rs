@@ -85,7 +85,7 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         }
         DType::Q8_0 | DType::Q4_0 => {
             let nb = k / QK;
-            let xq: Vec<BlockQ8_0> = quantize_rows(xs)?;
+            let xq: Vec<BlockQ8_0> = quantize_rows(xs, k)?;
             // Prefill: register-tiled VNNI kernel that reuses each unpacked weight block
             // across several activation rows (see `qgemm`).
             if n >= qgemm::MIN_ROWS && qgemm::available() {
@@ -123,7 +123,10 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         DType::Q4_K | DType::Q6_K => {
             let nb = k / QK_K;
             let mut xq = vec![bytemuck::Zeroable::zeroed(); n * nb];
-            quant::quantize_q8_k(xs, &mut xq)?;
+            // Row by row over the pool (a prompt's rows are independent).
+            xs.par_chunks(k)
+                .zip(xq.par_chunks_mut(nb.max(1)))
+                .try_for_each(|(x, q)| quant::quantize_q8_k(x, q))?;
             let xq: &[BlockQ8K] = &xq;
             if n >= qgemm::MIN_ROWS && qgemm::available() {
                 if w.dtype() == DType::Q4_K {
@@ -163,12 +166,14 @@ fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T]> {
         .map_err(|e| Error::Device(format!("misaligned weight data: {e}")))
 }
 
-/// Quantize each activation row to Q8_0 blocks (rows are whole blocks: checked by the
-/// weight's shape).
-fn quantize_rows(xs: &[f32]) -> Result<Vec<BlockQ8_0>> {
+/// Quantize each activation row (of `k` values, whole blocks: checked by the weight's
+/// shape) to Q8_0 blocks, rows over the pool.
+fn quantize_rows(xs: &[f32], k: usize) -> Result<Vec<BlockQ8_0>> {
     // Straight into typed blocks: no intermediate byte vector to copy from.
     let mut blocks = vec![BlockQ8_0::zeroed(); xs.len() / QK];
-    quant::quantize_into(DType::Q8_0, xs, bytemuck::cast_slice_mut(&mut blocks))?;
+    xs.par_chunks(k.max(1))
+        .zip(blocks.par_chunks_mut((k / QK).max(1)))
+        .try_for_each(|(x, b)| quant::quantize_into(DType::Q8_0, x, bytemuck::cast_slice_mut(b)))?;
     Ok(blocks)
 }
 
