@@ -16,6 +16,7 @@ mod kgemm;
 mod matmul;
 mod norm;
 mod qgemm;
+mod quantize;
 mod rope;
 mod storage;
 

@@ -10,8 +10,7 @@
 //! Decode (one activation row) on AVX-512 goes to the several-rows kernels of `gemv`;
 //! elsewhere each weight row is dotted on its own (`by_rows`).
 
-use crate::{dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, storage};
-use bytemuck::Zeroable;
+use crate::{dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, quantize, storage};
 use half::{bf16, f16};
 use kiln_core::quant::{
     self, as_blocks, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K,
@@ -85,7 +84,7 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         }
         DType::Q8_0 | DType::Q4_0 => {
             let nb = k / QK;
-            let xq: Vec<BlockQ8_0> = quantize_rows(xs, k)?;
+            let xq = quantize::q8_0_rows(xs, k)?;
             // Prefill: register-tiled VNNI kernel that reuses each unpacked weight block
             // across several activation rows (see `qgemm`).
             if n >= qgemm::MIN_ROWS && qgemm::available() {
@@ -122,11 +121,7 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         }
         DType::Q4_K | DType::Q6_K => {
             let nb = k / QK_K;
-            let mut xq = vec![bytemuck::Zeroable::zeroed(); n * nb];
-            // Row by row over the pool (a prompt's rows are independent).
-            xs.par_chunks(k)
-                .zip(xq.par_chunks_mut(nb.max(1)))
-                .try_for_each(|(x, q)| quant::quantize_q8_k(x, q))?;
+            let xq = quantize::q8_k_rows(xs, k)?;
             let xq: &[BlockQ8K] = &xq;
             if n >= qgemm::MIN_ROWS && qgemm::available() {
                 if w.dtype() == DType::Q4_K {
@@ -164,17 +159,6 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
 fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T]> {
     bytemuck::try_cast_slice(bytes)
         .map_err(|e| Error::Device(format!("misaligned weight data: {e}")))
-}
-
-/// Quantize each activation row (of `k` values, whole blocks: checked by the weight's
-/// shape) to Q8_0 blocks, rows over the pool.
-fn quantize_rows(xs: &[f32], k: usize) -> Result<Vec<BlockQ8_0>> {
-    // Straight into typed blocks: no intermediate byte vector to copy from.
-    let mut blocks = vec![BlockQ8_0::zeroed(); xs.len() / QK];
-    xs.par_chunks(k.max(1))
-        .zip(blocks.par_chunks_mut((k / QK).max(1)))
-        .try_for_each(|(x, b)| quant::quantize_into(DType::Q8_0, x, bytemuck::cast_slice_mut(b)))?;
-    Ok(blocks)
 }
 
 /// Weight rows a thread takes at a time: enough to amortise scheduling, small enough to
