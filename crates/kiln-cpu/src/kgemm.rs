@@ -20,7 +20,7 @@
 
 use crate::qgemm::{self, C, P};
 use bytemuck::Zeroable;
-use kiln_core::quant::{q4k_scale_min, BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
+use kiln_core::quant::{BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
 
 /// One super-block of a 16-row weight panel, transposed for the kernel.
 #[repr(C, align(64))]
@@ -53,8 +53,26 @@ pub(crate) trait KBlock: bytemuck::Pod + Sync {
     /// Quants `32·part..32·part + 32` as unsigned bytes.
     #[cfg(target_arch = "x86_64")]
     unsafe fn unsigned(&self, part: usize) -> std::arch::x86_64::__m256i;
-    /// `d · scale` (and `dmin · min`) per group, as f32.
-    fn scales(&self, scale: &mut [f32; 16], min: &mut [f32; 8]);
+    /// `out.scale[g][r]` = `d · scale` of group g of `blocks[r]` (and `out.min[g][r]` =
+    /// `dmin · min`), as f32: the 16 rows at once, one lane each.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VL and F16C must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn panel_scales(blocks: [&Self; P], out: &mut KPanelBlock);
+}
+
+/// `field` of each of the 16 blocks, one u32 lane each.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn lanes<T>(blocks: &[&T; P], field: impl Fn(&T) -> u32) -> std::arch::x86_64::__m512i {
+    let words: [u32; P] = std::array::from_fn(|r| field(blocks[r]));
+    // SAFETY: `words` is 64 readable bytes; the caller enabled AVX-512 F.
+    unsafe { std::arch::x86_64::_mm512_loadu_si512(words.as_ptr() as *const _) }
+}
+
+fn word(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
 }
 
 impl KBlock for BlockQ4K {
@@ -72,12 +90,48 @@ impl KBlock for BlockQ4K {
             _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
         }
     }
-    fn scales(&self, scale: &mut [f32; 16], min: &mut [f32; 8]) {
-        let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
-        for j in 0..8 {
-            let (sc, m) = q4k_scale_min(j, &self.scales);
-            scale[j] = d * sc as f32;
-            min[j] = dmin * m as f32;
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn panel_scales(blocks: [&Self; P], out: &mut KPanelBlock) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller enabled the features; stores go through references.
+        unsafe {
+            let dd = lanes(&blocks, |b| {
+                b.d.to_bits() as u32 | (b.dmin.to_bits() as u32) << 16
+            });
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+            let (u0, u1, u2) = (
+                lanes(&blocks, |b| word(&b.scales, 0)),
+                lanes(&blocks, |b| word(&b.scales, 4)),
+                lanes(&blocks, |b| word(&b.scales, 8)),
+            );
+            // The 6-bit fields as ggml's `utmp` unpacking lays them out (see
+            // `dot::k_quants::unpack_q4k_scales`), four per u32.
+            let k6 = _mm512_set1_epi32(0x3f3f_3f3f);
+            let k4 = _mm512_set1_epi32(0x0f0f_0f0f);
+            let k2 = _mm512_set1_epi32(0x0303_0303);
+            let hi2 =
+                |u: __m512i| _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 6), k2), 4);
+            let sc = [
+                _mm512_and_si512(u0, k6),
+                _mm512_or_si512(_mm512_and_si512(u2, k4), hi2(u0)),
+            ];
+            let mn = [
+                _mm512_and_si512(u1, k6),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k4), hi2(u1)),
+            ];
+            let byte = |v: __m512i, i: u32| {
+                _mm512_cvtepi32_ps(_mm512_and_si512(
+                    _mm512_srlv_epi32(v, _mm512_set1_epi32(8 * i as i32)),
+                    _mm512_set1_epi32(0xff),
+                ))
+            };
+            for j in 0..8 {
+                let (h, i) = (j / 4, (j % 4) as u32);
+                _mm512_storeu_ps(out.scale[j].as_mut_ptr(), _mm512_mul_ps(d, byte(sc[h], i)));
+                _mm512_storeu_ps(out.min[j].as_mut_ptr(), _mm512_mul_ps(dmin, byte(mn[h], i)));
+            }
         }
     }
 }
@@ -108,10 +162,26 @@ impl KBlock for BlockQ6K {
             _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4))
         }
     }
-    fn scales(&self, scale: &mut [f32; 16], _min: &mut [f32; 8]) {
-        let d = self.d.to_f32();
-        for (s, &sc) in scale.iter_mut().zip(&self.scales) {
-            *s = d * sc as f32;
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn panel_scales(blocks: [&Self; P], out: &mut KPanelBlock) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller enabled the features; stores go through references.
+        unsafe {
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(lanes(&blocks, |b| {
+                b.d.to_bits() as u32
+            })));
+            for (w, out) in out.scale.chunks_exact_mut(4).enumerate() {
+                let v = lanes(&blocks, |b| word(bytemuck::cast_slice(&b.scales), 4 * w));
+                for (i, o) in out.iter_mut().enumerate() {
+                    // Byte i moved to the top, then shifted down with its sign.
+                    let sc = _mm512_srai_epi32(
+                        _mm512_sllv_epi32(v, _mm512_set1_epi32(24 - 8 * i as i32)),
+                        24,
+                    );
+                    _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+                }
+            }
         }
     }
 }
@@ -142,18 +212,7 @@ mod x86 {
                     let q: &mut [[u8; 64]; 8] = q.try_into().expect("chunks of 8");
                     qgemm::transpose_rows(std::array::from_fn(|i| rows[i][b].unsigned(part)), q);
                 }
-                for (r, row) in rows.iter().enumerate() {
-                    let (mut scale, mut min) = ([0f32; 16], [0f32; 8]);
-                    row[b].scales(&mut scale, &mut min);
-                    for (dst, &v) in out.scale.iter_mut().zip(&scale).take(W::GROUPS) {
-                        dst[r] = v;
-                    }
-                    if W::HAS_MIN {
-                        for (j, &v) in min.iter().enumerate() {
-                            out.min[j][r] = v;
-                        }
-                    }
-                }
+                W::panel_scales(std::array::from_fn(|r| &rows[r][b]), out);
             }
         }
     }
@@ -339,5 +398,56 @@ mod tests {
             return;
         }
         check::<BlockQ6K>(DType::Q6_K, dot::dot_q6_k);
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
+    use kiln_core::quant::{as_blocks, quantize, quantize_q8_k};
+    use kiln_core::DType;
+    use std::time::Instant;
+
+    fn throughput<W: KBlock>(dtype: DType, n: usize) {
+        let (m, k) = (2048, 2048);
+        let wv: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
+            .collect();
+        let xv: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 104729 % 1000) as f32 - 500.0) * 1e-3)
+            .collect();
+        let wb = quantize(dtype, &wv).unwrap();
+        let w = as_blocks::<W>(&wb).unwrap().into_owned();
+        let mut xq = vec![BlockQ8K::zeroed(); n * k / QK_K];
+        quantize_q8_k(&xv, &mut xq).unwrap();
+        let mut out = vec![0f32; n * m];
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = Instant::now();
+            pool.install(|| matmul(&w, &xq, &mut out, n, m, k));
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        eprintln!(
+            "{dtype} n={n} m={m} k={k}: {:.2} ms, {:.1} GMAC/s on 1 thread",
+            best * 1e3,
+            (n * m * k) as f64 / best / 1e9
+        );
+    }
+
+    /// `cargo test --release -p kiln-cpu --lib kgemm::bench -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn batched_throughput() {
+        if !qgemm::available() {
+            return;
+        }
+        for n in [64, 512] {
+            throughput::<BlockQ4K>(DType::Q4_K, n);
+            throughput::<BlockQ6K>(DType::Q6_K, n);
+        }
     }
 }
