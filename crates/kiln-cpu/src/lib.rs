@@ -7,6 +7,7 @@
 //! weights, `fgemm` for F32/F16/BF16) and the `gemm` crate for float weights elsewhere.
 //! The remaining ops are plain f32 loops.
 
+mod amx;
 mod attention;
 pub mod dot;
 mod elementwise;
@@ -143,7 +144,12 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
-        format!("cpu ({} threads, {})", self.threads(), dot::isa().name())
+        let amx = if amx::available() { "+amx" } else { "" };
+        format!(
+            "cpu ({} threads, {}{amx})",
+            self.threads(),
+            dot::isa().name()
+        )
     }
 
     fn zeros(&self, dtype: DType, shape: Shape) -> Result<Tensor> {

@@ -10,7 +10,7 @@
 //! Decode (one activation row) on AVX-512 goes to the several-rows kernels of `gemv`;
 //! elsewhere each weight row is dotted on its own (`by_rows`).
 
-use crate::{dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, quantize, storage};
+use crate::{amx, dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, quantize, storage};
 use half::{bf16, f16};
 use kiln_core::quant::{
     self, as_blocks, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K,
@@ -47,6 +47,14 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
     }
     match w.dtype() {
         DType::I32 => return Err(Error::unsupported("matmul weights cannot be i32")),
+        // Prefill on AMX: 16-bit weights split into bf16 tiles.
+        DType::F16 | DType::BF16 if n >= fgemm::MIN_ROWS && amx::available() => {
+            if w.dtype() == DType::F16 {
+                fgemm::amx::matmul::<f16>(cast(wb)?, xs, out, n, m, k)
+            } else {
+                fgemm::amx::matmul::<bf16>(cast(wb)?, xs, out, n, m, k)
+            }
+        }
         // Prefill on AVX-512: the kernel that reads 16-bit weights where they lie.
         DType::F32 | DType::F16 | DType::BF16 if n >= fgemm::MIN_ROWS && fgemm::available() => {
             match w.dtype() {

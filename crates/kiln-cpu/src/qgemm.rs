@@ -292,28 +292,47 @@ pub(crate) fn run_panels<B: Send>(
     repack: impl Fn([usize; P], &mut [B]) + Sync,
     tile: impl Fn(&[B], [usize; C]) -> [[f32; P]; C] + Sync,
 ) {
+    for_panels(out, n, m, scratch, repack, |panel, o| {
+        for ct in (0..n).step_by(C) {
+            let res = tile(panel, std::array::from_fn(|j| (ct + j).min(n - 1)));
+            o[ct..].iter_mut().zip(&res).for_each(|(o, v)| *o = *v);
+        }
+    });
+}
+
+/// [`run_panels`] where one call of `product` computes a repacked panel's products with
+/// all `n` activation rows: `o[c][r]` = activation row c · the panel's row r.
+pub(crate) fn for_panels<B: Send>(
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+    scratch: impl Fn() -> Vec<B> + Sync + Send,
+    repack: impl Fn([usize; P], &mut [B]) + Sync,
+    product: impl Fn(&[B], &mut [[f32; P]]) + Sync,
+) {
     let panels = m.div_ceil(P);
-    // Results panel-major: t[p][c][r] is out[c, p·16 + r], so each task owns one panel's
-    // contiguous slice.
-    let mut t = vec![0f32; panels * n * P];
-    t.par_chunks_mut(n * P)
+    // Results panel-major: t[p·n + c][r] is out[c, p·16 + r], so each task owns one
+    // panel's contiguous slice.
+    let mut t = vec![[0f32; P]; panels * n];
+    t.par_chunks_mut(n)
         .enumerate()
         .for_each_init(scratch, |panel, (p, o)| {
             repack(std::array::from_fn(|r| (p * P + r).min(m - 1)), panel);
-            for ct in (0..n).step_by(C) {
-                let res = tile(panel, std::array::from_fn(|j| (ct + j).min(n - 1)));
-                for (j, v) in res.iter().enumerate().take(n - ct) {
-                    o[(ct + j) * P..][..P].copy_from_slice(v);
+            product(panel, o);
+        });
+    // Output rows over the pool, each written front to back from every panel's slice.
+    out[..n * m]
+        .par_chunks_mut(m)
+        .enumerate()
+        .for_each(|(i, row)| {
+            for (p, dst) in row.chunks_mut(P).enumerate() {
+                let src = &t[p * n + i];
+                match <&mut [f32; P]>::try_from(&mut *dst) {
+                    Ok(whole) => *whole = *src,
+                    Err(_) => dst.copy_from_slice(&src[..dst.len()]),
                 }
             }
         });
-    for (p, tp) in t.chunks_exact(n * P).enumerate() {
-        let r0 = p * P;
-        let len = P.min(m - r0);
-        for i in 0..n {
-            out[i * m + r0..][..len].copy_from_slice(&tp[i * P..][..len]);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -84,7 +84,8 @@ impl Isa {
         match name.trim().to_ascii_lowercase().as_str() {
             "portable" | "scalar" | "generic" => Some(Isa::Portable),
             "avx2" => Some(Isa::Avx2),
-            "avx512" | "avx512vnni" | "avx512_vnni" => Some(Isa::Avx512Vnni),
+            // AMX is an addition to AVX-512 (see `crate::amx::available`).
+            "avx512" | "avx512vnni" | "avx512_vnni" | "amx" => Some(Isa::Avx512Vnni),
             "neon" => Some(Isa::Neon),
             _ => None,
         }
@@ -92,7 +93,8 @@ impl Isa {
 }
 
 /// The instruction set the public kernels use: detected on first call, or the one named by
-/// `KILN_CPU_ISA` (`portable`, `avx2`, `avx512`, `neon`) when this CPU supports it.
+/// `KILN_CPU_ISA` (`portable`, `avx2`, `avx512`, `amx`, `neon`) when this CPU supports it.
+/// AMX tiles are used on top of AVX-512 unless another set is named.
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {

@@ -15,6 +15,8 @@
 //! - k advances in blocks of [`KC`] so that the block of `xt` stays in L1 while every weight row of the thread's chunk passes over it; the
 //!   chunk's accumulators wait in a small buffer between blocks.
 
+pub(crate) mod amx;
+
 use crate::dot::{self, Isa};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -389,7 +391,13 @@ mod bench {
         if !available() {
             return;
         }
-        let (n, m, k) = (64, 2048, 2048);
+        let (n, m, k) = std::env::var("KILN_BENCH_NMK")
+            .ok()
+            .and_then(|v| {
+                let d: Vec<usize> = v.split(',').filter_map(|x| x.parse().ok()).collect();
+                (d.len() == 3).then(|| (d[0], d[1], d[2]))
+            })
+            .unwrap_or((64, 2048, 2048));
         let w: Vec<f16> = (0..m * k)
             .map(|i| f16::from_f32(((i * 7919 % 1000) as f32 - 500.0) * 1e-3))
             .collect();
@@ -397,22 +405,32 @@ mod bench {
             .map(|i| ((i * 104729 % 1000) as f32 - 500.0) * 1e-3)
             .collect();
         let mut out = vec![0f32; n * m];
-        for threads in [1, 2] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            let mut best = f64::INFINITY;
-            for _ in 0..30 {
-                let t = Instant::now();
-                pool.install(|| matmul(&w, &x, &mut out, n, m, k));
-                best = best.min(t.elapsed().as_secs_f64());
+        for use_amx in [false, true] {
+            if use_amx && !crate::amx::available() {
+                eprintln!("no AMX-BF16 here");
+                continue;
             }
-            eprintln!(
-                "f16 n={n} m={m} k={k}: {:.2} ms, {:.1} GFLOP/s on {threads} thread(s)",
-                best * 1e3,
-                2.0 * (n * m * k) as f64 / best / 1e9
-            );
+            for threads in [1, 2] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut best = f64::INFINITY;
+                for _ in 0..30 {
+                    let t = Instant::now();
+                    if use_amx {
+                        pool.install(|| amx::matmul(&w, &x, &mut out, n, m, k));
+                    } else {
+                        pool.install(|| matmul(&w, &x, &mut out, n, m, k));
+                    }
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                eprintln!(
+                    "f16 amx={use_amx} n={n} m={m} k={k}: {:.2} ms, {:.1} GFLOP/s on {threads} thread(s)",
+                    best * 1e3,
+                    2.0 * (n * m * k) as f64 / best / 1e9
+                );
+            }
         }
     }
 }
