@@ -2,12 +2,12 @@
 //!
 //! Tiles multiply bf16, whose 8-bit significand holds neither an f16 weight (11 bits) nor
 //! an f32 activation (24). So each value is split in two, `v = hi + lo`: `hi` is `v`
-//! truncated to bf16 (the upper half of its bits) and `lo` the remainder, exact in f32,
-//! rounded to bf16. For an f16 or bf16 weight the remainder has at most 3 significant
-//! bits and the split is exact; an activation keeps 16 significant bits (relative error
-//! ≤ 2^-16, where llama.cpp's F16 path rounds activations to f16, 11 bits). A product
-//! then takes three
-//! tile products, `wh·xh + wh·xl + wl·xh` (`wl·xl` is below 2^-18 of it), accumulated in
+//! rounded to bf16 and `lo` the remainder (exact in f32, at most 2^-8·|v|) rounded to
+//! bf16. For an f16 weight the remainder has at most 3 significant bits and the split is
+//! exact (a bf16 weight has no remainder); an activation keeps 16 significant bits
+//! (relative error ≤ 2^-16). A product then takes three tile products, `wh·xh + wh·xl +
+//! wl·xh`, and drops `wl·xl` (≤ 2^-16 of it): at most 2^-15 relative error per product,
+//! where llama.cpp's F16 path rounds activations to f16 (2^-11). The sums accumulate in
 //! f32 over all of k: unlike the quantized formats there is no per-block scale, so tiles
 //! stay in registers from the first k to the last.
 //!
@@ -55,7 +55,7 @@ fn bf16_bits(x: f32) -> u16 {
 
 /// `(hi, lo)` with `x ≈ hi + lo` (see the module docs).
 fn split(x: f32) -> (u16, u16) {
-    let hi = (x.to_bits() >> 16) as u16;
+    let hi = bf16_bits(x);
     (hi, bf16_bits(x - f32::from_bits((hi as u32) << 16)))
 }
 
@@ -114,7 +114,7 @@ pub(crate) fn matmul<W: FloatWeight>(
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `amx::available()` (asserted): AMX granted and AVX-512 present.
             unsafe {
-                x86::product(panel, &xa, steps, o)
+                x86::product::<W>(panel, &xa, steps, o)
             };
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (panel, o);
@@ -151,7 +151,6 @@ mod x86 {
         // (whole steps only); the scatters write u32 lane j to `[j][2c..2c + 2]` of a
         // 16 × 64-byte array inside `a[s]`.
         unsafe {
-            let mask = _mm512_set1_epi32(0xffff_0000u32 as i32);
             let idx = _mm512_add_epi32(
                 _mm512_mullo_epi32(
                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -162,7 +161,7 @@ mod x86 {
             for (s, step) in a[..full].iter_mut().enumerate() {
                 let v = [0, 16]
                     .map(|h| _mm512_castps_si512(_mm512_loadu_ps(row.as_ptr().add(KS * s + h))));
-                let hi = v.map(|v| _mm512_and_si512(v, mask));
+                let hi = v.map(|v| round_bf16(_mm512_castsi512_ps(v)));
                 let lo = [0, 1].map(|h| {
                     let rest = _mm512_sub_ps(_mm512_castsi512_ps(v[h]), _mm512_castsi512_ps(hi[h]));
                     round_bf16(rest)
@@ -189,22 +188,21 @@ mod x86 {
         }
     }
 
-    /// f32 lanes rounded to the nearest bf16 (ties to even), the result in the upper half
-    /// of each lane.
+    /// f32 lanes rounded to the nearest bf16 (ties to even), as f32 bits (low halves 0).
     #[inline(always)]
     unsafe fn round_bf16(v: __m512) -> __m512i {
         // SAFETY: the caller enabled AVX-512 F.
         unsafe {
             let b = _mm512_castps_si512(v);
             let odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-            _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)))
+            let r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+            _mm512_and_si512(r, _mm512_set1_epi32(0xffff_0000u32 as i32))
         }
     }
 
     /// Split weight rows `rows` (16 indices into `w`, rows of `k`) into `panel` (one
     /// [`WeightStep`] per 32 of k, zero past k). For f16 and bf16 weights the remainder
-    /// after truncating to bf16 has at most 3 significant bits, so it is exact as bf16 too:
-    /// no rounding anywhere.
+    /// after rounding to bf16 has at most 3 significant bits, so it is exact as bf16.
     ///
     /// # Safety
     /// AVX-512 F/BW/VL, AVX2, FMA and F16C must be available.
@@ -221,19 +219,15 @@ mod x86 {
             // SAFETY: the features are enabled on this function; each 16-element load
             // reads inside `src` (steps below `full` are whole); stores go to `panel`.
             unsafe {
-                let mask = _mm512_set1_epi32(0xffff_0000u32 as i32);
                 for (s, d) in panel[..full].iter_mut().enumerate() {
-                    let v0 = _mm512_castps_si512(W::load16(src.as_ptr().add(KS * s)));
-                    let v1 = _mm512_castps_si512(W::load16(src.as_ptr().add(KS * s + 16)));
-                    let rest = |v: __m512i| {
-                        let hi = _mm512_castsi512_ps(_mm512_and_si512(v, mask));
-                        _mm512_castps_si512(_mm512_sub_ps(_mm512_castsi512_ps(v), hi))
-                    };
-                    _mm512_store_si512(d.hi[r].as_mut_ptr() as *mut _, upper_halves(v0, v1));
-                    _mm512_store_si512(
-                        d.lo[r].as_mut_ptr() as *mut _,
-                        upper_halves(rest(v0), rest(v1)),
-                    );
+                    let v = [0, 16].map(|h| W::load16(src.as_ptr().add(KS * s + h)));
+                    let hi = v.map(|v| round_bf16(v));
+                    // Exact: the remainder has at most 3 significant bits.
+                    let lo = [0, 1].map(|h| {
+                        _mm512_castps_si512(_mm512_sub_ps(v[h], _mm512_castsi512_ps(hi[h])))
+                    });
+                    _mm512_store_si512(d.hi[r].as_mut_ptr() as *mut _, upper_halves(hi[0], hi[1]));
+                    _mm512_store_si512(d.lo[r].as_mut_ptr() as *mut _, upper_halves(lo[0], lo[1]));
                 }
                 if let Some(d) = panel.get_mut(full) {
                     let mut wide = [0f32; KS];
@@ -248,19 +242,21 @@ mod x86 {
     }
 
     /// Activation tile `a` of this step into `C`: `C += wh·xh + wh·xl + wl·xh` with the
-    /// weights in tiles 4 (hi) and 5 (lo).
+    /// weights in tiles 4 (hi) and 5 (lo; none for bf16 weights).
     ///
     /// # Safety
     /// As for [`product`], inside its configuration.
     #[inline(always)]
-    unsafe fn step<const C: usize>(a: &ActStep) {
+    unsafe fn step<W: FloatWeight, const C: usize>(a: &ActStep) {
         // SAFETY: the caller guarantees the configuration; `a` is two 16 × 64-byte tiles.
         unsafe {
             tiles::load::<6>(a.hi.as_ptr() as *const u8, 64);
             tiles::load::<7>(a.lo.as_ptr() as *const u8, 64);
             tiles::dot_bf16::<C, 4, 6>();
             tiles::dot_bf16::<C, 4, 7>();
-            tiles::dot_bf16::<C, 5, 6>();
+            if !W::IS_BF16 {
+                tiles::dot_bf16::<C, 5, 6>();
+            }
         }
     }
 
@@ -286,7 +282,7 @@ mod x86 {
     /// # Safety
     /// As for [`product`], inside its configuration; tiles `t0..t0 + G` exist in `xa`.
     #[inline(always)]
-    unsafe fn pass<const G: usize>(
+    unsafe fn pass<W: FloatWeight, const G: usize>(
         panel: &[WeightStep],
         xa: &[ActStep],
         steps: usize,
@@ -303,17 +299,19 @@ mod x86 {
             for s in 0..steps {
                 let wp = panel.get_unchecked(s);
                 tiles::load::<4>(wp.hi.as_ptr() as *const u8, 64);
-                tiles::load::<5>(wp.lo.as_ptr() as *const u8, 64);
+                if !W::IS_BF16 {
+                    tiles::load::<5>(wp.lo.as_ptr() as *const u8, 64);
+                }
                 let a = |t: usize| xa.get_unchecked((t0 + t) * steps + s);
-                step::<0>(a(0));
+                step::<W, 0>(a(0));
                 if G > 1 {
-                    step::<1>(a(1));
+                    step::<W, 1>(a(1));
                 }
                 if G > 2 {
-                    step::<2>(a(2));
+                    step::<W, 2>(a(2));
                 }
                 if G > 3 {
-                    step::<3>(a(3));
+                    step::<W, 3>(a(3));
                 }
             }
             flush::<0>(o, t0);
@@ -334,7 +332,7 @@ mod x86 {
     /// # Safety
     /// [`crate::amx::available`] must hold (it implies the AVX-512 features enabled here).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn product(
+    pub(super) unsafe fn product<W: FloatWeight>(
         panel: &[WeightStep],
         xa: &[ActStep],
         steps: usize,
@@ -349,10 +347,10 @@ mod x86 {
             tiles::configure(&TileConfig::new(&[c, c, c, c, t, t, t, t]));
             for t0 in (0..tiles_n).step_by(GROUP) {
                 match (tiles_n - t0).min(GROUP) {
-                    1 => pass::<1>(panel, xa, steps, t0, o),
-                    2 => pass::<2>(panel, xa, steps, t0, o),
-                    3 => pass::<3>(panel, xa, steps, t0, o),
-                    _ => pass::<4>(panel, xa, steps, t0, o),
+                    1 => pass::<W, 1>(panel, xa, steps, t0, o),
+                    2 => pass::<W, 2>(panel, xa, steps, t0, o),
+                    3 => pass::<W, 3>(panel, xa, steps, t0, o),
+                    _ => pass::<W, 4>(panel, xa, steps, t0, o),
                 }
             }
             tiles::release();
@@ -385,7 +383,7 @@ mod tests {
                             let (exact, abs) = ref_dot(&wf, &x[i * k..][..k]);
                             let got = out[i * m + r] as f64;
                             assert!(
-                                (got - exact).abs() <= 2e-5 * abs + 1e-30,
+                                (got - exact).abs() <= 2f64.powi(-15) * abs + 1e-30,
                                 "k={k} m={m} n={n} [{i}, {r}]: got {got}, want {exact}"
                             );
                         }

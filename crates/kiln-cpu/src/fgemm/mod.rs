@@ -42,6 +42,8 @@ pub(crate) fn available() -> bool {
 
 /// A weight element type the kernel widens to f32.
 pub(crate) trait FloatWeight: bytemuck::Pod + Sync {
+    /// Whether the values are bf16 already (the AMX kernel needs no remainder).
+    const IS_BF16: bool = false;
     /// `dst[i] = src[i]` as f32 (same lengths).
     ///
     /// # Safety
@@ -87,6 +89,7 @@ impl FloatWeight for f16 {
 }
 
 impl FloatWeight for bf16 {
+    const IS_BF16: bool = true;
     #[cfg(target_arch = "x86_64")]
     unsafe fn widen(src: &[bf16], dst: &mut [f32]) {
         // SAFETY: the caller guarantees the features.
