@@ -183,7 +183,8 @@ fn by_rows(out: &mut [f32], n: usize, m: usize, w: &[u8], f: impl Fn(usize, usiz
     let row_bytes = w.len() / m;
     // The next row, requested before this one is read: rows of a few KiB are too short
     // for the hardware prefetcher to ramp up (Q4_K_M and F16 decode ran ~1.15x faster with
-    // this on the 2-core machine).
+    // this on the 2-core machine, before AVX-512 decode moved to `gemv`, whose prefetch
+    // interleaved with the loads does better still).
     let ahead = |r: usize| prefetch(w, (r + 1) * row_bytes, row_bytes);
     if n == 1 {
         out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
