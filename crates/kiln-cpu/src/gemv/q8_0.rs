@@ -3,27 +3,113 @@
 //! The per-row dot kernels in [`crate::dot`] redo, for every weight row, work that depends
 //! only on `x`: loading and pairing its blocks, the second `vpdpbusd` that removes the
 //! unsigned offset, and converting its scales. Here that is done once per call
-//! ([`Prepared`]), and [`ROWS`] weight rows go through the loop together, so each loaded
-//! pair of activation blocks serves all of them. Per row and pair of blocks what is left
-//! is unpacking the weights (`qgemm::WeightBlock::unsigned`), one `vpdpbusd` that starts
-//! from the offset correction, and the scale: the two weight scales broadcast to their
-//! halves, times the prepared activation scales, into one FMA.
+//! ([`PreparedPair`]), and [`ROWS`] weight rows go through the loop together, so each
+//! loaded pair of activation blocks serves all of them. Per row and pair of blocks what is
+//! left is unpacking the weights ([`PairBlock::pair`]), one `vpdpbusd` that starts from
+//! the offset correction, one permute that spreads the two blocks' scales over their
+//! lanes, and one FMA. The scales themselves are fetched 16 blocks at a time with one
+//! gather and multiplied by the activation scales in one go, rather than broadcast
+//! pair by pair (which took more instructions than the dot product).
 
 use super::{available, by_groups, ROWS};
 use crate::qgemm::WeightBlock;
-use kiln_core::quant::{BlockQ8_0, QK};
+use kiln_core::quant::{BlockQ4_0, BlockQ8_0, QK};
+
+/// Blocks whose scales one gather fetches.
+const GROUP: usize = 16;
+
+/// A weight block format the kernel unpacks two blocks at a time.
+pub(crate) trait PairBlock: WeightBlock {
+    /// The 64 quants of `a` then `b` as unsigned bytes (`q + OFFSET`), byte `e` holding
+    /// element [`Self::element`]`(e)` of the pair (b's elements are 32..64).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn pair(a: &Self, b: &Self) -> std::arch::x86_64::__m512i;
+    /// Which element of the pair byte `e` of [`Self::pair`] holds.
+    fn element(e: usize) -> usize;
+}
+
+impl PairBlock for BlockQ8_0 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn pair(a: &Self, b: &Self) -> std::arch::x86_64::__m512i {
+        use std::arch::x86_64::*;
+        // SAFETY: 32 readable bytes in each `qs`; the caller enabled AVX-512 F. `q ^ 0x80`
+        // read as u8 is `q + 128`.
+        unsafe {
+            let v = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(a.qs.as_ptr() as *const _)),
+                _mm256_loadu_si256(b.qs.as_ptr() as *const _),
+                1,
+            );
+            _mm512_xor_si512(v, _mm512_set1_epi8(-128))
+        }
+    }
+    fn element(e: usize) -> usize {
+        e
+    }
+}
+
+impl PairBlock for BlockQ4_0 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn pair(a: &Self, b: &Self) -> std::arch::x86_64::__m512i {
+        use std::arch::x86_64::*;
+        // SAFETY: 16 readable bytes in each `qs`; the caller enabled AVX-512 F. Low
+        // nibbles are elements 0..16 of a block, high nibbles 16..32.
+        unsafe {
+            let v = _mm256_set_m128i(
+                _mm_loadu_si128(b.qs.as_ptr() as *const _),
+                _mm_loadu_si128(a.qs.as_ptr() as *const _),
+            );
+            let both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+            _mm512_and_si512(both, _mm512_set1_epi8(0x0F))
+        }
+    }
+    fn element(e: usize) -> usize {
+        // Bytes: a low nibbles, b low, a high, b high.
+        match e / 16 {
+            0 => e,
+            1 => 32 + (e - 16),
+            2 => 16 + (e - 32),
+            _ => e,
+        }
+    }
+}
 
 /// One pair of activation blocks, laid out for the kernel.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 struct PreparedPair {
-    /// The two blocks' quants.
+    /// The two blocks' quants in [`PairBlock::element`] order.
     q: [i8; 2 * QK],
-    /// `−OFFSET · Σx` of the first block in lane 0, of the second in lane 8 (the unsigned
-    /// form of the weights adds OFFSET to every quant).
+    /// `−OFFSET · Σx` of each block in one lane that belongs to it (the unsigned form of
+    /// the weights adds OFFSET to every quant).
     corr: [i32; 16],
-    /// The first block's scale in lanes 0..8, the second's in lanes 8..16.
-    d: [f32; 16],
+}
+
+/// The activation row, prepared once for every weight row: pairs, and each block's scale.
+fn prepare<W: PairBlock>(x: &[BlockQ8_0]) -> (Vec<PreparedPair>, Vec<f32>) {
+    let pairs = x
+        .chunks_exact(2)
+        .map(|xb| {
+            let mut p = PreparedPair {
+                q: [0; 2 * QK],
+                corr: [0; 16],
+            };
+            for (e, q) in p.q.iter_mut().enumerate() {
+                let el = W::element(e);
+                *q = xb[el / QK].qs[el % QK];
+            }
+            for (h, b) in xb.iter().enumerate() {
+                let lane = (0..16)
+                    .find(|&l| W::element(4 * l) / QK == h)
+                    .expect("a lane per block");
+                p.corr[lane] = -W::OFFSET * b.qs.iter().map(|&q| q as i32).sum::<i32>();
+            }
+            p
+        })
+        .collect();
+    (pairs, x.iter().map(|b| b.d.to_f32()).collect())
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -31,37 +117,57 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// `Σ` over pairs of `w[r] · x` for ROWS rows, each `2 · pairs.len()` blocks.
+    /// `Σ` over the first `GROUP · (pairs.len() / (GROUP/2))` blocks of `w[r] · x` for ROWS
+    /// rows.
     ///
     /// # Safety
     /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn rows<W: WeightBlock>(
+    pub(super) unsafe fn rows<W: PairBlock>(
         w: [&[W]; ROWS],
         pairs: &[PreparedPair],
+        dx: &[f32],
     ) -> [f32; ROWS] {
-        assert!(w.iter().all(|r| r.len() >= 2 * pairs.len()));
-        // SAFETY: the features are enabled on this function; block indices are
-        // < 2·pairs.len() ≤ every row's length (asserted).
+        let groups = pairs.len() / (GROUP / 2);
+        assert!(w.iter().all(|r| r.len() >= groups * GROUP) && dx.len() >= groups * GROUP);
+        // Lane l of pair p's products belongs to block 2p + (which half of the pair the
+        // element at byte 4l is in): the permute index of its scale within the group.
+        let index: [__m512i; GROUP / 2] = std::array::from_fn(|p| {
+            let lanes: [i32; 16] = std::array::from_fn(|l| (2 * p + W::element(4 * l) / QK) as i32);
+            // SAFETY: AVX-512 F is enabled on this function; `lanes` is 64 bytes.
+            unsafe { _mm512_loadu_si512(lanes.as_ptr() as *const _) }
+        });
+        // SAFETY: the features are enabled on this function; block indices are below
+        // groups·GROUP ≤ every row's length (asserted); the gather reads the 4 bytes at the
+        // start of each of 16 blocks of a row (its f16 scale and the next 2 bytes).
         unsafe {
+            let size = std::mem::size_of::<W>() as i32;
+            let offsets = _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32(size),
+            );
             let mut acc = [_mm512_setzero_ps(); ROWS];
-            for (p, xp) in pairs.iter().enumerate() {
-                let xv = _mm512_load_si512(xp.q.as_ptr() as *const _);
-                let init = _mm512_load_si512(xp.corr.as_ptr() as *const _);
-                let dx = _mm512_load_ps(xp.d.as_ptr());
-                for (r, row) in w.iter().enumerate() {
-                    let (a, b) = (row.get_unchecked(2 * p), row.get_unchecked(2 * p + 1));
-                    // The next group's rows (see the module docs of `gemv`).
-                    crate::gemv::prefetch((a as *const W).wrapping_add(ROWS * row.len()));
-                    let u =
-                        _mm512_inserti64x4(_mm512_castsi256_si512(a.unsigned()), b.unsigned(), 1);
-                    let ia = _mm512_dpbusd_epi32(init, u, xv);
-                    let dw = _mm256_set_m128i(
-                        _mm_set1_epi16(b.d_bits() as i16),
-                        _mm_set1_epi16(a.d_bits() as i16),
-                    );
-                    let s = _mm512_mul_ps(_mm512_cvtph_ps(dw), dx);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), s, acc[r]);
+            for g in 0..groups {
+                let dxg = _mm512_loadu_ps(dx.as_ptr().add(GROUP * g));
+                // Per row: the 16 blocks' scales times the activation blocks' scales.
+                let scale: [__m512; ROWS] = std::array::from_fn(|r| {
+                    let base = w[r].as_ptr().add(GROUP * g) as *const i32;
+                    let bits = _mm512_i32gather_epi32::<1>(offsets, base);
+                    _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits)), dxg)
+                });
+                for (j, idx) in index.iter().enumerate() {
+                    let p = (GROUP / 2) * g + j;
+                    let xp = pairs.get_unchecked(p);
+                    let xv = _mm512_load_si512(xp.q.as_ptr() as *const _);
+                    let init = _mm512_load_si512(xp.corr.as_ptr() as *const _);
+                    for (r, row) in w.iter().enumerate() {
+                        let (a, b) = (row.get_unchecked(2 * p), row.get_unchecked(2 * p + 1));
+                        // The next group's rows (see the module docs of `gemv`).
+                        crate::gemv::prefetch((a as *const W).wrapping_add(ROWS * row.len()));
+                        let ia = _mm512_dpbusd_epi32(init, W::pair(a, b), xv);
+                        let s = _mm512_permutexvar_ps(*idx, scale[r]);
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), s, acc[r]);
+                    }
                 }
             }
             acc.map(|v| _mm512_reduce_add_ps(v))
@@ -69,27 +175,8 @@ mod x86 {
     }
 }
 
-/// The activation row, prepared once for every weight row.
-fn prepare<W: WeightBlock>(x: &[BlockQ8_0]) -> Vec<PreparedPair> {
-    x.chunks_exact(2)
-        .map(|xb| {
-            let mut p = PreparedPair {
-                q: [0; 2 * QK],
-                corr: [0; 16],
-                d: [0.0; 16],
-            };
-            for (h, b) in xb.iter().enumerate() {
-                p.q[h * QK..][..QK].copy_from_slice(&b.qs);
-                p.corr[8 * h] = -W::OFFSET * b.qs.iter().map(|&q| q as i32).sum::<i32>();
-                p.d[8 * h..][..8].fill(b.d.to_f32());
-            }
-            p
-        })
-        .collect()
-}
-
 /// `out[r] = w[r] · x` for `w` of `m` rows of `k / QK` blocks. Requires [`available()`].
-pub(crate) fn matvec<W: WeightBlock>(
+pub(crate) fn matvec<W: PairBlock>(
     w: &[W],
     x: &[BlockQ8_0],
     out: &mut [f32],
@@ -100,15 +187,15 @@ pub(crate) fn matvec<W: WeightBlock>(
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = k / QK;
     assert!(w.len() >= m * nb && x.len() >= nb && out.len() >= m);
-    let pairs = prepare::<W>(&x[..nb]);
-    // An odd last block goes through the per-row kernel.
-    let tail = 2 * pairs.len();
+    let (pairs, dx) = prepare::<W>(&x[..nb]);
+    // Blocks past the last whole group go through the per-row kernel.
+    let tail = nb / GROUP * GROUP;
     by_groups(out, m, |r| {
         let rows: [&[W]; ROWS] = r.map(|r| &w[r * nb..][..nb]);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2, FMA and
         // F16C were detected.
-        let mut sums = unsafe { x86::rows(rows, &pairs) };
+        let mut sums = unsafe { x86::rows(rows, &pairs, &dx) };
         #[cfg(not(target_arch = "x86_64"))]
         let mut sums: [f32; ROWS] = unreachable!("checked by available()");
         if tail < nb {
@@ -125,14 +212,15 @@ mod tests {
     use super::*;
     use crate::dot;
     use crate::dot::test_util::ref_dot;
-    use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize, BlockQ4_0};
+    use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize};
     use kiln_core::DType;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
-    fn check<W: WeightBlock>(dtype: DType, dot: fn(&[W], &[BlockQ8_0]) -> f32) {
+    fn check<W: PairBlock>(dtype: DType, dot: fn(&[W], &[BlockQ8_0]) -> f32) {
         let mut rng = StdRng::seed_from_u64(0x6e3f);
-        for &k in &[32usize, 64, 96, 2048] {
+        // k: one block, a pair, under a group, a group and a ragged tail, many groups.
+        for &k in &[32usize, 64, 96, 512 + 96, 2048] {
             for &m in &[1usize, 5, 130, 1000] {
                 let wv: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
                 let xv: Vec<f32> = (0..k).map(|_| rng.random_range(-1.0..1.0)).collect();
