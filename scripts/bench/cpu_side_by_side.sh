@@ -1,15 +1,15 @@
 #!/bin/bash
 set -u
-# kiln and llama.cpp on the same GGUF files, alternating, two rounds (kiln bench and
-# llama-bench, -p 64 -n 32 -r 3 -t 2). Make the files with make_random_gguf.py and
-# llama-quantize.
+# kiln and llama.cpp on the same GGUF files, alternating, ROUNDS rounds (default 2; kiln
+# bench and llama-bench, -p 64 -n 32 -r 3 -t 2). Make the files with make_random_gguf.py
+# and llama-quantize. The 2-core machine is shared: compare within a round, report medians.
 # llama.cpp tools built from the source vendored in the PyPI sdist of llama-cpp-python 0.3.36
 # (llama.cpp 0c1e570), CPU build without AMX (see BENCHMARKS.md); set LLAMA_BIN to its bin/.
 B=${LLAMA_BIN:?set LLAMA_BIN to the bin folder of a llama.cpp build}
 K=${KILN:-$(pwd)/target/release/kiln}
 # MODELS: the folder holding tl-Q4_0.gguf, tl-Q8_0.gguf, tl-Q4_K_M.gguf and tl-f16.gguf.
 cd "${MODELS:?set MODELS to the folder of the tl-*.gguf files}" || exit 1
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
 for t in Q4_0 Q8_0 Q4_K_M F16; do
   f=tl-$t.gguf; [ $t = F16 ] && f=tl-f16.gguf
   echo "=== round $round $t llama.cpp"; LD_LIBRARY_PATH=$B $B/llama-bench -m $f -p 64 -n 32 -r 3 -t 2 -o md 2>&1 | grep -E "^\|"
