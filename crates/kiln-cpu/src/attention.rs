@@ -71,7 +71,7 @@ pub(crate) fn attention(
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the ISA was detected (see `dot::isa`).
             Isa::Avx512Vnni => unsafe { x86::head(&rows, p, o) },
-            _ => head(&rows, p, o),
+            _ => head_with(&rows, p, o, dot),
         }
     });
     Ok(())
@@ -87,23 +87,22 @@ struct Rows<'a> {
     visible: std::ops::Range<usize>,
 }
 
-/// One (token, head) task: scores, softmax, weighted sum of values into `o`. Written to
-/// vectorize: 16 independent partial sums in the dot product, the exponential inline.
+/// One (token, head) task: scores, softmax, weighted sum of values into `o`, with `dot`
+/// for the scores. Written to vectorize: the exponential inline, no collecting iterators.
 #[inline(always)]
-fn head(r: &Rows, p: &AttentionParams, o: &mut [f32]) {
+fn head_with(r: &Rows, p: &AttentionParams, o: &mut [f32], dot: impl Fn(&[f32], &[f32]) -> f32) {
     let hd = r.q.len();
     let at = |j: usize| j * r.stride + r.offset;
-    let mut scores: Vec<f32> = r
-        .visible
-        .clone()
-        .map(|j| {
-            let s = dot(r.q, &r.k[at(j)..][..hd]) * p.scale;
-            match p.softcap {
-                Some(cap) => cap * (s / cap).tanh(),
-                None => s,
-            }
-        })
-        .collect();
+    // A plain loop, not `map().collect()`: the collecting function would be compiled
+    // apart from this one, without the AVX-512 features of its caller.
+    let mut scores = vec![0f32; r.visible.len()];
+    for (s, j) in scores.iter_mut().zip(r.visible.clone()) {
+        let v = dot(r.q, &r.k[at(j)..][..hd]) * p.scale;
+        *s = match p.softcap {
+            Some(cap) => cap * (v / cap).tanh(),
+            None => v,
+        };
+    }
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
     for s in scores.iter_mut() {
         *s = exp(*s - max);
@@ -118,7 +117,7 @@ fn head(r: &Rows, p: &AttentionParams, o: &mut [f32]) {
     }
 }
 
-#[inline(always)]
+/// Σ a·b with 16 independent partial sums (vectorizes without reassociation).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
@@ -139,13 +138,34 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+    use std::arch::x86_64::*;
 
-    /// [`super::head`] compiled for AVX-512 (it is inlined here).
+    /// [`super::head_with`] compiled for AVX-512 (it is inlined here), scores by FMA.
     ///
     /// # Safety
     /// AVX-512 F/BW/VL, AVX2 and FMA must be available.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     pub(super) unsafe fn head(r: &Rows, p: &AttentionParams, o: &mut [f32]) {
-        super::head(r, p, o)
+        head_with(r, p, o, |a, b| {
+            let body = a.len() / 16 * 16;
+            // SAFETY: AVX-512 F is enabled on the enclosing function; loads read 16
+            // elements below `body` ≤ both lengths (`b` is a head row as long as `a`).
+            let v = unsafe {
+                let mut acc = _mm512_setzero_ps();
+                for i in (0..body).step_by(16) {
+                    let (x, y) = (
+                        _mm512_loadu_ps(a.as_ptr().add(i)),
+                        _mm512_loadu_ps(b.as_ptr().add(i)),
+                    );
+                    acc = _mm512_fmadd_ps(x, y, acc);
+                }
+                _mm512_reduce_add_ps(acc)
+            };
+            v + a[body..]
+                .iter()
+                .zip(&b[body..])
+                .map(|(x, y)| x * y)
+                .sum::<f32>()
+        })
     }
 }
