@@ -404,9 +404,9 @@ mod tests {
 #[cfg(test)]
 mod bench {
     use super::*;
+    use crate::dot::test_util::best_seconds;
     use kiln_core::quant::{as_blocks, quantize, quantize_q8_k};
     use kiln_core::DType;
-    use std::time::Instant;
 
     fn throughput<W: KBlock>(dtype: DType, n: usize) {
         let (m, k) = (2048, 2048);
@@ -421,16 +421,7 @@ mod bench {
         let mut xq = vec![BlockQ8K::zeroed(); n * k / QK_K];
         quantize_q8_k(&xv, &mut xq).unwrap();
         let mut out = vec![0f32; n * m];
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            let t = Instant::now();
-            pool.install(|| matmul(&w, &xq, &mut out, n, m, k));
-            best = best.min(t.elapsed().as_secs_f64());
-        }
+        let best = best_seconds(1, 5, || matmul(&w, &xq, &mut out, n, m, k));
         eprintln!(
             "{dtype} n={n} m={m} k={k}: {:.2} ms, {:.1} GMAC/s on 1 thread",
             best * 1e3,

@@ -401,9 +401,9 @@ mod tests {
 #[cfg(test)]
 mod bench {
     use super::*;
+    use crate::dot::test_util::best_seconds;
     use kiln_core::quant::{as_blocks, quantize};
     use kiln_core::DType;
-    use std::time::Instant;
 
     #[test]
     #[ignore]
@@ -423,16 +423,7 @@ mod bench {
         let xb = quantize(DType::Q8_0, &xv).unwrap();
         let xq = as_blocks::<BlockQ8_0>(&xb).unwrap().into_owned();
         let mut out = vec![0f32; n * m];
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            let t = Instant::now();
-            pool.install(|| matmul(&w, &xq, &mut out, n, m, k));
-            best = best.min(t.elapsed().as_secs_f64());
-        }
+        let best = best_seconds(1, 5, || matmul(&w, &xq, &mut out, n, m, k));
         eprintln!(
             "q4_0 n={n} m={m} k={k}: {:.2} ms, {:.1} GMAC/s on 1 thread",
             best * 1e3,

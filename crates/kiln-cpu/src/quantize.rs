@@ -14,38 +14,46 @@ use rayon::prelude::*;
 
 /// Each row of `k` values (whole blocks: checked by the weight's shape) as Q8_0 blocks.
 pub(crate) fn q8_0_rows(xs: &[f32], k: usize) -> Result<Vec<BlockQ8_0>> {
-    let mut blocks = vec![BlockQ8_0::zeroed(); xs.len() / QK];
-    xs.par_chunks(k.max(1))
-        .zip(blocks.par_chunks_mut((k / QK).max(1)))
-        .try_for_each(|(x, b)| match dot::isa() {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni => {
-                for (x, b) in x.chunks_exact(QK).zip(b) {
-                    // SAFETY: the ISA was detected (see `dot::isa`).
-                    *b = unsafe { x86::q8_0(x.try_into().expect("chunks of QK")) };
-                }
-                Ok(())
-            }
-            _ => quant::quantize_into(DType::Q8_0, x, bytemuck::cast_slice_mut(b)),
-        })?;
-    Ok(blocks)
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = Some(x86::q8_0 as unsafe fn(&[f32]) -> BlockQ8_0);
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx512 = None;
+    rows(xs, k, QK, avx512, |x, b| {
+        quant::quantize_into(DType::Q8_0, x, bytemuck::cast_slice_mut(b))
+    })
 }
 
 /// Each row of `k` values (whole super-blocks: checked by the weight's shape) as Q8_K.
 pub(crate) fn q8_k_rows(xs: &[f32], k: usize) -> Result<Vec<BlockQ8K>> {
-    let mut blocks = vec![BlockQ8K::zeroed(); xs.len() / QK_K];
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = Some(x86::q8_k as unsafe fn(&[f32]) -> BlockQ8K);
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx512 = None;
+    rows(xs, k, QK_K, avx512, quant::quantize_q8_k)
+}
+
+/// Rows of `k` values in blocks of `len`, over the pool: by `avx512` (one block per call)
+/// where the CPU has it, else by `reference` (a whole row per call).
+fn rows<B: bytemuck::Pod + Zeroable + Send>(
+    xs: &[f32],
+    k: usize,
+    len: usize,
+    avx512: Option<unsafe fn(&[f32]) -> B>,
+    reference: impl Fn(&[f32], &mut [B]) -> Result<()> + Sync,
+) -> Result<Vec<B>> {
+    let mut blocks = vec![B::zeroed(); xs.len() / len];
+    let avx512 = avx512.filter(|_| dot::isa() == Isa::Avx512Vnni);
     xs.par_chunks(k.max(1))
-        .zip(blocks.par_chunks_mut((k / QK_K).max(1)))
-        .try_for_each(|(x, b)| match dot::isa() {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni => {
-                for (x, b) in x.chunks_exact(QK_K).zip(b) {
+        .zip(blocks.par_chunks_mut((k / len).max(1)))
+        .try_for_each(|(x, b)| match avx512 {
+            Some(block) => {
+                for (x, b) in x.chunks_exact(len).zip(b) {
                     // SAFETY: the ISA was detected (see `dot::isa`).
-                    *b = unsafe { x86::q8_k(x.try_into().expect("chunks of QK_K")) };
+                    *b = unsafe { block(x) };
                 }
                 Ok(())
             }
-            _ => quant::quantize_q8_k(x, b),
+            None => reference(x, b),
         })?;
     Ok(blocks)
 }
@@ -75,7 +83,8 @@ mod x86 {
     /// # Safety
     /// AVX-512 F/BW/VL must be available.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub(super) unsafe fn q8_k(x: &[f32; QK_K]) -> BlockQ8K {
+    pub(super) unsafe fn q8_k(x: &[f32]) -> BlockQ8K {
+        assert_eq!(x.len(), QK_K);
         // SAFETY: the features are enabled; every load reads 16 of the 256 values.
         unsafe {
             let v: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(x.as_ptr().add(16 * i)));
@@ -112,7 +121,8 @@ mod x86 {
     /// # Safety
     /// AVX-512 F/BW/VL must be available.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub(super) unsafe fn q8_0(x: &[f32; QK]) -> BlockQ8_0 {
+    pub(super) unsafe fn q8_0(x: &[f32]) -> BlockQ8_0 {
+        assert_eq!(x.len(), QK);
         // SAFETY: the features are enabled; both loads read 16 of the 32 values.
         unsafe {
             let v = [

@@ -306,89 +306,92 @@ pub(crate) mod x86 {
         // SAFETY: this function enables the features used; every load reads inside a block
         // field of the stated size.
         unsafe {
-            let m4 = _mm512_set1_epi8(0x0F);
-            let m30 = _mm512_set1_epi8(0x30);
-            // i16 lane i of a 64-quant product covers elements 2i, 2i + 1: scale base + i/8.
-            let idx = |base: i16| {
-                let s = |k: i16| base + k;
-                _mm512_set_epi16(
-                    s(3),
-                    s(3),
-                    s(3),
-                    s(3),
-                    s(3),
-                    s(3),
-                    s(3),
-                    s(3),
-                    s(2),
-                    s(2),
-                    s(2),
-                    s(2),
-                    s(2),
-                    s(2),
-                    s(2),
-                    s(2),
-                    s(1),
-                    s(1),
-                    s(1),
-                    s(1),
-                    s(1),
-                    s(1),
-                    s(1),
-                    s(1),
-                    s(0),
-                    s(0),
-                    s(0),
-                    s(0),
-                    s(0),
-                    s(0),
-                    s(0),
-                    s(0),
-                )
-            };
-            let idxs = [idx(0), idx(4), idx(8), idx(12)];
+            let idx = q6k_scale_index();
             let mut acc = _mm512_setzero_ps();
             for (w, x) in w.iter().zip(x) {
                 let (d, _) = f16x2_times(w.d.to_bits(), 0, x.d);
-                let scales = _mm_loadu_si128(w.scales.as_ptr() as *const __m128i);
-                let sc16 = _mm256_cvtepi8_epi16(scales);
+                let y = std::array::from_fn(|i| {
+                    _mm512_loadu_si512(x.qs.as_ptr().add(64 * i) as *const _)
+                });
                 let bsums = _mm256_loadu_si256(x.bsums.as_ptr() as *const __m256i);
-                let summ = _mm512_zextsi256_si512(_mm256_madd_epi16(sc16, bsums));
-                let sc = _mm512_castsi256_si512(sc16);
-                let mut sumi = _mm512_setzero_si512();
-                for h in 0..2 {
-                    // ql's 64 bytes: low nibbles are elements 0..64 of this half, high
-                    // nibbles elements 64..128, each matching 64 contiguous activations.
-                    let ql = _mm512_loadu_si512(w.ql.as_ptr().add(64 * h) as *const _);
-                    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        w.qh.as_ptr().add(32 * h) as *const __m256i
-                    ));
-                    // Lower 256 bits take qh bits 0-1 (resp. 4-5), upper bits 2-3 (6-7).
-                    let hlo = _mm512_mask_blend_epi64(
-                        0xF0,
-                        _mm512_slli_epi16(qh, 4),
-                        _mm512_slli_epi16(qh, 2),
-                    );
-                    let hhi = _mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2));
-                    let qlo = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(hlo, m30));
-                    let qhi = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                        _mm512_and_si512(hhi, m30),
-                    );
-                    let yp = x.qs.as_ptr().add(128 * h);
-                    let ylo = _mm512_loadu_si512(yp as *const _);
-                    let yhi = _mm512_loadu_si512(yp.add(64) as *const _);
-                    let plo = _mm512_maddubs_epi16(qlo, ylo);
-                    let phi = _mm512_maddubs_epi16(qhi, yhi);
-                    let slo = _mm512_permutexvar_epi16(idxs[2 * h], sc);
-                    let shi = _mm512_permutexvar_epi16(idxs[2 * h + 1], sc);
-                    sumi = _mm512_dpwssd_epi32(sumi, plo, slo);
-                    sumi = _mm512_dpwssd_epi32(sumi, phi, shi);
-                }
-                let total = _mm512_sub_epi32(sumi, _mm512_slli_epi32(summ, 5));
+                let total = q6k_block(w, &y, bsums, &idx);
                 acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(total), acc);
             }
             _mm512_reduce_add_ps(acc)
+        }
+    }
+
+    /// The permute indices [`q6k_block`] takes: i16 lane i of a 64-quant product covers
+    /// elements 2i, 2i + 1, so it takes scale `base + i/8`, for bases 0, 4, 8, 12.
+    ///
+    /// # Safety
+    /// AVX-512 F must be available.
+    #[inline(always)]
+    pub(crate) unsafe fn q6k_scale_index() -> [__m512i; 4] {
+        let lanes: [[i16; 32]; 4] =
+            std::array::from_fn(|q| std::array::from_fn(|i| (4 * q + i / 8) as i16));
+        let load = |l: &[i16; 32]| l.as_ptr() as *const __m512i;
+        // SAFETY: each row of `lanes` is 64 readable bytes; the caller enabled AVX-512 F.
+        // (The loads are not in a closure: one would be compiled without AVX-512.)
+        unsafe {
+            [
+                _mm512_loadu_si512(load(&lanes[0]) as *const _),
+                _mm512_loadu_si512(load(&lanes[1]) as *const _),
+                _mm512_loadu_si512(load(&lanes[2]) as *const _),
+                _mm512_loadu_si512(load(&lanes[3]) as *const _),
+            ]
+        }
+    }
+
+    /// `Σ sc·(q − 32)·y` of one Q6_K block as 16 i32 lanes (to be summed), given the
+    /// activation block's 256 quants `y` (four 64-byte loads) and 16 sums `bsums`.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VNNI and AVX2 must be available.
+    #[inline(always)]
+    pub(crate) unsafe fn q6k_block(
+        w: &BlockQ6K,
+        y: &[__m512i; 4],
+        bsums: __m256i,
+        idx: &[__m512i; 4],
+    ) -> __m512i {
+        // SAFETY: the caller enabled the features; loads read inside the block's fields.
+        unsafe {
+            let m4 = _mm512_set1_epi8(0x0F);
+            let m30 = _mm512_set1_epi8(0x30);
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.scales.as_ptr() as *const __m128i));
+            // 32·Σ sc·bsum, the −32 offset of every quant.
+            let summ = _mm512_zextsi256_si512(_mm256_madd_epi16(sc16, bsums));
+            let sc = _mm512_castsi256_si512(sc16);
+            let mut sumi = _mm512_setzero_si512();
+            for h in 0..2 {
+                // ql's 64 bytes: low nibbles are elements 0..64 of this half, high nibbles
+                // elements 64..128, each matching 64 contiguous activations.
+                let ql = _mm512_loadu_si512(w.ql.as_ptr().add(64 * h) as *const _);
+                let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                    w.qh.as_ptr().add(32 * h) as *const __m256i
+                ));
+                // Lower 256 bits take qh bits 0-1 (resp. 4-5), upper bits 2-3 (6-7).
+                let hlo = _mm512_mask_blend_epi64(
+                    0xF0,
+                    _mm512_slli_epi16(qh, 4),
+                    _mm512_slli_epi16(qh, 2),
+                );
+                let hhi = _mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2));
+                // (a & 0x0F) | (b & 0x30), the second step one ternary-logic op.
+                let qlo = _mm512_ternarylogic_epi32::<0xD8>(_mm512_and_si512(ql, m4), hlo, m30);
+                let qhi = _mm512_ternarylogic_epi32::<0xD8>(
+                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                    hhi,
+                    m30,
+                );
+                // ≤ 63·128·2 per i16: no saturation.
+                let plo = _mm512_maddubs_epi16(qlo, y[2 * h]);
+                let phi = _mm512_maddubs_epi16(qhi, y[2 * h + 1]);
+                sumi = _mm512_dpwssd_epi32(sumi, plo, _mm512_permutexvar_epi16(idx[2 * h], sc));
+                sumi = _mm512_dpwssd_epi32(sumi, phi, _mm512_permutexvar_epi16(idx[2 * h + 1], sc));
+            }
+            _mm512_sub_epi32(sumi, _mm512_slli_epi32(summ, 5))
         }
     }
 }

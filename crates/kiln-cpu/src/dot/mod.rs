@@ -223,6 +223,22 @@ pub fn dot_q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 pub(crate) mod test_util {
     use super::Isa;
 
+    /// The best of `reps` runs of `f` on a pool of `threads` threads, in seconds (for the
+    /// `bench` modules' kernel timings).
+    pub fn best_seconds(threads: usize, reps: usize, mut f: impl FnMut() + Send) -> f64 {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("a thread pool");
+        (0..reps)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                pool.install(&mut f);
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min)
+    }
+
     /// The ISAs this machine can run, each tested directly.
     pub fn isas() -> Vec<Isa> {
         [Isa::Portable, Isa::Avx2, Isa::Avx512Vnni, Isa::Neon]

@@ -386,7 +386,7 @@ mod tests {
 #[cfg(test)]
 mod bench {
     use super::*;
-    use std::time::Instant;
+    use crate::dot::test_util::best_seconds;
 
     #[test]
     #[ignore]
@@ -414,20 +414,13 @@ mod bench {
                 continue;
             }
             for threads in [1, 2] {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .unwrap();
-                let mut best = f64::INFINITY;
-                for _ in 0..30 {
-                    let t = Instant::now();
+                let best = best_seconds(threads, 30, || {
                     if use_amx {
-                        pool.install(|| amx::matmul(&w, &x, &mut out, n, m, k));
+                        amx::matmul(&w, &x, &mut out, n, m, k)
                     } else {
-                        pool.install(|| matmul(&w, &x, &mut out, n, m, k));
+                        matmul(&w, &x, &mut out, n, m, k)
                     }
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
+                });
                 eprintln!(
                     "f16 amx={use_amx} n={n} m={m} k={k}: {:.2} ms, {:.1} GFLOP/s on {threads} thread(s)",
                     best * 1e3,

@@ -46,7 +46,7 @@ fn prepare_q4k(x: &[BlockQ8K]) -> Vec<PreparedQ4K> {
 mod x86 {
     use super::*;
     use crate::dot::k_quants::unpack_q4k_scales;
-    use crate::dot::k_quants::x86::f16x2_times;
+    use crate::dot::k_quants::x86::{f16x2_times, q6k_block, q6k_scale_index};
     use crate::gemv::prefetch;
     use std::arch::x86_64::*;
 
@@ -138,14 +138,7 @@ mod x86 {
         assert!(w.iter().all(|r| r.len() == x.len()));
         // SAFETY: as in `rows_q4k`.
         unsafe {
-            let m4 = _mm512_set1_epi8(0x0F);
-            let m30 = _mm512_set1_epi8(0x30);
-            // i16 lane i of a 64-quant product covers elements 2i, 2i + 1: scale base + i/8.
-            let quarters = |base: i16| {
-                let s: [i16; 32] = std::array::from_fn(|i| base + i as i16 / 8);
-                _mm512_loadu_si512(s.as_ptr() as *const _)
-            };
-            let idx = [quarters(0), quarters(4), quarters(8), quarters(12)];
+            let idx = q6k_scale_index();
             let mut acc = [_mm512_setzero_ps(); ROWS];
             for (b, xb) in x.iter().enumerate() {
                 let y: [__m512i; 4] = std::array::from_fn(|i| {
@@ -156,49 +149,7 @@ mod x86 {
                     let blk = row.get_unchecked(b);
                     prefetch_ahead(blk, row.len());
                     let (d, _) = f16x2_times(blk.d.to_bits(), 0, xb.d);
-                    let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                        blk.scales.as_ptr() as *const __m128i
-                    ));
-                    // 32·Σ sc·bsum, the −32 offset of every quant.
-                    let summ = _mm512_zextsi256_si512(_mm256_madd_epi16(sc16, bsums));
-                    let sc = _mm512_castsi256_si512(sc16);
-                    let mut sumi = _mm512_setzero_si512();
-                    for h in 0..2 {
-                        // ql's 64 bytes: low nibbles are elements 0..64 of this half, high
-                        // nibbles elements 64..128.
-                        let ql = _mm512_loadu_si512(blk.ql.as_ptr().add(64 * h) as *const _);
-                        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                            blk.qh.as_ptr().add(32 * h) as *const __m256i,
-                        ));
-                        // Lower 256 bits take qh bits 0-1 (resp. 4-5), upper bits 2-3 (6-7).
-                        let hlo = _mm512_mask_blend_epi64(
-                            0xF0,
-                            _mm512_slli_epi16(qh, 4),
-                            _mm512_slli_epi16(qh, 2),
-                        );
-                        let hhi = _mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2));
-                        // (a & 0x0F) | (b & 0x30) in one ternary-logic op each.
-                        let qlo =
-                            _mm512_ternarylogic_epi32::<0xD8>(_mm512_and_si512(ql, m4), hlo, m30);
-                        let qhi = _mm512_ternarylogic_epi32::<0xD8>(
-                            _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                            hhi,
-                            m30,
-                        );
-                        let plo = _mm512_maddubs_epi16(qlo, y[2 * h]);
-                        let phi = _mm512_maddubs_epi16(qhi, y[2 * h + 1]);
-                        sumi = _mm512_dpwssd_epi32(
-                            sumi,
-                            plo,
-                            _mm512_permutexvar_epi16(idx[2 * h], sc),
-                        );
-                        sumi = _mm512_dpwssd_epi32(
-                            sumi,
-                            phi,
-                            _mm512_permutexvar_epi16(idx[2 * h + 1], sc),
-                        );
-                    }
-                    let total = _mm512_sub_epi32(sumi, _mm512_slli_epi32(summ, 5));
+                    let total = q6k_block(blk, &y, bsums, &idx);
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(total), acc[r]);
                 }
             }
