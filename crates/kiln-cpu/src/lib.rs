@@ -1,11 +1,13 @@
 //! kiln's CPU backend.
 //!
 //! Matrix-vector and matrix products run on ggml's block formats directly: activations
-//! are quantized to Q8_0 or Q8_K and multiplied with integer SIMD dot products chosen at
-//! run time ([`dot`]), rows spread over a rayon pool. Products with several activation rows
-//! (prompts) use register-tiled kernels on AVX-512 (`qgemm` and `kgemm` for quantized
-//! weights, `fgemm` for F32/F16/BF16) and the `gemm` crate for float weights elsewhere.
-//! The remaining ops are plain f32 loops.
+//! are quantized to Q8_0 or Q8_K (`quantize`) and multiplied with integer SIMD dot
+//! products chosen at run time ([`dot`]), rows spread over a rayon pool; decode on
+//! AVX-512 takes several weight rows per loop (`gemv`). Products with several activation
+//! rows (prompts) use register-tiled kernels on AVX-512 (`qgemm` and `kgemm` for quantized
+//! weights, `fgemm` for F32/F16/BF16, on AMX tiles where present: `amx`) and the `gemm`
+//! crate for float weights elsewhere. The remaining ops are f32 loops, the heavier ones
+//! (SiLU, attention) compiled for AVX-512 where the CPU has it.
 
 mod amx;
 mod attention;
