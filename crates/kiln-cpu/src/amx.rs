@@ -24,7 +24,11 @@ pub(crate) fn available() -> bool {
     *OK.get_or_init(|| {
         let forced = std::env::var("KILN_CPU_ISA")
             .is_ok_and(|name| !name.trim().eq_ignore_ascii_case("amx"));
-        dot::isa() == Isa::Avx512Vnni && !forced && x86::enable()
+        #[cfg(target_arch = "x86_64")]
+        let granted = x86::enable;
+        #[cfg(not(target_arch = "x86_64"))]
+        let granted = || false;
+        dot::isa() == Isa::Avx512Vnni && !forced && granted()
     })
 }
 
@@ -184,7 +188,7 @@ pub(crate) mod x86 {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
     use rand::rngs::StdRng;

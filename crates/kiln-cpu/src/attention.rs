@@ -3,7 +3,9 @@
 //! One task per (token, head): scores against every visible key, a softmax, then the
 //! weighted sum of values. Scores live in a per-task buffer of the visible length.
 
-use crate::dot::{self, Isa};
+use crate::dot;
+#[cfg(target_arch = "x86_64")]
+use crate::dot::Isa;
 use crate::elementwise::exp;
 use crate::{f32s, f32s_mut, indices};
 use kiln_core::{AttentionParams, Error, Result, Tensor};

@@ -1,4 +1,6 @@
-use crate::dot::{self, Isa};
+use crate::dot;
+#[cfg(target_arch = "x86_64")]
+use crate::dot::Isa;
 use crate::{f32s, f32s_mut, i32s_mut, indices, same_shape, storage};
 use kiln_core::{quant, Error, Result, Tensor};
 use rayon::prelude::*;

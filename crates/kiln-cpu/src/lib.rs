@@ -9,15 +9,28 @@
 //! crate for float weights elsewhere. The remaining ops are f32 loops, the heavier ones
 //! (SiLU, attention) compiled for AVX-512 where the CPU has it.
 
+// The AVX-512/AMX kernel modules: on other targets only their `available() == false`
+// paths are reachable, so the kernel-side items they declare go unused there.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
 mod amx;
 mod attention;
 pub mod dot;
 mod elementwise;
+#[cfg_attr(
+    not(target_arch = "x86_64"),
+    allow(dead_code, unused, clippy::never_loop)
+)]
 mod fgemm;
+#[cfg_attr(
+    not(target_arch = "x86_64"),
+    allow(dead_code, unused, unreachable_code)
+)]
 mod gemv;
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
 mod kgemm;
 mod matmul;
 mod norm;
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
 mod qgemm;
 mod quantize;
 mod rope;
