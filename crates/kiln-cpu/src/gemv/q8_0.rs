@@ -192,12 +192,8 @@ pub(crate) fn matvec<W: PairBlock>(
     let tail = nb / GROUP * GROUP;
     by_groups(out, m, |r| {
         let rows: [&[W]; ROWS] = r.map(|r| &w[r * nb..][..nb]);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2, FMA and
-        // F16C were detected.
-        let mut sums = unsafe { x86::rows(rows, &pairs, &dx) };
-        #[cfg(not(target_arch = "x86_64"))]
-        let mut sums: [f32; ROWS] = unreachable!("checked by available()");
+        // SAFETY: `available()` was asserted above.
+        let mut sums = unsafe { group_sums(rows, &pairs, &dx) };
         if tail < nb {
             for (s, row) in sums.iter_mut().zip(rows) {
                 *s += dot(&row[tail..], &x[tail..nb]);
@@ -205,6 +201,26 @@ pub(crate) fn matvec<W: PairBlock>(
         }
         sums
     });
+}
+
+/// The whole groups of `rows` · x (see [`x86::rows`]).
+///
+/// # Safety
+/// [`available()`] must hold.
+unsafe fn group_sums<W: PairBlock>(
+    rows: [&[W]; ROWS],
+    pairs: &[PreparedPair],
+    dx: &[f32],
+) -> [f32; ROWS] {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `available()` (the caller's guarantee) means AVX-512 F/BW/VL/VNNI, AVX2,
+    // FMA and F16C were detected.
+    return unsafe { x86::rows(rows, pairs, dx) };
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (rows, pairs, dx);
+        unreachable!("available() is false off x86_64")
+    }
 }
 
 #[cfg(test)]
