@@ -338,7 +338,7 @@ pub(crate) fn for_panels<B: Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dot::test_util::ref_dot;
+    use crate::dot::test_util::{assert_batched, ref_dot};
     use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize};
     use kiln_core::DType;
     use rand::rngs::StdRng;
@@ -360,18 +360,11 @@ mod tests {
                     let mut out = vec![f32::NAN; n * m];
                     matmul(&w, &xq, &mut out, n, m, k);
                     let nb = k / QK;
-                    for i in 0..n {
-                        for r in 0..m {
-                            let want = dot(&w[r * nb..][..nb], &xq[i * nb..][..nb]);
-                            let (_, abs) = ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]);
-                            let got = out[i * m + r];
-                            let err = (got - want).abs() as f64;
-                            assert!(
-                                err <= 1e-5 * abs.max(want.abs() as f64) + 1e-30,
-                                "{dtype} k={k} m={m} n={n} [{i}, {r}]: got {got}, want {want}"
-                            );
-                        }
-                    }
+                    let what = format!("{dtype} k={k} m={m} n={n}");
+                    assert_batched(&out, n, m, &what, |i, r| {
+                        let want = dot(&w[r * nb..][..nb], &xq[i * nb..][..nb]);
+                        (want, ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]).1)
+                    });
                 }
             }
         }

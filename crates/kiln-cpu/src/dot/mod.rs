@@ -258,6 +258,30 @@ pub(crate) mod test_util {
         );
     }
 
+    /// A batched kernel's `out[n, m]` against the per-row dot kernel: `want(i, r)` is the
+    /// dot kernel's value for activation row i and weight row r, with Σ|w·x| of the
+    /// dequantized values; they must agree to 1e-5 of the larger of the two.
+    #[track_caller]
+    pub fn assert_batched(
+        out: &[f32],
+        n: usize,
+        m: usize,
+        what: &str,
+        want: impl Fn(usize, usize) -> (f32, f64),
+    ) {
+        for i in 0..n {
+            for r in 0..m {
+                let (want, abs) = want(i, r);
+                let got = out[i * m + r];
+                let err = (got - want).abs() as f64;
+                assert!(
+                    err <= 1e-5 * abs.max(want.abs() as f64) + 1e-30,
+                    "{what} [{i}, {r}]: got {got}, want {want}"
+                );
+            }
+        }
+    }
+
     /// Σ w·x and Σ|w·x| in f64.
     pub fn ref_dot(w: &[f32], x: &[f32]) -> (f64, f64) {
         assert_eq!(w.len(), x.len());
