@@ -7,10 +7,11 @@ set -u
 # (llama.cpp 0c1e570), CPU build without AMX (see BENCHMARKS.md); set LLAMA_BIN to its bin/.
 B=${LLAMA_BIN:?set LLAMA_BIN to the bin folder of a llama.cpp build}
 K=${KILN:-$(pwd)/target/release/kiln}
-# MODELS: the folder holding tl-Q4_0.gguf, tl-Q8_0.gguf, tl-Q4_K_M.gguf and tl-f16.gguf.
+# MODELS: the folder holding tl-Q4_0.gguf, tl-Q8_0.gguf, tl-Q4_K_M.gguf and tl-f16.gguf;
+# TYPES: which of them (default all four, e.g. TYPES="Q4_K_M F16").
 cd "${MODELS:?set MODELS to the folder of the tl-*.gguf files}" || exit 1
 for round in $(seq "${ROUNDS:-2}"); do
-for t in Q4_0 Q8_0 Q4_K_M F16; do
+for t in ${TYPES:-Q4_0 Q8_0 Q4_K_M F16}; do
   f=tl-$t.gguf; [ $t = F16 ] && f=tl-f16.gguf
   echo "=== round $round $t llama.cpp"; LD_LIBRARY_PATH=$B $B/llama-bench -m $f -p 64 -n 32 -r 3 -t 2 -o md 2>&1 | grep -E "^\|"
   echo "=== round $round $t kiln"; $K bench -m $f -p 64 -n 32 -r 3 -t 2 2>&1 | grep -E "^\|"

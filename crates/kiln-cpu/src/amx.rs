@@ -1,35 +1,59 @@
-//! Intel AMX (Advanced Matrix Extensions) with BF16: the tile registers and the one
-//! operation the prompt kernel uses, `C += A · B` over bf16 pairs into f32.
+//! Intel AMX (Advanced Matrix Extensions): the tile registers and the two operations the
+//! prompt kernels use, `C += A · B` over bf16 pairs into f32 (AMX-BF16) and over bytes
+//! into i32 (AMX-INT8).
 //!
 //! A tile is up to 16 rows of up to 64 bytes. `tdpbf16ps` takes A as 16 rows of 32 bf16
 //! and B as 16 rows of 16 pairs of bf16 (the "VNNI layout": pair c of B row j holds
 //! elements 2j, 2j + 1 of column c), and adds to each f32 of C[r][c] the dot product of A's
 //! row r with column c: 16 × 16 × 32 multiply-adds in one instruction, against 16 for one
-//! AVX-512 FMA.
+//! AVX-512 FMA. `tdpbsud` is the same with 64 signed bytes per A row and quads of unsigned
+//! bytes in B (quad c of B row j holds elements 4j..4j + 4 of column c): 16 × 16 × 64
+//! multiply-adds into i32, against 64 for one `vpdpbusd`.
 //!
 //! Rust has no stable AMX intrinsics, so the instructions are inline assembly, with the
 //! tile registers named by const parameters. Linux hands out the 8 KiB of tile state only
-//! to processes that ask (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), which [`available`] does
+//! to processes that ask (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), which [`granted`] does
 //! once.
 
 use crate::dot::{self, Isa};
 use std::sync::OnceLock;
 
-/// Whether the AMX-BF16 kernel may run: the CPU has AMX-TILE and AMX-BF16, the kernel
-/// granted this process the tile state, and no instruction set was forced with
-/// `KILN_CPU_ISA` (except `amx`), so that `KILN_CPU_ISA=avx512` measures the same machine
-/// without AMX.
-pub(crate) fn available() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
+/// What this process may use: each needs AMX-TILE, the kernel's grant of the tile state,
+/// and no instruction set forced with `KILN_CPU_ISA` (except `amx`), so that
+/// `KILN_CPU_ISA=avx512` measures the same machine without AMX.
+#[derive(Clone, Copy)]
+struct Granted {
+    bf16: bool,
+    int8: bool,
+}
+
+fn granted() -> Granted {
+    static OK: OnceLock<Granted> = OnceLock::new();
     *OK.get_or_init(|| {
         let forced = std::env::var("KILN_CPU_ISA")
             .is_ok_and(|name| !name.trim().eq_ignore_ascii_case("amx"));
+        let none = Granted {
+            bf16: false,
+            int8: false,
+        };
+        if dot::isa() != Isa::Avx512Vnni || forced {
+            return none;
+        }
         #[cfg(target_arch = "x86_64")]
-        let granted = x86::enable;
+        return x86::enable().unwrap_or(none);
         #[cfg(not(target_arch = "x86_64"))]
-        let granted = || false;
-        dot::isa() == Isa::Avx512Vnni && !forced && granted()
+        none
     })
+}
+
+/// Whether the AMX-BF16 kernels may run (see [`Granted`]).
+pub(crate) fn bf16_available() -> bool {
+    granted().bf16
+}
+
+/// Whether the AMX-INT8 kernels may run (see [`Granted`]).
+pub(crate) fn int8_available() -> bool {
+    granted().int8
 }
 
 /// A tile configuration (the 64-byte operand of `ldtilecfg`).
@@ -64,19 +88,20 @@ impl TileConfig {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
-    use super::TileConfig;
+    use super::{Granted, TileConfig};
     use std::arch::asm;
 
-    /// CPUID, XCR0 and the kernel's permission: all three must agree.
-    pub(super) fn enable() -> bool {
+    /// CPUID, XCR0 and the kernel's permission must all agree to use the tiles; `None`
+    /// where they do not.
+    pub(super) fn enable() -> Option<Granted> {
         use std::arch::x86_64::__cpuid_count;
         // Leaf 7 exists on every CPU with AVX-512 (checked by the caller first).
         let edx = __cpuid_count(7, 0).edx;
-        let (bf16, tile) = (edx >> 22 & 1 == 1, edx >> 24 & 1 == 1);
+        let (bf16, tile, int8) = (edx >> 22 & 1 == 1, edx >> 24 & 1 == 1, edx >> 25 & 1 == 1);
         // OSXSAVE (CPUID.1:ECX bit 27) makes XGETBV legal.
         let osxsave = __cpuid_count(1, 0).ecx >> 27 & 1 == 1;
-        if !(tile && bf16 && osxsave) {
-            return false;
+        if !(tile && osxsave) {
+            return None;
         }
         let xcr0: u64;
         // SAFETY: XGETBV with ECX = 0 is legal when OSXSAVE is set (checked).
@@ -86,10 +111,7 @@ pub(crate) mod x86 {
             xcr0 = (hi as u64) << 32 | lo as u64;
         }
         // Bits 17 (XTILECFG) and 18 (XTILEDATA).
-        if xcr0 >> 17 & 3 != 3 {
-            return false;
-        }
-        request_permission()
+        (xcr0 >> 17 & 3 == 3 && request_permission()).then_some(Granted { bf16, int8 })
     }
 
     #[cfg(target_os = "linux")]
@@ -116,7 +138,7 @@ pub(crate) mod x86 {
     /// Load a tile configuration.
     ///
     /// # Safety
-    /// [`super::available`] must hold. Pair with [`release`] on the same thread.
+    /// [`super::bf16_available`] or [`super::int8_available`] must hold. Pair with [`release`] on the same thread.
     #[inline(always)]
     pub(crate) unsafe fn configure(cfg: &TileConfig) {
         // SAFETY: the caller guarantees AMX; `cfg` is a valid 64-byte configuration.
@@ -128,7 +150,7 @@ pub(crate) mod x86 {
     /// Give the tile state back (tiles in use make every context switch save 8 KiB).
     ///
     /// # Safety
-    /// [`super::available`] must hold.
+    /// [`super::bf16_available`] or [`super::int8_available`] must hold.
     #[inline(always)]
     pub(crate) unsafe fn release() {
         // SAFETY: the caller guarantees AMX.
@@ -173,12 +195,27 @@ pub(crate) mod x86 {
         }
     }
 
-    /// Store tile `T` (configured as rows of 16 f32) into `out`.
+    /// Tile `C` += tile `A` · tile `B`: A as rows of signed bytes, B as quads of unsigned
+    /// bytes in the VNNI layout, C as i32.
+    ///
+    /// # Safety
+    /// A configuration must be loaded in which the three shapes agree.
+    #[inline(always)]
+    pub(crate) unsafe fn dot_s8u8<const C: usize, const A: usize, const B: usize>() {
+        // SAFETY: the caller guarantees the tile state.
+        unsafe {
+            asm!("tdpbsud tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B,
+                 options(nostack, nomem))
+        }
+    }
+
+    /// Store tile `T` (configured as rows of 16 f32 or i32) into `out`.
     ///
     /// # Safety
     /// A configuration must be loaded that defines tile `T` with 64-byte rows.
     #[inline(always)]
-    pub(crate) unsafe fn store<const T: usize>(out: &mut [[f32; 16]; 16]) {
+    pub(crate) unsafe fn store<const T: usize, E: bytemuck::Pod>(out: &mut [[E; 16]; 16]) {
+        const { assert!(size_of::<E>() == 4, "tile rows are 16 four-byte values") };
         // SAFETY: the caller guarantees the configuration; `out` holds 16 rows of 64 bytes,
         // at least the configured count.
         unsafe {
@@ -203,7 +240,7 @@ mod tests {
     /// stride wider than its rows, on two sets of registers.
     #[test]
     fn tile_product_matches_definition() {
-        if !available() {
+        if !bf16_available() {
             eprintln!("no AMX-BF16 (or not granted): tile product not testable here");
             return;
         }
@@ -218,7 +255,7 @@ mod tests {
                 .collect();
             let mut c = [[f32::NAN; 16]; 16];
             let mut c1 = [[f32::NAN; 16]; 16];
-            // SAFETY: `available()` holds; A has `rows` rows of 64 bytes at an 80-byte
+            // SAFETY: `bf16_available()` holds; A has `rows` rows of 64 bytes at an 80-byte
             // stride, B 16 rows of 64 bytes, C is 16 × 16 f32.
             unsafe {
                 let (cs, ts) = ((rows, 64), (16, 64));
@@ -231,8 +268,8 @@ mod tests {
                 x86::load::<5>(b.as_ptr() as *const u8, 64);
                 x86::dot_bf16::<3, 4, 5>();
                 x86::dot_bf16::<0, 1, 2>();
-                x86::store::<0>(&mut c);
-                x86::store::<3>(&mut c1);
+                x86::store::<0, f32>(&mut c);
+                x86::store::<3, f32>(&mut c1);
                 x86::release();
             }
             let f = |v: u16| f32::from_bits((v as u32) << 16);

@@ -159,7 +159,7 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
-        let amx = if amx::available() { "+amx" } else { "" };
+        let amx = if amx::bf16_available() { "+amx" } else { "" };
         format!(
             "cpu ({} threads, {}{amx})",
             self.threads(),

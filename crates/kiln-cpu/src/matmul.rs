@@ -48,7 +48,7 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
     match w.dtype() {
         DType::I32 => return Err(Error::unsupported("matmul weights cannot be i32")),
         // Prefill on AMX: 16-bit weights split into bf16 tiles.
-        DType::F16 | DType::BF16 if n >= fgemm::MIN_ROWS && amx::available() => {
+        DType::F16 | DType::BF16 if n >= fgemm::MIN_ROWS && amx::bf16_available() => {
             if w.dtype() == DType::F16 {
                 fgemm::amx::matmul::<f16>(cast(wb)?, xs, out, n, m, k)
             } else {
@@ -131,6 +131,11 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
             let nb = k / QK_K;
             let xq = quantize::q8_k_rows(xs, k)?;
             let xq: &[BlockQ8K] = &xq;
+            // Prefill on AMX-INT8 (Q4_K), else the register-tiled VNNI kernel (`kgemm`).
+            if w.dtype() == DType::Q4_K && n >= kgemm::amx::MIN_ROWS && amx::int8_available() {
+                kgemm::amx::matmul(&as_blocks(wb)?, xq, out, n, m, k);
+                return Ok(());
+            }
             if n >= qgemm::MIN_ROWS && qgemm::available() {
                 if w.dtype() == DType::Q4_K {
                     kgemm::matmul::<BlockQ4K>(&as_blocks(wb)?, xq, out, n, m, k);

@@ -175,7 +175,11 @@ mod x86 {
         // through references.
         unsafe {
             for (b, out) in panel[..nb].iter_mut().enumerate() {
-                transpose_rows(std::array::from_fn(|i| rows[i][b].unsigned()), &mut out.q);
+                let mut parts = [_mm256_setzero_si256(); P];
+                for (p, row) in parts.iter_mut().zip(&rows) {
+                    *p = row[b].unsigned();
+                }
+                transpose_rows(parts, &mut out.q);
                 let d: [u16; P] = std::array::from_fn(|i| rows[i][b].d_bits());
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr() as *const __m256i));
                 _mm512_storeu_ps(out.d.as_mut_ptr(), d);

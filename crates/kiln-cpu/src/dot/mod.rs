@@ -84,7 +84,7 @@ impl Isa {
         match name.trim().to_ascii_lowercase().as_str() {
             "portable" | "scalar" | "generic" => Some(Isa::Portable),
             "avx2" => Some(Isa::Avx2),
-            // AMX is an addition to AVX-512 (see `crate::amx::available`).
+            // AMX is an addition to AVX-512 (see `crate::amx::bf16_available`).
             "avx512" | "avx512vnni" | "avx512_vnni" | "amx" => Some(Isa::Avx512Vnni),
             "neon" => Some(Isa::Neon),
             _ => None,

@@ -69,7 +69,7 @@ fn activation_steps(xs: &[f32], n: usize, k: usize) -> Vec<ActStep> {
         .for_each(|(a, rows)| {
             for (c, row) in rows.chunks_exact(k).enumerate() {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `amx::available()` (checked by the caller) implies AVX-512.
+                // SAFETY: `amx::bf16_available()` (checked by the caller) implies AVX-512.
                 unsafe {
                     x86::split_row(row, c, a)
                 };
@@ -80,7 +80,7 @@ fn activation_steps(xs: &[f32], n: usize, k: usize) -> Vec<ActStep> {
     a
 }
 
-/// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k`. Requires [`crate::amx::available()`].
+/// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k`. Requires [`crate::amx::bf16_available()`].
 pub(crate) fn matmul<W: FloatWeight>(
     w: &[W],
     xs: &[f32],
@@ -89,7 +89,7 @@ pub(crate) fn matmul<W: FloatWeight>(
     m: usize,
     k: usize,
 ) {
-    assert!(crate::amx::available(), "AMX-BF16 tiles not available");
+    assert!(crate::amx::bf16_available(), "AMX-BF16 tiles not available");
     assert!(w.len() >= m * k && xs.len() >= n * k && out.len() >= n * m);
     if n == 0 || m == 0 {
         return;
@@ -103,7 +103,7 @@ pub(crate) fn matmul<W: FloatWeight>(
         || vec![WeightStep::zeroed(); steps],
         |rows, panel| {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `amx::available()` (asserted) implies the AVX-512 features.
+            // SAFETY: `amx::bf16_available()` (asserted) implies the AVX-512 features.
             unsafe {
                 x86::repack(w, rows, k, panel)
             };
@@ -112,7 +112,7 @@ pub(crate) fn matmul<W: FloatWeight>(
         },
         |panel, o| {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `amx::available()` (asserted): AMX granted and AVX-512 present.
+            // SAFETY: `amx::bf16_available()` (asserted): AMX granted and AVX-512 present.
             unsafe {
                 x86::product::<W>(panel, &xa, steps, o)
             };
@@ -269,7 +269,7 @@ mod x86 {
     unsafe fn flush<const C: usize>(o: &mut [[f32; P]], t: usize) {
         let mut c = [[0f32; T]; P];
         // SAFETY: the caller guarantees the configuration; `c` is 16 × 64 bytes.
-        unsafe { tiles::store::<C>(&mut c) };
+        unsafe { tiles::store::<C, f32>(&mut c) };
         for (col, orow) in o.iter_mut().skip(T * t).take(T).enumerate() {
             for (r, v) in orow.iter_mut().enumerate() {
                 *v = c[r][col];
@@ -330,7 +330,7 @@ mod x86 {
     /// `o[c][r]` = activation row c · panel row r for all `o.len()` activation rows.
     ///
     /// # Safety
-    /// [`crate::amx::available`] must hold (it implies the AVX-512 features enabled here).
+    /// [`crate::amx::bf16_available`] must hold (it implies the AVX-512 features enabled here).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn product<W: FloatWeight>(
         panel: &[WeightStep],
@@ -395,7 +395,7 @@ mod tests {
 
     #[test]
     fn amx_matmul_matches_reference() {
-        if !crate::amx::available() {
+        if !crate::amx::bf16_available() {
             eprintln!("no AMX-BF16: AMX matmul not testable here");
             return;
         }

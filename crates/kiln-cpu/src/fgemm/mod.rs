@@ -409,7 +409,7 @@ mod bench {
             .collect();
         let mut out = vec![0f32; n * m];
         for use_amx in [false, true] {
-            if use_amx && !crate::amx::available() {
+            if use_amx && !crate::amx::bf16_available() {
                 eprintln!("no AMX-BF16 here");
                 continue;
             }

@@ -18,6 +18,8 @@
 //! Per group and activation row that is 8 (Q4_K) or 4 (Q6_K) `vpdpbusd` for one
 //! conversion and one FMA.
 
+pub(crate) mod amx;
+
 use crate::qgemm::{self, C, P};
 use bytemuck::Zeroable;
 use kiln_core::quant::{BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
@@ -96,15 +98,45 @@ impl KBlock for BlockQ4K {
         use std::arch::x86_64::*;
         // SAFETY: the caller enabled the features; stores go through references.
         unsafe {
-            let dd = lanes(&blocks, |b| {
+            let s = Q4KLanes::of(&blocks);
+            for j in 0..8 {
+                let scale = _mm512_mul_ps(s.d, _mm512_cvtepi32_ps(s.sc[j]));
+                _mm512_storeu_ps(out.scale[j].as_mut_ptr(), scale);
+                let min = _mm512_mul_ps(s.dmin, _mm512_cvtepi32_ps(s.mn[j]));
+                _mm512_storeu_ps(out.min[j].as_mut_ptr(), min);
+            }
+        }
+    }
+}
+
+/// The scales of 16 Q4_K blocks, one block per lane.
+#[cfg(target_arch = "x86_64")]
+struct Q4KLanes {
+    d: std::arch::x86_64::__m512,
+    dmin: std::arch::x86_64::__m512,
+    /// Group j's 6-bit scale and minimum (u32 lanes).
+    sc: [std::arch::x86_64::__m512i; 8],
+    mn: [std::arch::x86_64::__m512i; 8],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Q4KLanes {
+    /// # Safety
+    /// AVX-512 F, BW and VL and F16C must be available.
+    #[inline(always)]
+    unsafe fn of(blocks: &[&BlockQ4K; P]) -> Q4KLanes {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller enabled the features.
+        unsafe {
+            let dd = lanes(blocks, |b| {
                 b.d.to_bits() as u32 | (b.dmin.to_bits() as u32) << 16
             });
             let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
             let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
             let (u0, u1, u2) = (
-                lanes(&blocks, |b| word(&b.scales, 0)),
-                lanes(&blocks, |b| word(&b.scales, 4)),
-                lanes(&blocks, |b| word(&b.scales, 8)),
+                lanes(blocks, |b| word(&b.scales, 0)),
+                lanes(blocks, |b| word(&b.scales, 4)),
+                lanes(blocks, |b| word(&b.scales, 8)),
             );
             // The 6-bit fields as ggml's `utmp` unpacking lays them out (see
             // `dot::k_quants::unpack_q4k_scales`), four per u32.
@@ -121,17 +153,25 @@ impl KBlock for BlockQ4K {
                 _mm512_and_si512(u1, k6),
                 _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k4), hi2(u1)),
             ];
-            let byte = |v: __m512i, i: u32| {
-                _mm512_cvtepi32_ps(_mm512_and_si512(
+            let byte = |v: __m512i, i: usize| {
+                _mm512_and_si512(
                     _mm512_srlv_epi32(v, _mm512_set1_epi32(8 * i as i32)),
                     _mm512_set1_epi32(0xff),
-                ))
+                )
+            };
+            // Loops, not `array::from_fn`: its closure would be compiled on its own,
+            // without AVX-512, and every intrinsic in it become a call.
+            let mut lanes = Q4KLanes {
+                d,
+                dmin,
+                sc: [_mm512_setzero_si512(); 8],
+                mn: [_mm512_setzero_si512(); 8],
             };
             for j in 0..8 {
-                let (h, i) = (j / 4, (j % 4) as u32);
-                _mm512_storeu_ps(out.scale[j].as_mut_ptr(), _mm512_mul_ps(d, byte(sc[h], i)));
-                _mm512_storeu_ps(out.min[j].as_mut_ptr(), _mm512_mul_ps(dmin, byte(mn[h], i)));
+                lanes.sc[j] = byte(sc[j / 4], j % 4);
+                lanes.mn[j] = byte(mn[j / 4], j % 4);
             }
+            lanes
         }
     }
 }
@@ -210,7 +250,11 @@ mod x86 {
             for (b, out) in panel[..nb].iter_mut().enumerate() {
                 for (part, q) in out.q.chunks_exact_mut(8).enumerate() {
                     let q: &mut [[u8; 64]; 8] = q.try_into().expect("chunks of 8");
-                    qgemm::transpose_rows(std::array::from_fn(|i| rows[i][b].unsigned(part)), q);
+                    let mut parts = [_mm256_setzero_si256(); P];
+                    for (p, row) in parts.iter_mut().zip(&rows) {
+                        *p = row[b].unsigned(part);
+                    }
+                    qgemm::transpose_rows(parts, q);
                 }
                 W::panel_scales(std::array::from_fn(|r| &rows[r][b]), out);
             }
@@ -337,6 +381,10 @@ pub(crate) fn matmul<W: KBlock>(
     );
 }
 
+/// A batched K-format kernel, as the tests and benches take it: `(w, xq, out, n, m, k)`.
+#[cfg(test)]
+type Kernel<W> = fn(&[W], &[BlockQ8K], &mut [f32], usize, usize, usize);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,7 +397,9 @@ mod tests {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
-    fn check<W: KBlock>(dtype: DType, dot: fn(&[W], &[BlockQ8K]) -> f32) {
+    /// The product of `matmul` against the per-row dot kernels (`dot`) and the plain f64
+    /// sums of the dequantized values.
+    fn check<W: KBlock>(dtype: DType, dot: fn(&[W], &[BlockQ8K]) -> f32, matmul: Kernel<W>) {
         let mut rng = StdRng::seed_from_u64(0x4b9e);
         for &k in &[256usize, 768, 2048] {
             for &m in &[1usize, 7, 130] {
@@ -384,7 +434,16 @@ mod tests {
             eprintln!("no AVX-512 VNNI: batched path not testable here");
             return;
         }
-        check::<BlockQ4K>(DType::Q4_K, dot::dot_q4_k);
+        check::<BlockQ4K>(DType::Q4_K, dot::dot_q4_k, matmul::<BlockQ4K>);
+    }
+
+    #[test]
+    fn amx_matches_dot_q4_k() {
+        if !crate::amx::int8_available() {
+            eprintln!("no AMX-INT8 (or not granted): AMX Q4_K path not testable here");
+            return;
+        }
+        check::<BlockQ4K>(DType::Q4_K, dot::dot_q4_k, amx::matmul);
     }
 
     #[test]
@@ -393,7 +452,7 @@ mod tests {
             eprintln!("no AVX-512 VNNI: batched path not testable here");
             return;
         }
-        check::<BlockQ6K>(DType::Q6_K, dot::dot_q6_k);
+        check::<BlockQ6K>(DType::Q6_K, dot::dot_q6_k, matmul::<BlockQ6K>);
     }
 }
 
@@ -404,8 +463,13 @@ mod bench {
     use kiln_core::quant::{as_blocks, quantize, quantize_q8_k};
     use kiln_core::DType;
 
-    fn throughput<W: KBlock>(dtype: DType, n: usize) {
-        let (m, k) = (2048, 2048);
+    /// The best of 5 runs of each kernel, alternating 3 times (this machine's speed moves
+    /// between runs: only kernels timed side by side compare).
+    fn throughput<W: KBlock>(
+        dtype: DType,
+        (n, m, k): (usize, usize, usize),
+        kernels: &[(&str, Kernel<W>)],
+    ) {
         let wv: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
             .collect();
@@ -417,24 +481,43 @@ mod bench {
         let mut xq = vec![BlockQ8K::zeroed(); n * k / QK_K];
         quantize_q8_k(&xv, &mut xq).unwrap();
         let mut out = vec![0f32; n * m];
-        let best = best_seconds(1, 5, || matmul(&w, &xq, &mut out, n, m, k));
-        eprintln!(
-            "{dtype} n={n} m={m} k={k}: {:.2} ms, {:.1} GMAC/s on 1 thread",
-            best * 1e3,
-            (n * m * k) as f64 / best / 1e9
-        );
+        let mut best = vec![f64::INFINITY; kernels.len()];
+        for _ in 0..3 {
+            for (b, (_, kernel)) in best.iter_mut().zip(kernels) {
+                *b = b.min(best_seconds(1, 5, || kernel(&w, &xq, &mut out, n, m, k)));
+            }
+        }
+        for ((name, _), best) in kernels.iter().zip(best) {
+            eprintln!(
+                "{dtype} {name} n={n} m={m} k={k}: {:.2} ms, {:.1} GMAC/s on 1 thread",
+                best * 1e3,
+                (n * m * k) as f64 / best / 1e9
+            );
+        }
     }
 
-    /// `cargo test --release -p kiln-cpu --lib kgemm::bench -- --ignored --nocapture`
+    /// `cargo test --release -p kiln-cpu --lib kgemm::bench -- --ignored --nocapture`;
+    /// `KILN_BENCH_NMK=n,m,k` measures that shape instead of the two defaults.
     #[test]
     #[ignore]
     fn batched_throughput() {
         if !qgemm::available() {
             return;
         }
-        for n in [64, 512] {
-            throughput::<BlockQ4K>(DType::Q4_K, n);
-            throughput::<BlockQ6K>(DType::Q6_K, n);
+        let shapes = match std::env::var("KILN_BENCH_NMK").ok().and_then(|v| {
+            let d: Vec<usize> = v.split(',').filter_map(|x| x.parse().ok()).collect();
+            (d.len() == 3).then(|| (d[0], d[1], d[2]))
+        }) {
+            Some(shape) => vec![shape],
+            None => vec![(64, 2048, 2048), (512, 2048, 2048)],
+        };
+        for shape in shapes {
+            let mut q4k: Vec<(&str, Kernel<BlockQ4K>)> = vec![("avx512", matmul::<BlockQ4K>)];
+            if crate::amx::int8_available() {
+                q4k.push(("amx", amx::matmul));
+            }
+            throughput(DType::Q4_K, shape, &q4k);
+            throughput(DType::Q6_K, shape, &[("avx512", matmul::<BlockQ6K>)]);
         }
     }
 }
