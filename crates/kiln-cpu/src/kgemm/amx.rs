@@ -12,9 +12,9 @@
 //! minimums' sum is four `vpdpwssd` of i16 pairs (`m` ≤ 63, `Σx_g` over 32 quants ≤ 4096).
 //!
 //! Layout: the activations are the A operand, copied once per call into aligned tiles of
-//! 16 rows × 64 quants (zero past row n; read in place at a stride of `nb` blocks, their
-//! rows straddle cache lines and the kernel ran ~1.4x slower). The weights are the B operand: per 16-row
-//! panel, repacked per call into the lane layout of [`super`] (lane r of register j =
+//! 16 rows × 64 quants, zero past row n (read in place at a stride of `nb` blocks, the
+//! rows straddle cache lines, and the kernel bench ran slower). The weights are the B
+//! operand: per 16-row panel, repacked per call into the lane layout of [`super`] (lane r of register j =
 //! quants 4j..4j + 4 of row r) times each group's `lo` and `hi`, so that 16 registers
 //! are one B tile. C[c][r] is activation row c · weight row r, the orientation of the
 //! output.
