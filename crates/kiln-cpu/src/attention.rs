@@ -7,11 +7,12 @@ use crate::dot;
 #[cfg(target_arch = "x86_64")]
 use crate::dot::Isa;
 use crate::elementwise::exp;
+use crate::pool::Pool;
 use crate::{f32s, f32s_mut, indices};
 use kiln_core::{AttentionParams, Error, Result, Tensor};
-use rayon::prelude::*;
 
 pub(crate) fn attention(
+    pool: &Pool,
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
@@ -56,7 +57,7 @@ pub(crate) fn attention(
     if hd == 0 {
         return Ok(());
     }
-    o.par_chunks_mut(hd).enumerate().for_each(|(task, o)| {
+    pool.for_chunks_mut(o, hd, |task, o| {
         let (i, h) = (task / heads, task % heads);
         let pos = positions[i] as usize;
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));

@@ -1,9 +1,9 @@
 use crate::dot;
 #[cfg(target_arch = "x86_64")]
 use crate::dot::Isa;
+use crate::pool::Pool;
 use crate::{f32s, f32s_mut, i32s_mut, indices, same_shape, storage};
 use kiln_core::{quant, Error, Result, Tensor};
-use rayon::prelude::*;
 
 /// Elements per task of the threaded elementwise ops.
 const CHUNK: usize = 1 << 13;
@@ -48,6 +48,7 @@ pub(crate) fn gelu(x: f32) -> f32 {
 
 /// `out = act(gate) · up`, threaded over chunks.
 pub(crate) fn gated(
+    pool: &Pool,
     gate: &Tensor,
     up: &Tensor,
     out: &mut Tensor,
@@ -57,31 +58,29 @@ pub(crate) fn gated(
     same_shape(gate, up, op)?;
     same_shape(gate, out, op)?;
     let (g, u) = (f32s(gate)?, f32s(up)?);
-    f32s_mut(out)?
-        .par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-        .for_each(|(o, (g, u))| {
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = act(g) * u;
-            }
-        });
+    pool.for_chunks_mut(f32s_mut(out)?, CHUNK, |c, o| {
+        let (g, u) = (&g[c * CHUNK..], &u[c * CHUNK..]);
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = act(g) * u;
+        }
+    });
     Ok(())
 }
 
 /// `out = silu(gate) · up`, threaded over chunks, vectorized for AVX-512 where present.
-pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+pub(crate) fn silu_mul(pool: &Pool, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
     same_shape(gate, up, "silu_mul")?;
     same_shape(gate, out, "silu_mul")?;
     let (g, u) = (f32s(gate)?, f32s(up)?);
-    f32s_mut(out)?
-        .par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-        .for_each(|(o, (g, u))| match dot::isa() {
+    pool.for_chunks_mut(f32s_mut(out)?, CHUNK, |c, o| {
+        let (g, u) = (&g[c * CHUNK..][..o.len()], &u[c * CHUNK..][..o.len()]);
+        match dot::isa() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the ISA was detected (see `dot::isa`).
             Isa::Avx512Vnni => unsafe { x86::silu_mul(g, u, o) },
             _ => silu_mul_body(g, u, o),
-        });
+        }
+    });
     Ok(())
 }
 

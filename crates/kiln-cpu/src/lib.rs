@@ -2,7 +2,8 @@
 //!
 //! Matrix-vector and matrix products run on ggml's block formats directly: activations
 //! are quantized to Q8_0 or Q8_K (`quantize`) and multiplied with integer SIMD dot
-//! products chosen at run time ([`dot`]), rows spread over a rayon pool; decode on
+//! products chosen at run time ([`dot`]), rows spread over kiln's own thread pool
+//! ([`pool`]: the caller works too, idle workers poll before they sleep); decode on
 //! AVX-512 takes several weight rows per loop (`gemv`). Products with several activation
 //! rows (prompts) use register-tiled kernels on AVX-512 (`qgemm` and `kgemm` for quantized
 //! weights, `fgemm` for F32/F16/BF16, on AMX tiles where present: `amx`) and the `gemm`
@@ -30,12 +31,14 @@ mod gemv;
 mod kgemm;
 mod matmul;
 mod norm;
+mod pool;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
 mod qgemm;
 mod quantize;
 mod rope;
 mod storage;
 
+use pool::Pool;
 pub use storage::CpuStorage;
 
 use kiln_core::{
@@ -43,24 +46,22 @@ use kiln_core::{
 };
 
 pub struct CpuBackend {
-    pool: rayon::ThreadPool,
+    pool: Pool,
 }
 
 impl CpuBackend {
-    /// A backend running on `threads` threads (all cores when `None`).
+    /// A backend running on `threads` threads, the calling one included (all cores when
+    /// `None`).
     pub fn new(threads: Option<usize>) -> Result<Self> {
-        let mut builder = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("kiln-cpu-{i}"));
-        if let Some(n) = threads {
-            builder = builder.num_threads(n.max(1));
-        }
-        let pool = builder
-            .build()
-            .map_err(|e| Error::Device(format!("cannot start CPU threads: {e}")))?;
-        Ok(CpuBackend { pool })
+        let threads =
+            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        Ok(CpuBackend {
+            pool: Pool::new(threads)?,
+        })
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.pool.threads()
     }
 }
 
@@ -221,8 +222,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.pool
-            .install(|| matmul::matmul(x, w, out, self.threads()))
+        matmul::matmul(&self.pool, x, w, out)
     }
 
     fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
@@ -230,7 +230,7 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
-        self.pool.install(|| norm::rms_norm(x, weight, eps, out))
+        norm::rms_norm(&self.pool, x, weight, eps, out)
     }
 
     fn layer_norm(
@@ -241,12 +241,11 @@ impl Backend for CpuBackend {
         eps: f32,
         out: &mut Tensor,
     ) -> Result<()> {
-        self.pool
-            .install(|| norm::layer_norm(x, weight, bias, eps, out))
+        norm::layer_norm(&self.pool, x, weight, bias, eps, out)
     }
 
     fn softmax(&self, x: &mut Tensor) -> Result<()> {
-        self.pool.install(|| norm::softmax(x))
+        norm::softmax(&self.pool, x)
     }
 
     fn rope(
@@ -256,7 +255,7 @@ impl Backend for CpuBackend {
         inv_freq: &Tensor,
         layout: RopeLayout,
     ) -> Result<()> {
-        self.pool.install(|| rope::rope(x, pos, inv_freq, layout))
+        rope::rope(x, pos, inv_freq, layout)
     }
 
     fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
@@ -273,12 +272,11 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.pool.install(|| elementwise::silu_mul(gate, up, out))
+        elementwise::silu_mul(&self.pool, gate, up, out)
     }
 
     fn gelu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.pool
-            .install(|| elementwise::gated(gate, up, out, "gelu_mul", elementwise::gelu))
+        elementwise::gated(&self.pool, gate, up, out, "gelu_mul", elementwise::gelu)
     }
 
     fn gelu(&self, x: &mut Tensor) -> Result<()> {
@@ -312,8 +310,7 @@ impl Backend for CpuBackend {
         params: &AttentionParams,
         out: &mut Tensor,
     ) -> Result<()> {
-        self.pool
-            .install(|| attention::attention(q, k_cache, v_cache, pos, params, out))
+        attention::attention(&self.pool, q, k_cache, v_cache, pos, params, out)
     }
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {

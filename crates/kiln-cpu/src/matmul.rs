@@ -10,20 +10,21 @@
 //! Decode (one activation row) on AVX-512 goes to the several-rows kernels of `gemv`;
 //! elsewhere each weight row is dotted on its own (`by_rows`).
 
+use crate::pool::{Pool, SharedMut};
 use crate::{amx, dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, quantize, storage};
 use half::{bf16, f16};
 use kiln_core::quant::{
     self, as_blocks, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K,
 };
 use kiln_core::{DType, Error, Result, Tensor};
-use rayon::prelude::*;
 
 /// Activation rows from which F32/F16/BF16 products go through GEMM.
 const GEMM_MIN_ROWS: usize = 8;
-/// Weight rows converted to f32 at a time on the F16/BF16 GEMM path (bounds the scratch).
+/// Weight rows per task on the GEMM path (F16/BF16 rows are converted to f32 a task at a
+/// time, so this bounds the scratch).
 const GEMM_WEIGHT_CHUNK: usize = 256;
 
-pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -> Result<()> {
+pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
     let &[m, k] = w.dims() else {
         return Err(Error::shape(format!(
             "matmul weight must be [m, k], got {}",
@@ -50,56 +51,56 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
         // Prefill on AMX: 16-bit weights split into bf16 tiles.
         DType::F16 | DType::BF16 if n >= fgemm::MIN_ROWS && amx::bf16_available() => {
             if w.dtype() == DType::F16 {
-                fgemm::amx::matmul::<f16>(cast(wb)?, xs, out, n, m, k)
+                fgemm::amx::matmul::<f16>(pool, cast(wb)?, xs, out, n, m, k)
             } else {
-                fgemm::amx::matmul::<bf16>(cast(wb)?, xs, out, n, m, k)
+                fgemm::amx::matmul::<bf16>(pool, cast(wb)?, xs, out, n, m, k)
             }
         }
         // Prefill on AVX-512: the kernel that reads 16-bit weights where they lie.
         DType::F32 | DType::F16 | DType::BF16 if n >= fgemm::MIN_ROWS && fgemm::available() => {
             match w.dtype() {
-                DType::F32 => fgemm::matmul::<f32>(cast(wb)?, xs, out, n, m, k),
-                DType::F16 => fgemm::matmul::<f16>(cast(wb)?, xs, out, n, m, k),
-                _ => fgemm::matmul::<bf16>(cast(wb)?, xs, out, n, m, k),
+                DType::F32 => fgemm::matmul::<f32>(pool, cast(wb)?, xs, out, n, m, k),
+                DType::F16 => fgemm::matmul::<f16>(pool, cast(wb)?, xs, out, n, m, k),
+                _ => fgemm::matmul::<bf16>(pool, cast(wb)?, xs, out, n, m, k),
             }
         }
         DType::F32 | DType::F16 | DType::BF16 if n >= GEMM_MIN_ROWS => {
-            gemm_f32(xs, wb, w.dtype(), out, n, m, k, threads)
+            gemm_f32(pool, xs, wb, w.dtype(), out, n, m, k)
         }
         // Decode: several weight rows per loop with the prefetch interleaved (`gemv`).
         DType::F32 | DType::F16 | DType::BF16 if n == 1 && gemv::available() => match w.dtype() {
-            DType::F32 => gemv::float::matvec::<f32>(cast(wb)?, xs, out, m),
-            DType::F16 => gemv::float::matvec::<f16>(cast(wb)?, xs, out, m),
-            _ => gemv::float::matvec::<bf16>(cast(wb)?, xs, out, m),
+            DType::F32 => gemv::float::matvec::<f32>(pool, cast(wb)?, xs, out, m),
+            DType::F16 => gemv::float::matvec::<f16>(pool, cast(wb)?, xs, out, m),
+            _ => gemv::float::matvec::<bf16>(pool, cast(wb)?, xs, out, m),
         },
         DType::F32 => {
             let ws: &[f32] = cast(wb)?;
-            by_rows(out, n, m, wb, |r, i| {
+            by_rows(pool, out, n, m, wb, |r, i| {
                 dot::dot_f32(&ws[r * k..][..k], &xs[i * k..][..k])
             });
         }
         DType::F16 => {
             let ws: &[f16] = cast(wb)?;
-            by_rows(out, n, m, wb, |r, i| {
+            by_rows(pool, out, n, m, wb, |r, i| {
                 dot::dot_f16(&ws[r * k..][..k], &xs[i * k..][..k])
             });
         }
         DType::BF16 => {
             let ws: &[bf16] = cast(wb)?;
-            by_rows(out, n, m, wb, |r, i| {
+            by_rows(pool, out, n, m, wb, |r, i| {
                 dot::dot_bf16(&ws[r * k..][..k], &xs[i * k..][..k])
             });
         }
         DType::Q8_0 | DType::Q4_0 => {
             let nb = k / QK;
-            let xq = quantize::q8_0_rows(xs, k)?;
+            let xq = quantize::q8_0_rows(pool, xs, k)?;
             // Prefill: register-tiled VNNI kernel that reuses each unpacked weight block
             // across several activation rows (see `qgemm`).
             if n >= qgemm::MIN_ROWS && qgemm::available() {
                 if w.dtype() == DType::Q8_0 {
-                    qgemm::matmul::<BlockQ8_0>(&as_blocks(wb)?, &xq, out, n, m, k);
+                    qgemm::matmul::<BlockQ8_0>(pool, &as_blocks(wb)?, &xq, out, n, m, k);
                 } else {
-                    qgemm::matmul::<BlockQ4_0>(&as_blocks(wb)?, &xq, out, n, m, k);
+                    qgemm::matmul::<BlockQ4_0>(pool, &as_blocks(wb)?, &xq, out, n, m, k);
                 }
                 return Ok(());
             }
@@ -107,60 +108,60 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor, out: &mut Tensor, threads: usize) -
             if n == 1 && gemv::available() {
                 if w.dtype() == DType::Q8_0 {
                     let w = as_blocks(wb)?;
-                    gemv::q8_0::matvec::<BlockQ8_0>(&w, &xq, out, m, k, dot::dot_q8_0);
+                    gemv::q8_0::matvec::<BlockQ8_0>(pool, &w, &xq, out, m, k, dot::dot_q8_0);
                 } else {
                     let w = as_blocks(wb)?;
-                    gemv::q8_0::matvec::<BlockQ4_0>(&w, &xq, out, m, k, dot::dot_q4_0);
+                    gemv::q8_0::matvec::<BlockQ4_0>(pool, &w, &xq, out, m, k, dot::dot_q4_0);
                 }
                 return Ok(());
             }
             let xq = |i: usize| &xq[i * nb..][..nb];
             if w.dtype() == DType::Q8_0 {
                 let ws = as_blocks(wb)?;
-                by_rows(out, n, m, wb, |r, i| {
+                by_rows(pool, out, n, m, wb, |r, i| {
                     dot::dot_q8_0(&ws[r * nb..][..nb], xq(i))
                 });
             } else {
                 let ws = as_blocks(wb)?;
-                by_rows(out, n, m, wb, |r, i| {
+                by_rows(pool, out, n, m, wb, |r, i| {
                     dot::dot_q4_0(&ws[r * nb..][..nb], xq(i))
                 });
             }
         }
         DType::Q4_K | DType::Q6_K => {
             let nb = k / QK_K;
-            let xq = quantize::q8_k_rows(xs, k)?;
+            let xq = quantize::q8_k_rows(pool, xs, k)?;
             let xq: &[BlockQ8K] = &xq;
             // Prefill on AMX-INT8 (Q4_K), else the register-tiled VNNI kernel (`kgemm`).
             if w.dtype() == DType::Q4_K && n >= kgemm::amx::MIN_ROWS && amx::int8_available() {
-                kgemm::amx::matmul(&as_blocks(wb)?, xq, out, n, m, k);
+                kgemm::amx::matmul(pool, &as_blocks(wb)?, xq, out, n, m, k);
                 return Ok(());
             }
             if n >= qgemm::MIN_ROWS && qgemm::available() {
                 if w.dtype() == DType::Q4_K {
-                    kgemm::matmul::<BlockQ4K>(&as_blocks(wb)?, xq, out, n, m, k);
+                    kgemm::matmul::<BlockQ4K>(pool, &as_blocks(wb)?, xq, out, n, m, k);
                 } else {
-                    kgemm::matmul::<BlockQ6K>(&as_blocks(wb)?, xq, out, n, m, k);
+                    kgemm::matmul::<BlockQ6K>(pool, &as_blocks(wb)?, xq, out, n, m, k);
                 }
                 return Ok(());
             }
             if n == 1 && gemv::available() {
                 if w.dtype() == DType::Q4_K {
-                    gemv::k_quants::matvec_q4k(&as_blocks(wb)?, xq, out, m);
+                    gemv::k_quants::matvec_q4k(pool, &as_blocks(wb)?, xq, out, m);
                 } else {
-                    gemv::k_quants::matvec_q6k(&as_blocks(wb)?, xq, out, m);
+                    gemv::k_quants::matvec_q6k(pool, &as_blocks(wb)?, xq, out, m);
                 }
                 return Ok(());
             }
             let xq = |i: usize| &xq[i * nb..][..nb];
             if w.dtype() == DType::Q4_K {
                 let ws = as_blocks(wb)?;
-                by_rows(out, n, m, wb, |r, i| {
+                by_rows(pool, out, n, m, wb, |r, i| {
                     dot::dot_q4_k(&ws[r * nb..][..nb], xq(i))
                 });
             } else {
                 let ws = as_blocks(wb)?;
-                by_rows(out, n, m, wb, |r, i| {
+                by_rows(pool, out, n, m, wb, |r, i| {
                     dot::dot_q6_k(&ws[r * nb..][..nb], xq(i))
                 });
             }
@@ -176,15 +177,22 @@ fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T]> {
 
 /// Weight rows a thread takes at a time: enough to amortise scheduling, small enough to
 /// balance the pool.
-fn chunk_rows(m: usize) -> usize {
-    (m / (rayon::current_num_threads() * 8)).clamp(1, 64)
+fn chunk_rows(pool: &Pool, m: usize) -> usize {
+    (m / (pool.threads() * 8)).clamp(1, 64)
 }
 
 /// Fill `out[i, r] = f(r, i)` with weight rows `r` (of `w`, m rows) spread over the pool.
 /// For several activation rows each weight row is used for all of them while it is in
 /// cache.
-fn by_rows(out: &mut [f32], n: usize, m: usize, w: &[u8], f: impl Fn(usize, usize) -> f32 + Sync) {
-    let chunk = chunk_rows(m);
+fn by_rows(
+    pool: &Pool,
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+    w: &[u8],
+    f: impl Fn(usize, usize) -> f32 + Sync,
+) {
+    let chunk = chunk_rows(pool, m);
     let row_bytes = w.len() / m;
     // The next row, requested before this one is read: rows of a few KiB are too short
     // for the hardware prefetcher to ramp up (Q4_K_M and F16 decode ran ~1.15x faster with
@@ -192,7 +200,7 @@ fn by_rows(out: &mut [f32], n: usize, m: usize, w: &[u8], f: impl Fn(usize, usiz
     // interleaved with the loads does better still).
     let ahead = |r: usize| prefetch(w, (r + 1) * row_bytes, row_bytes);
     if n == 1 {
-        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+        pool.for_chunks_mut(&mut out[..m], chunk, |c, o| {
             for (j, v) in o.iter_mut().enumerate() {
                 ahead(c * chunk + j);
                 *v = f(c * chunk + j, 0);
@@ -202,7 +210,7 @@ fn by_rows(out: &mut [f32], n: usize, m: usize, w: &[u8], f: impl Fn(usize, usiz
     }
     // Compute weight-row-major, then transpose into [n, m].
     let mut t = vec![0f32; m * n];
-    t.par_chunks_mut(chunk * n).enumerate().for_each(|(c, o)| {
+    pool.for_chunks_mut(&mut t, chunk * n, |c, o| {
         for (j, row) in o.chunks_exact_mut(n).enumerate() {
             ahead(c * chunk + j);
             for (i, v) in row.iter_mut().enumerate() {
@@ -233,8 +241,11 @@ fn prefetch(bytes: &[u8], from: usize, len: usize) {
     let _ = (bytes, from, len);
 }
 
+/// F32/F16/BF16 weights through the `gemm` crate, single-threaded on each task's range of
+/// weight rows (output columns); F16/BF16 rows are converted to f32 first.
 #[allow(clippy::too_many_arguments)]
 fn gemm_f32(
+    pool: &Pool,
     xs: &[f32],
     wb: &[u8],
     dtype: DType,
@@ -242,24 +253,37 @@ fn gemm_f32(
     n: usize,
     m: usize,
     k: usize,
-    threads: usize,
 ) {
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
+    let chunk = (m / (pool.threads() * 4)).clamp(16, GEMM_WEIGHT_CHUNK);
+    let row_bytes = wb.len() / m;
+    let cols = SharedMut::new(out);
+    let scratch = || {
+        let len = if dtype == DType::F32 { 0 } else { chunk * k };
+        vec![0f32; len]
     };
-    // out[n, m] = x[n, k] · wᵀ, where wᵀ[kk, j] = w[j·k + kk].
-    let run = |w: &[f32], rows: usize, out: &mut [f32]| {
-        // SAFETY: every pointer/stride pair addresses only inside its slice: x is n × k
-        // (row stride k), w is rows × k read transposed (column stride k), and out starts
-        // at this chunk's first column with row stride m, n rows of `rows` columns.
+    pool.for_each_init(m.div_ceil(chunk), scratch, |scratch, c| {
+        let r0 = c * chunk;
+        let rows = chunk.min(m - r0);
+        let src = &wb[r0 * row_bytes..(r0 + rows) * row_bytes];
+        let w: &[f32] = if dtype == DType::F32 {
+            bytemuck::cast_slice(src)
+        } else {
+            let w = &mut scratch[..rows * k];
+            for (w, s) in w.chunks_exact_mut(k).zip(src.chunks_exact(row_bytes)) {
+                quant::dequantize(dtype, s, w).expect("row lengths match");
+            }
+            w
+        };
+        // out[n, r0..r0 + rows] = x[n, k] · wᵀ, where wᵀ[kk, j] = w[j·k + kk].
+        // SAFETY: this task alone writes columns r0..r0 + rows of out's n rows of m, and
+        // every pointer/stride pair addresses only inside its slice: x is n × k (row
+        // stride k), w is rows × k read transposed (column stride k), out has row stride m.
         unsafe {
             gemm::gemm(
                 n,
                 rows,
                 k,
-                out.as_mut_ptr(),
+                cols.at(r0),
                 1,
                 m as isize,
                 false,
@@ -274,24 +298,8 @@ fn gemm_f32(
                 false,
                 false,
                 false,
-                parallelism,
+                gemm::Parallelism::None,
             );
         }
-    };
-    if dtype == DType::F32 {
-        run(bytemuck::cast_slice(wb), m, out);
-        return;
-    }
-    let row_bytes = k * 2;
-    let mut scratch = vec![0f32; GEMM_WEIGHT_CHUNK.min(m) * k];
-    for r0 in (0..m).step_by(GEMM_WEIGHT_CHUNK) {
-        let rows = GEMM_WEIGHT_CHUNK.min(m - r0);
-        let w = &mut scratch[..rows * k];
-        let src = &wb[r0 * row_bytes..(r0 + rows) * row_bytes];
-        w.par_chunks_mut(k)
-            .zip(src.par_chunks(row_bytes))
-            .for_each(|(w, s)| quant::dequantize(dtype, s, w).expect("row lengths match"));
-        // The chunk's output columns start at r0; `run` writes n rows with stride m.
-        run(w, rows, &mut out[r0..]);
-    }
+    });
 }

@@ -1,6 +1,6 @@
+use crate::pool::Pool;
 use crate::{f32s, f32s_mut, same_shape};
 use kiln_core::{Error, Result, Tensor};
-use rayon::prelude::*;
 
 /// Rows at a time below which threading costs more than it saves.
 const SERIAL_ELEMENTS: usize = 1 << 14;
@@ -16,7 +16,13 @@ fn check_row_param(p: &Tensor, row: usize, what: &str) -> Result<()> {
 }
 
 /// Apply `f` to each (input row, output row) pair, in parallel when there is enough work.
-fn per_row(x: &[f32], out: &mut [f32], row: usize, f: impl Fn(&[f32], &mut [f32]) + Sync) {
+fn per_row(
+    pool: &Pool,
+    x: &[f32],
+    out: &mut [f32],
+    row: usize,
+    f: impl Fn(&[f32], &mut [f32]) + Sync,
+) {
     if row == 0 {
         return;
     }
@@ -25,18 +31,25 @@ fn per_row(x: &[f32], out: &mut [f32], row: usize, f: impl Fn(&[f32], &mut [f32]
             .zip(out.chunks_exact_mut(row))
             .for_each(|(x, o)| f(x, o));
     } else {
-        x.par_chunks_exact(row)
-            .zip(out.par_chunks_exact_mut(row))
-            .for_each(|(x, o)| f(x, o));
+        let rows = x.len() / row;
+        pool.for_chunks_mut(&mut out[..rows * row], row, |i, o| {
+            f(&x[i * row..][..row], o)
+        });
     }
 }
 
-pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+pub(crate) fn rms_norm(
+    pool: &Pool,
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f32,
+    out: &mut Tensor,
+) -> Result<()> {
     same_shape(x, out, "rms_norm")?;
     let row = x.shape().row_len();
     check_row_param(weight, row, "rms_norm weight")?;
     let w = f32s(weight)?;
-    per_row(f32s(x)?, f32s_mut(out)?, row, |x, o| {
+    per_row(pool, f32s(x)?, f32s_mut(out)?, row, |x, o| {
         // ggml sums in double; so do we, so that long rows lose nothing.
         let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
         let scale = (1.0 / (ss / row as f64 + eps as f64).sqrt()) as f32;
@@ -48,6 +61,7 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) 
 }
 
 pub(crate) fn layer_norm(
+    pool: &Pool,
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
@@ -59,7 +73,7 @@ pub(crate) fn layer_norm(
     check_row_param(weight, row, "layer_norm weight")?;
     check_row_param(bias, row, "layer_norm bias")?;
     let (w, b) = (f32s(weight)?, f32s(bias)?);
-    per_row(f32s(x)?, f32s_mut(out)?, row, |x, o| {
+    per_row(pool, f32s(x)?, f32s_mut(out)?, row, |x, o| {
         let mean = x.iter().map(|&v| v as f64).sum::<f64>() / row as f64;
         let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / row as f64;
         let inv = 1.0 / (var + eps as f64).sqrt();
@@ -70,7 +84,7 @@ pub(crate) fn layer_norm(
     Ok(())
 }
 
-pub(crate) fn softmax(x: &mut Tensor) -> Result<()> {
+pub(crate) fn softmax(pool: &Pool, x: &mut Tensor) -> Result<()> {
     let row = x.shape().row_len();
     let v = f32s_mut(x)?;
     if row == 0 {
@@ -94,7 +108,8 @@ pub(crate) fn softmax(x: &mut Tensor) -> Result<()> {
     if v.len() < SERIAL_ELEMENTS {
         v.chunks_exact_mut(row).for_each(f);
     } else {
-        v.par_chunks_exact_mut(row).for_each(f);
+        let rows = v.len() / row;
+        pool.for_chunks_mut(&mut v[..rows * row], row, |_, r| f(r));
     }
     Ok(())
 }

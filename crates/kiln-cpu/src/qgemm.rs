@@ -25,8 +25,8 @@
 //! the 32 zmm. Per block and tile that is 64 `vpdpbusd` for 24 conversion/scale ops.
 
 use crate::dot::{self, Isa};
+use crate::pool::Pool;
 use kiln_core::quant::{BlockQ4_0, BlockQ8_0, QK};
-use rayon::prelude::*;
 
 /// Activation rows from which the batched path is used (fewer go through `dot`).
 pub(crate) const MIN_ROWS: usize = 4;
@@ -236,6 +236,7 @@ mod x86 {
 /// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k / QK` blocks and `xq` the Q8_0
 /// activations (`n` rows). Requires [`available()`].
 pub(crate) fn matmul<W: WeightBlock>(
+    pool: &Pool,
     w: &[W],
     xq: &[BlockQ8_0],
     out: &mut [f32],
@@ -253,6 +254,7 @@ pub(crate) fn matmul<W: WeightBlock>(
         .collect();
     let dx: Vec<f32> = xq[..n * nb].iter().map(|b| b.d.to_f32()).collect();
     run_panels(
+        pool,
         out,
         n,
         m,
@@ -289,6 +291,7 @@ pub(crate) fn matmul<W: WeightBlock>(
 /// assembled from the panels' results. A ragged last panel or group repeats its last row;
 /// the repeats are not stored.
 pub(crate) fn run_panels<B: Send>(
+    pool: &Pool,
     out: &mut [f32],
     n: usize,
     m: usize,
@@ -296,7 +299,7 @@ pub(crate) fn run_panels<B: Send>(
     repack: impl Fn([usize; P], &mut [B]) + Sync,
     tile: impl Fn(&[B], [usize; C]) -> [[f32; P]; C] + Sync,
 ) {
-    for_panels(out, n, m, scratch, repack, |panel, o| {
+    for_panels(pool, out, n, m, scratch, repack, |panel, o| {
         for ct in (0..n).step_by(C) {
             let res = tile(panel, std::array::from_fn(|j| (ct + j).min(n - 1)));
             o[ct..].iter_mut().zip(&res).for_each(|(o, v)| *o = *v);
@@ -307,10 +310,11 @@ pub(crate) fn run_panels<B: Send>(
 /// [`run_panels`] where one call of `product` computes a repacked panel's products with
 /// all `n` activation rows: `o[c][r]` = activation row c · the panel's row r.
 pub(crate) fn for_panels<B: Send>(
+    pool: &Pool,
     out: &mut [f32],
     n: usize,
     m: usize,
-    scratch: impl Fn() -> Vec<B> + Sync + Send,
+    scratch: impl Fn() -> Vec<B> + Sync,
     repack: impl Fn([usize; P], &mut [B]) + Sync,
     product: impl Fn(&[B], &mut [[f32; P]]) + Sync,
 ) {
@@ -318,31 +322,26 @@ pub(crate) fn for_panels<B: Send>(
     // Results panel-major: t[p·n + c][r] is out[c, p·16 + r], so each task owns one
     // panel's contiguous slice.
     let mut t = vec![[0f32; P]; panels * n];
-    t.par_chunks_mut(n)
-        .enumerate()
-        .for_each_init(scratch, |panel, (p, o)| {
-            repack(std::array::from_fn(|r| (p * P + r).min(m - 1)), panel);
-            product(panel, o);
-        });
+    pool.for_chunks_mut_init(&mut t, n, scratch, |panel, p, o| {
+        repack(std::array::from_fn(|r| (p * P + r).min(m - 1)), panel);
+        product(panel, o);
+    });
     // Output rows over the pool, each written front to back from every panel's slice.
-    out[..n * m]
-        .par_chunks_mut(m)
-        .enumerate()
-        .for_each(|(i, row)| {
-            for (p, dst) in row.chunks_mut(P).enumerate() {
-                let src = &t[p * n + i];
-                match <&mut [f32; P]>::try_from(&mut *dst) {
-                    Ok(whole) => *whole = *src,
-                    Err(_) => dst.copy_from_slice(&src[..dst.len()]),
-                }
+    pool.for_chunks_mut(&mut out[..n * m], m, |i, row| {
+        for (p, dst) in row.chunks_mut(P).enumerate() {
+            let src = &t[p * n + i];
+            match <&mut [f32; P]>::try_from(&mut *dst) {
+                Ok(whole) => *whole = *src,
+                Err(_) => dst.copy_from_slice(&src[..dst.len()]),
             }
-        });
+        }
+    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dot::test_util::{assert_batched, ref_dot};
+    use crate::dot::test_util::{assert_batched, ref_dot, test_pool};
     use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize};
     use kiln_core::DType;
     use rand::rngs::StdRng;
@@ -362,7 +361,7 @@ mod tests {
                     let wf = dequantize_to_vec(dtype, &wbytes, m * k).unwrap();
                     let xf = dequantize_to_vec(DType::Q8_0, &xbytes, n * k).unwrap();
                     let mut out = vec![f32::NAN; n * m];
-                    matmul(&w, &xq, &mut out, n, m, k);
+                    matmul(test_pool(), &w, &xq, &mut out, n, m, k);
                     let nb = k / QK;
                     let what = format!("{dtype} k={k} m={m} n={n}");
                     assert_batched(&out, n, m, &what, |i, r| {
@@ -420,7 +419,7 @@ mod bench {
         let xb = quantize(DType::Q8_0, &xv).unwrap();
         let xq = as_blocks::<BlockQ8_0>(&xb).unwrap().into_owned();
         let mut out = vec![0f32; n * m];
-        let best = best_seconds(1, 5, || matmul(&w, &xq, &mut out, n, m, k));
+        let best = best_seconds(1, 5, |pool| matmul(pool, &w, &xq, &mut out, n, m, k));
         eprintln!(
             "q4_0 n={n} m={m} k={k}: {:.2} ms, {:.1} GMAC/s on 1 thread",
             best * 1e3,

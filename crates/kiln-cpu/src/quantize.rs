@@ -7,34 +7,36 @@
 //! quantization ~8% of a Q4_K_M prompt.
 
 use crate::dot::{self, Isa};
+use crate::pool::Pool;
 use bytemuck::Zeroable;
 use kiln_core::quant::{self, BlockQ8K, BlockQ8_0, QK, QK_K};
-use kiln_core::{DType, Result};
-use rayon::prelude::*;
+use kiln_core::{DType, Error, Result};
+use std::sync::OnceLock;
 
 /// Each row of `k` values (whole blocks: checked by the weight's shape) as Q8_0 blocks.
-pub(crate) fn q8_0_rows(xs: &[f32], k: usize) -> Result<Vec<BlockQ8_0>> {
+pub(crate) fn q8_0_rows(pool: &Pool, xs: &[f32], k: usize) -> Result<Vec<BlockQ8_0>> {
     #[cfg(target_arch = "x86_64")]
     let avx512 = Some(x86::q8_0 as unsafe fn(&[f32]) -> BlockQ8_0);
     #[cfg(not(target_arch = "x86_64"))]
     let avx512 = None;
-    rows(xs, k, QK, avx512, |x, b| {
+    rows(pool, xs, k, QK, avx512, |x, b| {
         quant::quantize_into(DType::Q8_0, x, bytemuck::cast_slice_mut(b))
     })
 }
 
 /// Each row of `k` values (whole super-blocks: checked by the weight's shape) as Q8_K.
-pub(crate) fn q8_k_rows(xs: &[f32], k: usize) -> Result<Vec<BlockQ8K>> {
+pub(crate) fn q8_k_rows(pool: &Pool, xs: &[f32], k: usize) -> Result<Vec<BlockQ8K>> {
     #[cfg(target_arch = "x86_64")]
     let avx512 = Some(x86::q8_k as unsafe fn(&[f32]) -> BlockQ8K);
     #[cfg(not(target_arch = "x86_64"))]
     let avx512 = None;
-    rows(xs, k, QK_K, avx512, quant::quantize_q8_k)
+    rows(pool, xs, k, QK_K, avx512, quant::quantize_q8_k)
 }
 
 /// Rows of `k` values in blocks of `len`, over the pool: by `avx512` (one block per call)
 /// where the CPU has it, else by `reference` (a whole row per call).
 fn rows<B: bytemuck::Pod + Zeroable + Send>(
+    pool: &Pool,
     xs: &[f32],
     k: usize,
     len: usize,
@@ -43,19 +45,27 @@ fn rows<B: bytemuck::Pod + Zeroable + Send>(
 ) -> Result<Vec<B>> {
     let mut blocks = vec![B::zeroed(); xs.len() / len];
     let avx512 = avx512.filter(|_| dot::isa() == Isa::Avx512Vnni);
-    xs.par_chunks(k.max(1))
-        .zip(blocks.par_chunks_mut((k / len).max(1)))
-        .try_for_each(|(x, b)| match avx512 {
+    let failed = OnceLock::<Error>::new();
+    pool.for_chunks_mut(&mut blocks, (k / len).max(1), |i, b| {
+        let x = &xs[(i * k).min(xs.len())..((i + 1) * k).min(xs.len())];
+        match avx512 {
             Some(block) => {
                 for (x, b) in x.chunks_exact(len).zip(b) {
                     // SAFETY: the ISA was detected (see `dot::isa`).
                     *b = unsafe { block(x) };
                 }
-                Ok(())
             }
-            None => reference(x, b),
-        })?;
-    Ok(blocks)
+            None => {
+                if let Err(e) = reference(x, b) {
+                    let _ = failed.set(e);
+                }
+            }
+        }
+    });
+    match failed.into_inner() {
+        Some(e) => Err(e),
+        None => Ok(blocks),
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -165,6 +175,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dot::test_util::test_pool;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
@@ -187,7 +198,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(0x80);
         for (k, n) in [(32, 1), (256, 7), (2048, 3)] {
             let x = rows(&mut rng, k, n);
-            let got = q8_0_rows(&x, k).unwrap();
+            let got = q8_0_rows(test_pool(), &x, k).unwrap();
             let want = quant::quantize(DType::Q8_0, &x).unwrap();
             assert_eq!(
                 bytemuck::cast_slice::<BlockQ8_0, u8>(&got),
@@ -202,7 +213,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(0x8c);
         for (k, n) in [(256, 1), (512, 5), (2048, 3)] {
             let x = rows(&mut rng, k, n);
-            let got = q8_k_rows(&x, k).unwrap();
+            let got = q8_k_rows(test_pool(), &x, k).unwrap();
             let mut want = vec![BlockQ8K::zeroed(); x.len() / QK_K];
             quant::quantize_q8_k(&x, &mut want).unwrap();
             assert_eq!(

@@ -222,18 +222,23 @@ pub fn dot_q6_k(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 #[cfg(test)]
 pub(crate) mod test_util {
     use super::Isa;
+    use crate::pool::Pool;
+
+    /// A pool of two threads shared by the kernel tests, so that they run their parallel
+    /// loops as the backend does.
+    pub fn test_pool() -> &'static Pool {
+        static POOL: std::sync::OnceLock<Pool> = std::sync::OnceLock::new();
+        POOL.get_or_init(|| Pool::new(2).expect("test threads"))
+    }
 
     /// The best of `reps` runs of `f` on a pool of `threads` threads, in seconds (for the
     /// `bench` modules' kernel timings).
-    pub fn best_seconds(threads: usize, reps: usize, mut f: impl FnMut() + Send) -> f64 {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .expect("a thread pool");
+    pub fn best_seconds(threads: usize, reps: usize, mut f: impl FnMut(&Pool)) -> f64 {
+        let pool = Pool::new(threads).expect("bench threads");
         (0..reps)
             .map(|_| {
                 let t = std::time::Instant::now();
-                pool.install(&mut f);
+                f(&pool);
                 t.elapsed().as_secs_f64()
             })
             .fold(f64::INFINITY, f64::min)

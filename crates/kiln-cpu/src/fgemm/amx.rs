@@ -18,9 +18,9 @@
 //! tile registers.
 
 use super::FloatWeight;
+use crate::pool::Pool;
 use crate::qgemm::{for_panels, P};
 use bytemuck::Zeroable;
-use rayon::prelude::*;
 
 /// k per tile step: 32 bf16 make a 64-byte tile row.
 const KS: usize = 32;
@@ -61,27 +61,27 @@ fn split(x: f32) -> (u16, u16) {
 
 /// The activation rows as B tiles, `[tile][step]`, zero past row n and column k; tiles
 /// over the pool.
-fn activation_steps(xs: &[f32], n: usize, k: usize) -> Vec<ActStep> {
+fn activation_steps(pool: &Pool, xs: &[f32], n: usize, k: usize) -> Vec<ActStep> {
     let steps = k.div_ceil(KS);
     let mut a = vec![ActStep::zeroed(); n.div_ceil(T) * steps];
-    a.par_chunks_mut(steps)
-        .zip(xs[..n * k].par_chunks(T * k))
-        .for_each(|(a, rows)| {
-            for (c, row) in rows.chunks_exact(k).enumerate() {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `amx::bf16_available()` (checked by the caller) implies AVX-512.
-                unsafe {
-                    x86::split_row(row, c, a)
-                };
-                #[cfg(not(target_arch = "x86_64"))]
-                let _ = (row, c);
-            }
-        });
+    pool.for_chunks_mut(&mut a, steps, |t, a| {
+        let rows = &xs[t * T * k..n.min((t + 1) * T) * k];
+        for (c, row) in rows.chunks_exact(k).enumerate() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `amx::bf16_available()` (checked by the caller) implies AVX-512.
+            unsafe {
+                x86::split_row(row, c, a)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (row, c);
+        }
+    });
     a
 }
 
 /// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k`. Requires [`crate::amx::bf16_available()`].
 pub(crate) fn matmul<W: FloatWeight>(
+    pool: &Pool,
     w: &[W],
     xs: &[f32],
     out: &mut [f32],
@@ -95,8 +95,9 @@ pub(crate) fn matmul<W: FloatWeight>(
         return;
     }
     let steps = k.div_ceil(KS);
-    let xa = activation_steps(xs, n, k);
+    let xa = activation_steps(pool, xs, n, k);
     for_panels(
+        pool,
         out,
         n,
         m,
@@ -361,7 +362,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dot::test_util::ref_dot;
+    use crate::dot::test_util::{ref_dot, test_pool};
     use half::{bf16, f16};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -376,7 +377,7 @@ mod tests {
                         .collect();
                     let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                     let mut out = vec![f32::NAN; n * m];
-                    matmul(&w, &x, &mut out, n, m, k);
+                    matmul(test_pool(), &w, &x, &mut out, n, m, k);
                     for i in 0..n {
                         for r in 0..m {
                             let wf: Vec<f32> = w[r * k..][..k].iter().map(|&v| to(v)).collect();

@@ -18,8 +18,8 @@
 pub(crate) mod amx;
 
 use crate::dot::{self, Isa};
+use crate::pool::{Pool, SharedMut};
 use half::{bf16, f16};
-use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1};
 
@@ -206,6 +206,7 @@ mod x86 {
 /// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k` elements and `xs` the f32 activations
 /// (`n` rows of `k`). Requires [`available()`].
 pub(crate) fn matmul<W: FloatWeight>(
+    pool: &Pool,
     w: &[W],
     xs: &[f32],
     out: &mut [f32],
@@ -221,16 +222,17 @@ pub(crate) fn matmul<W: FloatWeight>(
         let out = &mut out[g0 * m..(g0 + rows) * m];
         // Registers: R·CV accumulators + CV activation vectors + one broadcast ≤ 32.
         match rows.div_ceil(16) {
-            1 => group::<W, 24, 1>(w, x, out, rows, m, k),
-            2 => group::<W, 12, 2>(w, x, out, rows, m, k),
-            3 => group::<W, 8, 3>(w, x, out, rows, m, k),
-            _ => group::<W, 6, 4>(w, x, out, rows, m, k),
+            1 => group::<W, 24, 1>(pool, w, x, out, rows, m, k),
+            2 => group::<W, 12, 2>(pool, w, x, out, rows, m, k),
+            3 => group::<W, 8, 3>(pool, w, x, out, rows, m, k),
+            _ => group::<W, 6, 4>(pool, w, x, out, rows, m, k),
         }
     }
 }
 
 /// One group of at most 16·CV activation rows against all `m` weight rows.
 fn group<W: FloatWeight, const R: usize, const CV: usize>(
+    pool: &Pool,
     w: &[W],
     x: &[f32],
     out: &mut [f32],
@@ -241,18 +243,17 @@ fn group<W: FloatWeight, const R: usize, const CV: usize>(
     let width = 16 * CV;
     // Transposed in bands of 16 k: each band reads a short run of every activation row.
     let mut xt = vec![0f32; k * width];
-    xt.par_chunks_mut(16 * width)
-        .enumerate()
-        .for_each(|(b, band)| {
-            for (i, xr) in x.chunks_exact(k).enumerate() {
-                for (j, &v) in xr[16 * b..].iter().take(16).enumerate() {
-                    band[j * width + i] = v;
-                }
+    pool.for_chunks_mut(&mut xt, 16 * width, |b, band| {
+        for (i, xr) in x.chunks_exact(k).enumerate() {
+            for (j, &v) in xr[16 * b..].iter().take(16).enumerate() {
+                band[j * width + i] = v;
             }
-        });
+        }
+    });
     let chunk = R * TILES;
-    let cols = OutColumns(out.as_mut_ptr());
-    (0..m.div_ceil(chunk)).into_par_iter().for_each_init(
+    let cols = SharedMut::new(out);
+    pool.for_each_init(
+        m.div_ceil(chunk),
         || (vec![0f32; R * KC], vec![0f32; chunk * width]),
         |(scratch, acc), c| {
             let r0 = c * chunk;
@@ -302,27 +303,10 @@ fn group<W: FloatWeight, const R: usize, const CV: usize>(
     );
 }
 
-/// `out`'s base pointer, shared by tasks that write disjoint column ranges of it.
-#[derive(Clone, Copy)]
-struct OutColumns(*mut f32);
-
-impl OutColumns {
-    /// # Safety
-    /// `offset` must lie inside `out`.
-    unsafe fn at(self, offset: usize) -> *mut f32 {
-        // SAFETY: the caller keeps `offset` inside `out`.
-        unsafe { self.0.add(offset) }
-    }
-}
-// SAFETY: tasks write disjoint elements through it (see its one use).
-unsafe impl Send for OutColumns {}
-// SAFETY: as above.
-unsafe impl Sync for OutColumns {}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dot::test_util::ref_dot;
+    use crate::dot::test_util::{ref_dot, test_pool};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
@@ -337,7 +321,7 @@ mod tests {
                     let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                     let wf: Vec<f32> = w.iter().map(|&v| to(v)).collect();
                     let mut out = vec![f32::NAN; n * m];
-                    matmul(&w, &x, &mut out, n, m, k);
+                    matmul(test_pool(), &w, &x, &mut out, n, m, k);
                     for i in 0..n {
                         for r in 0..m {
                             let (want, abs) = ref_dot(&wf[r * k..][..k], &x[i * k..][..k]);
@@ -414,11 +398,11 @@ mod bench {
                 continue;
             }
             for threads in [1, 2] {
-                let best = best_seconds(threads, 30, || {
+                let best = best_seconds(threads, 30, |pool| {
                     if use_amx {
-                        amx::matmul(&w, &x, &mut out, n, m, k)
+                        amx::matmul(pool, &w, &x, &mut out, n, m, k)
                     } else {
-                        matmul(&w, &x, &mut out, n, m, k)
+                        matmul(pool, &w, &x, &mut out, n, m, k)
                     }
                 });
                 eprintln!(

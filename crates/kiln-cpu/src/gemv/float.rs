@@ -3,6 +3,7 @@
 
 use super::{available, by_groups, ROWS};
 use crate::fgemm::FloatWeight;
+use crate::pool::Pool;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -57,11 +58,11 @@ mod x86 {
 
 /// `out[r] = w[r] · x` for `w` of `m` rows of `x.len()` elements. Requires
 /// [`available()`].
-pub(crate) fn matvec<W: FloatWeight>(w: &[W], x: &[f32], out: &mut [f32], m: usize) {
+pub(crate) fn matvec<W: FloatWeight>(pool: &Pool, w: &[W], x: &[f32], out: &mut [f32], m: usize) {
     assert!(available(), "matvec kernel needs AVX-512");
     let k = x.len();
     assert!(w.len() >= m * k && out.len() >= m);
-    by_groups(out, m, |r| {
+    by_groups(pool, out, m, |r| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL, AVX2, FMA and F16C
         // were detected.
@@ -74,7 +75,7 @@ pub(crate) fn matvec<W: FloatWeight>(w: &[W], x: &[f32], out: &mut [f32], m: usi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dot::test_util::ref_dot;
+    use crate::dot::test_util::{ref_dot, test_pool};
     use half::{bf16, f16};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -89,7 +90,7 @@ mod tests {
                     .collect();
                 let x: Vec<f32> = (0..k).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let mut out = vec![f32::NAN; m + 1];
-                matvec(&w, &x, &mut out, m);
+                matvec(test_pool(), &w, &x, &mut out, m);
                 assert!(out[m].is_nan(), "wrote past m");
                 for r in 0..m {
                     let wf: Vec<f32> = w[r * k..][..k].iter().map(|&v| to(v)).collect();

@@ -9,6 +9,7 @@
 //! `4h + 1` and `4h + 3`, so two `and`s and a shift unpack 128 quants.
 
 use super::{available, by_groups, ROWS};
+use crate::pool::Pool;
 use kiln_core::quant::{BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
 
 /// One Q8_K block laid out for the Q4_K kernel.
@@ -160,12 +161,12 @@ mod x86 {
 
 /// `out[r] = w[r] · x` for Q4_K `w` of `m` rows of `x.len()` blocks. Requires
 /// [`available()`].
-pub(crate) fn matvec_q4k(w: &[BlockQ4K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
+pub(crate) fn matvec_q4k(pool: &Pool, w: &[BlockQ4K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = x.len();
     assert!(w.len() >= m * nb && out.len() >= m);
     let prepared = prepare_q4k(x);
-    by_groups(out, m, |r| {
+    by_groups(pool, out, m, |r| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2, FMA and
         // F16C were detected.
@@ -177,11 +178,11 @@ pub(crate) fn matvec_q4k(w: &[BlockQ4K], x: &[BlockQ8K], out: &mut [f32], m: usi
 
 /// `out[r] = w[r] · x` for Q6_K `w` of `m` rows of `x.len()` blocks. Requires
 /// [`available()`].
-pub(crate) fn matvec_q6k(w: &[BlockQ6K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
+pub(crate) fn matvec_q6k(pool: &Pool, w: &[BlockQ6K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = x.len();
     assert!(w.len() >= m * nb && out.len() >= m);
-    by_groups(out, m, |r| {
+    by_groups(pool, out, m, |r| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `matvec_q4k`.
         return unsafe { x86::rows_q6k(r.map(|r| &w[r * nb..][..nb]), x) };
@@ -194,7 +195,7 @@ pub(crate) fn matvec_q6k(w: &[BlockQ6K], x: &[BlockQ8K], out: &mut [f32], m: usi
 mod tests {
     use super::*;
     use crate::dot;
-    use crate::dot::test_util::ref_dot;
+    use crate::dot::test_util::{ref_dot, test_pool};
     use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize, quantize_q8_k};
     use kiln_core::DType;
     use rand::rngs::StdRng;
@@ -204,7 +205,7 @@ mod tests {
     /// within the f64 reference's rounding bound.
     fn check<W: bytemuck::Pod>(
         dtype: DType,
-        matvec: fn(&[W], &[BlockQ8K], &mut [f32], usize),
+        matvec: fn(&Pool, &[W], &[BlockQ8K], &mut [f32], usize),
         dot: fn(&[W], &[BlockQ8K]) -> f32,
     ) {
         let mut rng = StdRng::seed_from_u64(0x4b9);
@@ -222,7 +223,7 @@ mod tests {
                     .flat_map(|b: &BlockQ8K| b.qs.map(|q| q as f32 * b.d))
                     .collect();
                 let mut out = vec![f32::NAN; m + 1];
-                matvec(&w, &x, &mut out, m);
+                matvec(test_pool(), &w, &x, &mut out, m);
                 assert!(out[m].is_nan(), "{dtype}: wrote past m");
                 let nb = k / QK_K;
                 for r in 0..m {

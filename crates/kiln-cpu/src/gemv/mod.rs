@@ -18,7 +18,7 @@ pub(crate) mod k_quants;
 pub(crate) mod q8_0;
 
 use crate::dot::{self, Isa};
-use rayon::prelude::*;
+use crate::pool::Pool;
 
 /// Weight rows per loop.
 const ROWS: usize = 4;
@@ -31,22 +31,24 @@ pub(crate) fn available() -> bool {
 /// Fill `out[..m]` over the thread pool, [`ROWS`] rows at a time: `group(rows)` returns
 /// the products of weight rows `rows`. A ragged last group repeats its last row; the
 /// repeats are not stored.
-fn by_groups(out: &mut [f32], m: usize, group: impl Fn([usize; ROWS]) -> [f32; ROWS] + Sync) {
+fn by_groups(
+    pool: &Pool,
+    out: &mut [f32],
+    m: usize,
+    group: impl Fn([usize; ROWS]) -> [f32; ROWS] + Sync,
+) {
     if m == 0 {
         return;
     }
     // Enough rows per task to amortise scheduling, few enough to balance the pool.
-    let chunk = (m / (rayon::current_num_threads() * 8)).clamp(ROWS, 64) / ROWS * ROWS;
-    out[..m]
-        .par_chunks_mut(chunk)
-        .enumerate()
-        .for_each(|(c, o)| {
-            for (g, og) in o.chunks_mut(ROWS).enumerate() {
-                let r0 = c * chunk + g * ROWS;
-                let sums = group(std::array::from_fn(|i| (r0 + i).min(m - 1)));
-                og.copy_from_slice(&sums[..og.len()]);
-            }
-        });
+    let chunk = (m / (pool.threads() * 8)).clamp(ROWS, 64) / ROWS * ROWS;
+    pool.for_chunks_mut(&mut out[..m], chunk, |c, o| {
+        for (g, og) in o.chunks_mut(ROWS).enumerate() {
+            let r0 = c * chunk + g * ROWS;
+            let sums = group(std::array::from_fn(|i| (r0 + i).min(m - 1)));
+            og.copy_from_slice(&sums[..og.len()]);
+        }
+    });
 }
 
 /// Ask for the cache line at `p` (any address: prefetches never fault).

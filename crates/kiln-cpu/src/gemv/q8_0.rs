@@ -12,6 +12,7 @@
 //! pair by pair (which took more instructions than the dot product).
 
 use super::{available, by_groups, ROWS};
+use crate::pool::Pool;
 use crate::qgemm::WeightBlock;
 use kiln_core::quant::{BlockQ4_0, BlockQ8_0, QK};
 
@@ -177,6 +178,7 @@ mod x86 {
 
 /// `out[r] = w[r] · x` for `w` of `m` rows of `k / QK` blocks. Requires [`available()`].
 pub(crate) fn matvec<W: PairBlock>(
+    pool: &Pool,
     w: &[W],
     x: &[BlockQ8_0],
     out: &mut [f32],
@@ -190,7 +192,7 @@ pub(crate) fn matvec<W: PairBlock>(
     let (pairs, dx) = prepare::<W>(&x[..nb]);
     // Blocks past the last whole group go through the per-row kernel.
     let tail = nb / GROUP * GROUP;
-    by_groups(out, m, |r| {
+    by_groups(pool, out, m, |r| {
         let rows: [&[W]; ROWS] = r.map(|r| &w[r * nb..][..nb]);
         // SAFETY: `available()` was asserted above.
         let mut sums = unsafe { group_sums(rows, &pairs, &dx) };
@@ -227,7 +229,7 @@ unsafe fn group_sums<W: PairBlock>(
 mod tests {
     use super::*;
     use crate::dot;
-    use crate::dot::test_util::ref_dot;
+    use crate::dot::test_util::{ref_dot, test_pool};
     use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize};
     use kiln_core::DType;
     use rand::rngs::StdRng;
@@ -247,7 +249,7 @@ mod tests {
                 let wf = dequantize_to_vec(dtype, &wbytes, m * k).unwrap();
                 let xf = dequantize_to_vec(DType::Q8_0, &xbytes, k).unwrap();
                 let mut out = vec![f32::NAN; m];
-                matvec(&w, &x, &mut out, m, k, dot);
+                matvec(test_pool(), &w, &x, &mut out, m, k, dot);
                 let nb = k / QK;
                 for r in 0..m {
                     let want = dot(&w[r * nb..][..nb], &x);

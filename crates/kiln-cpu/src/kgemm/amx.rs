@@ -19,6 +19,7 @@
 //! are one B tile. C[c][r] is activation row c · weight row r, the orientation of the
 //! output.
 
+use crate::pool::Pool;
 use crate::qgemm::{self, P};
 use bytemuck::Zeroable;
 use kiln_core::quant::{BlockQ4K, BlockQ8K, QK_K};
@@ -79,6 +80,7 @@ fn a_tiles(xq: &[BlockQ8K], n: usize, nb: usize) -> Vec<ATile> {
 /// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k / QK_K` super-blocks and `xq` the Q8_K
 /// activations (`n` rows). Requires [`crate::amx::int8_available()`].
 pub(crate) fn matmul(
+    pool: &Pool,
     w: &[BlockQ4K],
     xq: &[BlockQ8K],
     out: &mut [f32],
@@ -104,6 +106,7 @@ pub(crate) fn matmul(
         })
         .collect();
     qgemm::for_panels(
+        pool,
         out,
         n,
         m,

@@ -20,6 +20,7 @@
 
 pub(crate) mod amx;
 
+use crate::pool::Pool;
 use crate::qgemm::{self, C, P};
 use bytemuck::Zeroable;
 use kiln_core::quant::{BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
@@ -331,6 +332,7 @@ mod x86 {
 /// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k / QK_K` super-blocks and `xq` the Q8_K
 /// activations (`n` rows). Requires [`qgemm::available()`].
 pub(crate) fn matmul<W: KBlock>(
+    pool: &Pool,
     w: &[W],
     xq: &[BlockQ8K],
     out: &mut [f32],
@@ -352,6 +354,7 @@ pub(crate) fn matmul<W: KBlock>(
         })
         .collect();
     qgemm::run_panels(
+        pool,
         out,
         n,
         m,
@@ -383,14 +386,14 @@ pub(crate) fn matmul<W: KBlock>(
 
 /// A batched K-format kernel, as the tests and benches take it: `(w, xq, out, n, m, k)`.
 #[cfg(test)]
-type Kernel<W> = fn(&[W], &[BlockQ8K], &mut [f32], usize, usize, usize);
+type Kernel<W> = fn(&Pool, &[W], &[BlockQ8K], &mut [f32], usize, usize, usize);
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::dot::{
         self,
-        test_util::{assert_batched, ref_dot},
+        test_util::{assert_batched, ref_dot, test_pool},
     };
     use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize, quantize_q8_k};
     use kiln_core::DType;
@@ -416,7 +419,7 @@ mod tests {
                         .flat_map(|b| b.qs.map(|q| q as f32 * b.d))
                         .collect();
                     let mut out = vec![f32::NAN; n * m];
-                    matmul(&w, &xq, &mut out, n, m, k);
+                    matmul(test_pool(), &w, &xq, &mut out, n, m, k);
                     let nb = k / QK_K;
                     let what = format!("{dtype} k={k} m={m} n={n}");
                     assert_batched(&out, n, m, &what, |i, r| {
@@ -484,7 +487,9 @@ mod bench {
         let mut best = vec![f64::INFINITY; kernels.len()];
         for _ in 0..3 {
             for (b, (_, kernel)) in best.iter_mut().zip(kernels) {
-                *b = b.min(best_seconds(1, 5, || kernel(&w, &xq, &mut out, n, m, k)));
+                *b = b.min(best_seconds(1, 5, |pool| {
+                    kernel(pool, &w, &xq, &mut out, n, m, k)
+                }));
             }
         }
         for ((name, _), best) in kernels.iter().zip(best) {
