@@ -254,8 +254,10 @@ fn gemm_f32(
     m: usize,
     k: usize,
 ) {
+    let row_bytes = k * if dtype == DType::F32 { 4 } else { 2 };
+    // What the raw `gemm` calls below rely on.
+    assert!(xs.len() >= n * k && out.len() >= n * m && wb.len() >= m * row_bytes);
     let chunk = (m / (pool.threads() * 4)).clamp(16, GEMM_WEIGHT_CHUNK);
-    let row_bytes = wb.len() / m;
     let cols = SharedMut::new(out);
     let scratch = || {
         let len = if dtype == DType::F32 { 0 } else { chunk * k };

@@ -13,6 +13,7 @@
 //! preempts holds up only the task it was on, and a member that arrives after every task
 //! was claimed does not join at all: the loop ends when its claimed tasks are done.
 
+use std::any::Any;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex};
@@ -44,15 +45,16 @@ struct Shared {
     /// `loop number << 1 | open`: workers wait for it to change, and join a loop while
     /// its open bit is set.
     state: AtomicU64,
-    /// The open loop's body; written only while no worker is inside a loop.
+    /// The open loop's body; written only while the loop is closed, when no worker reads
+    /// it.
     body: std::cell::UnsafeCell<Option<Body>>,
     /// Workers inside the current loop's body.
     inside: AtomicUsize,
     /// The next unclaimed task of the current loop, and the number of tasks.
     next: AtomicUsize,
     count: AtomicUsize,
-    /// A member's task panicked.
-    panicked: AtomicBool,
+    /// The first panic of a worker's task in this loop, for the caller to resume.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
     /// Workers asleep, and where they sleep.
     sleepers: AtomicUsize,
     sleep: Mutex<()>,
@@ -60,10 +62,10 @@ struct Shared {
     stop: AtomicBool,
 }
 
-// SAFETY: `body` is written by the calling thread only while the loop is closed and no
-// worker is inside (`inside == 0`, ordered by the SeqCst `state`/`inside` accesses), and
-// read by workers only between joining an open loop and leaving it; the body it points to
-// is `Sync`.
+// SAFETY: `body` is written by the calling thread only while the loop is closed and every
+// worker that joined the previous loop has left it (`inside == 0`, ordered by the SeqCst
+// `state`/`inside` accesses), and read by workers only between joining an open loop and
+// leaving it; the body it points to is `Sync`.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
@@ -81,7 +83,7 @@ impl Pool {
             inside: AtomicUsize::new(0),
             next: AtomicUsize::new(0),
             count: AtomicUsize::new(0),
-            panicked: AtomicBool::new(false),
+            panic: Mutex::new(None),
             sleepers: AtomicUsize::new(0),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
@@ -173,13 +175,14 @@ impl Pool {
     }
 
     /// Open a loop of `count` tasks running `body` on every member, run it here too, and
-    /// return once every member that joined has left it.
+    /// return once every member that joined has left it. A task's panic is resumed here
+    /// after that.
     fn run(&self, count: usize, body: &(dyn Fn() + Sync)) {
         let _one_loop = self.caller.lock().unwrap_or_else(|e| e.into_inner());
         let shared = &*self.shared;
         // SAFETY: the loop is closed and `inside == 0` (the previous `run` waited for it),
         // so no worker reads `body`; the erased lifetime ends before `run` returns, when
-        // `Close` has waited for every worker to leave.
+        // `close` has waited for every worker to leave.
         unsafe {
             *shared.body.get() = Some(std::mem::transmute::<*const (dyn Fn() + Sync + '_), Body>(
                 body,
@@ -187,31 +190,38 @@ impl Pool {
         }
         shared.next.store(0, SeqCst);
         shared.count.store(count, SeqCst);
-        shared.panicked.store(false, SeqCst);
         let number = (shared.state.load(SeqCst) >> 1) + 1;
+        // Made before the loop opens: from here on, leaving this function in any way
+        // first closes the loop and waits for the workers inside it.
+        let close = Close { shared, number };
         shared.state.store(number << 1 | 1, SeqCst);
         if shared.sleepers.load(SeqCst) > 0 {
             let _lock = shared.sleep.lock().unwrap_or_else(|e| e.into_inner());
             shared.wake.notify_all();
         }
-        // Closes the loop and waits for the workers even if `body` panics here.
-        let close = Close { shared, number };
-        as_task(body);
+        let mine = run_body(shared, body);
         drop(close);
-        if shared.panicked.swap(false, SeqCst) {
-            panic!("a CPU worker's task panicked");
+        let theirs = shared
+            .panic
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(payload) = mine.err().or(theirs) {
+            std::panic::resume_unwind(payload);
         }
     }
 }
 
-/// Run a loop's body as this thread's share.
-fn as_task(body: &(dyn Fn() + Sync)) {
+/// Run a loop's body as this thread's share. On a panic the other members stop taking
+/// tasks.
+fn run_body(shared: &Shared, body: &(dyn Fn() + Sync)) -> std::thread::Result<()> {
     IN_TASK.set(true);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
     IN_TASK.set(false);
-    if let Err(payload) = result {
-        std::panic::resume_unwind(payload);
+    if result.is_err() {
+        shared.next.store(usize::MAX / 2, SeqCst);
     }
+    result
 }
 
 struct Close<'a> {
@@ -263,13 +273,17 @@ fn work(s: &Shared) {
             // SAFETY: the loop is open and we are counted in `inside`, so the caller keeps
             // `body` alive and unchanged until we leave.
             let body = unsafe { &*(*s.body.get()).expect("an open loop has a body") };
-            IN_TASK.set(true);
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).is_err() {
-                s.panicked.store(true, SeqCst);
-                // The other members stop taking tasks.
-                s.next.store(usize::MAX / 2, SeqCst);
+            if let Err(payload) = run_body(s, body) {
+                // Kept for the caller to resume. A later one is leaked, not dropped here:
+                // a payload whose drop panicked would end this worker while it is counted
+                // inside the loop.
+                let mut first = s.panic.lock().unwrap_or_else(|e| e.into_inner());
+                if first.is_none() {
+                    *first = Some(payload);
+                } else {
+                    std::mem::forget(payload);
+                }
             }
-            IN_TASK.set(false);
         }
         s.inside.fetch_sub(1, SeqCst);
     }
@@ -326,7 +340,9 @@ impl Poll {
     /// Pause once; returns how long the wait has lasted (read from the clock every 64
     /// checks, which costs more than a check).
     fn pause(&mut self) -> Duration {
-        self.checks += 1;
+        // Wrapping: a wait may outlast 2^32 checks, and this runs where a panic must not
+        // (closing a loop).
+        self.checks = self.checks.wrapping_add(1);
         if self.checks.is_multiple_of(64) {
             self.waited = self.start.elapsed();
         }
@@ -362,8 +378,8 @@ impl<T> SharedMut<T> {
     }
 
     /// # Safety
-    /// `offset` must lie inside the slice, and no other task may touch what is written
-    /// through the pointer.
+    /// `offset`, and every element then reached from the pointer, must lie inside the
+    /// slice, which must outlive those accesses; no other task may touch those elements.
     pub(crate) unsafe fn at(self, offset: usize) -> *mut T {
         // SAFETY: the caller keeps `offset` inside the slice.
         unsafe { self.0.add(offset) }
@@ -427,8 +443,7 @@ mod tests {
                 made.fetch_add(1, SeqCst);
                 0u32
             },
-            |seen, i| {
-                *seen += 1;
+            |_, i| {
                 sum.fetch_add(i as u32, SeqCst);
             },
         );
@@ -439,13 +454,18 @@ mod tests {
     #[test]
     fn nested_loops_run_inline_and_loops_follow_a_sleep() {
         let pool = Pool::new(2).unwrap();
-        let total = AtomicU32::new(0);
+        let (total, elsewhere) = (AtomicU32::new(0), AtomicU32::new(0));
         for_each(&pool, 4, |_| {
+            let outer = std::thread::current().id();
             for_each(&pool, 3, |_| {
                 total.fetch_add(1, SeqCst);
+                if std::thread::current().id() != outer {
+                    elsewhere.fetch_add(1, SeqCst);
+                }
             })
         });
         assert_eq!(total.load(SeqCst), 12);
+        assert_eq!(elsewhere.load(SeqCst), 0, "nested tasks left their thread");
         // The idle worker goes to sleep, and the next loop wakes it.
         let sleepers = |n| {
             let start = Instant::now();
@@ -474,10 +494,29 @@ mod tests {
     #[test]
     fn a_panicking_task_reaches_the_caller_and_the_pool_still_works() {
         let pool = Pool::new(2).unwrap();
-        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            for_each(&pool, 100, |i| assert!(i != 57, "task 57"));
-        }));
-        assert!(caught.is_err());
+        let caller = std::thread::current().id();
+        for on_worker in [true, false] {
+            // Both tasks wait for each other, so each member takes one; the one on the
+            // chosen side panics.
+            let arrived = AtomicU32::new(0);
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                for_each(&pool, 2, |_| {
+                    arrived.fetch_add(1, SeqCst);
+                    let start = Instant::now();
+                    while arrived.load(SeqCst) < 2 && start.elapsed() < Duration::from_secs(5) {
+                        std::thread::yield_now();
+                    }
+                    if (std::thread::current().id() != caller) == on_worker {
+                        std::panic::panic_any(format!("task on the worker: {on_worker}"));
+                    }
+                });
+            }));
+            let payload = caught.expect_err("the panic reaches the caller");
+            assert_eq!(
+                payload.downcast_ref::<String>().map(String::as_str),
+                Some(format!("task on the worker: {on_worker}").as_str())
+            );
+        }
         let n = AtomicU32::new(0);
         for_each(&pool, 10, |_| {
             n.fetch_add(1, SeqCst);
