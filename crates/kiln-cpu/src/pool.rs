@@ -96,11 +96,11 @@ impl Pool {
         };
         for i in 1..threads.max(1) {
             let shared = pool.shared.clone();
+            // On an error `pool` drops, which stops the workers already started.
             let worker = std::thread::Builder::new()
                 .name(format!("kiln-cpu-{i}"))
                 .spawn(move || work(&shared))
                 .map_err(|e| Error::Device(format!("cannot start CPU thread {i}: {e}")))?;
-            // On an error `pool` drops here and stops the workers already started.
             pool.workers.push(worker);
         }
         Ok(pool)
