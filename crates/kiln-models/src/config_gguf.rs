@@ -120,15 +120,6 @@ pub(crate) fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         }
         None => dim / n_heads,
     };
-    // kiln's attention reads keys and values of one width.
-    if let Some(v) = m.uint("attention.value_length")? {
-        if v != head_dim {
-            return Err(Error::unsupported(format!(
-                "{file}: metadata {} is {v} and the key length {head_dim}; kiln needs them equal",
-                m.key("attention.value_length")
-            )));
-        }
-    }
     let vocab_size = match f.tensor("token_embd.weight") {
         Some(t) => t.ne.get(1).copied().unwrap_or(0) as usize,
         None => return Err(Error::format(format!("{file}: no token_embd.weight"))),
@@ -208,10 +199,19 @@ pub(crate) fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         post_norms: arch == Arch::Gemma2,
     };
     config.validate(&ConfigKeys {
-        file,
+        file: file.clone(),
         format: KeyFormat::Gguf {
             arch: arch_name.to_string(),
         },
     })?;
+    // kiln's attention reads keys and values of one width.
+    if let Some(v) = m.uint("attention.value_length")? {
+        if v != head_dim {
+            return Err(Error::unsupported(format!(
+                "{file}: metadata {} is {v} and the key length {head_dim}; kiln needs them equal",
+                m.key("attention.value_length")
+            )));
+        }
+    }
     Ok(config)
 }
