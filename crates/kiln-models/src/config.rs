@@ -194,7 +194,7 @@ impl ModelConfig {
         size(Field::HeadDim, self.head_dim, MAX_WIDTH)?;
         size(Field::FfnDim, self.ffn_dim, MAX_WIDTH)?;
         size(Field::MaxPositions, self.max_positions, MAX_POSITIONS)?;
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             let allowed = format!("a divisor of {} {}", keys.name(Field::Heads), self.n_heads);
             return bad(Field::KvHeads, &self.n_kv_heads, &allowed);
         }
@@ -270,7 +270,7 @@ impl ModelConfig {
             }
         };
         positive(Field::RopeTheta, rope.theta)?;
-        if rope.dims < 2 || rope.dims % 2 != 0 || rope.dims > self.head_dim {
+        if rope.dims < 2 || !rope.dims.is_multiple_of(2) || rope.dims > self.head_dim {
             let allowed = format!(
                 "an even number from 2 to {} {}",
                 keys.name(Field::HeadDim),

@@ -88,7 +88,8 @@ fn llama(changes: &[(&str, Option<Value>)]) -> String {
 #[test]
 fn gguf_metadata_out_of_domain_is_refused_by_key_and_value() {
     let set = |k: &'static str, v: Value| [(k, Some(v))];
-    let cases: Vec<(Vec<(&str, Option<Value>)>, &str)> = vec![
+    type Changes = Vec<(&'static str, Option<Value>)>;
+    let cases: Vec<(Changes, &str)> = vec![
         (vec![], "loaded"),
         (
             set("llama.attention.key_length", Value::U32(16)).into(),
