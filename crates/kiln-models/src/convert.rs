@@ -2,7 +2,7 @@
 //! conventions (tensor names, metadata keys, Q/K rows permuted for rope on adjacent
 //! pairs), so that llama.cpp and kiln read the result the same way.
 
-use crate::config::{Arch, ModelConfig, Norm};
+use crate::config::{Arch, ModelConfig, Norm, Rope};
 use crate::config_hf::config_from_hf;
 use kiln_core::{quant, DType, Error, Result};
 use kiln_io::gguf::{GgufWriter, Value};
@@ -247,11 +247,6 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
         )));
     }
     let rope = c.rope.as_ref().expect("llama has rope");
-    if rope.llama3.is_some() {
-        return Err(Error::unsupported(
-            "converting llama3 rope scaling (rope_freqs) is not implemented",
-        ));
-    }
     // The row permutation moves whole heads' halves: it is right only when rope turns
     // the whole head.
     if rope.dims != c.head_dim {
@@ -315,8 +310,23 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
         };
         w.add_tensor(&p.gguf, ty, &p.shape, quant::quantize(ty, &values)?)?;
     }
+    let mut count = plan.len();
+    if rope.llama3.is_some() {
+        // As llama.cpp's converter: the scaling as one divisor per rotated pair, which
+        // the GGUF reader applies to the unscaled frequencies.
+        let plain = Rope {
+            llama3: None,
+            ..rope.clone()
+        };
+        let divisors: Vec<f32> = (plain.inv_freq().iter().zip(rope.inv_freq()))
+            .map(|(base, scaled)| base / scaled)
+            .collect();
+        let bytes = quant::quantize(DType::F32, &divisors)?;
+        w.add_tensor("rope_freqs.weight", DType::F32, &[divisors.len()], bytes)?;
+        count += 1;
+    }
     write_replacing(&w, out)?;
-    Ok(plan.len())
+    Ok(count)
 }
 
 /// Rows that are not whole blocks of the requested type stay f16, as llama.cpp does.
