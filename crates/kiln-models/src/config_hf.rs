@@ -137,7 +137,9 @@ pub(crate) fn config_from_hf(c: &HfConfig, dir: &str) -> Result<ModelConfig> {
     }
     let rope = (!gpt2).then(|| Rope {
         theta: theta.unwrap_or(10000.0) as f32,
-        dims: ((head_dim as f64 * partial.unwrap_or(1.0)) as usize) & !1,
+        // int(head_dim * factor), as transformers: an odd count is refused by validation
+        // (transformers fails on it too).
+        dims: (head_dim as f64 * partial.unwrap_or(1.0)) as usize,
         layout: RopeLayout::Neox,
         llama3,
         freq_factors: None,

@@ -52,6 +52,15 @@ fn fixture(name: &str) -> PathBuf {
 /// The fixture `file` with metadata `changes` applied (`None` removes the key), loaded;
 /// the error's message without the file name that starts it.
 fn gguf_error(file: &str, changes: &[(&str, Option<Value>)]) -> String {
+    gguf_error_with(file, changes, None)
+}
+
+/// As [`gguf_error`], with the f32 tensor `replace.0` replaced by `replace.1`.
+fn gguf_error_with(
+    file: &str,
+    changes: &[(&str, Option<Value>)],
+    replace: Option<(&str, &[f32])>,
+) -> String {
     let src = GgufFile::open(fixture(file)).unwrap();
     let mut w = GgufWriter::new();
     for (k, v) in &src.metadata {
@@ -65,9 +74,18 @@ fn gguf_error(file: &str, changes: &[(&str, Option<Value>)]) -> String {
         }
     }
     for t in &src.tensors {
-        let data = src.tensor_data(t).to_vec();
-        w.add_raw_tensor(&t.name, t.ggml_type, t.ne.clone(), data)
-            .unwrap();
+        match replace {
+            Some((name, values)) if name == t.name => {
+                let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let ne = vec![values.len() as u64];
+                w.add_raw_tensor(&t.name, t.ggml_type, ne, data).unwrap();
+            }
+            _ => {
+                let data = src.tensor_data(t).to_vec();
+                w.add_raw_tensor(&t.name, t.ggml_type, t.ne.clone(), data)
+                    .unwrap();
+            }
+        }
     }
     let mut bytes = Vec::new();
     w.write_to(&mut bytes).unwrap();
@@ -235,6 +253,28 @@ fn gguf_metadata_out_of_domain_is_refused_by_key_and_value() {
 }
 
 #[test]
+fn rope_frequency_factors_must_fit_the_rotated_pairs() {
+    let file = "llama3/llama3-f32.gguf";
+    assert_eq!(gguf_error(file, &[]), "loaded");
+    let replaced = |values: &[f32]| gguf_error_with(file, &[], Some(("rope_freqs.weight", values)));
+    assert_eq!(
+        replaced(&[1.0; 3]),
+        "tensor rope_freqs.weight is 3 values, expected 8 values (one per rotated pair)"
+    );
+    let mut values = [1.0f32; 8];
+    values[5] = f32::NAN;
+    assert_eq!(
+        replaced(&values),
+        "tensor rope_freqs.weight is holding NaN, expected finite values > 0"
+    );
+    values[5] = 0.0;
+    assert_eq!(
+        replaced(&values),
+        "tensor rope_freqs.weight is holding 0, expected finite values > 0"
+    );
+}
+
+#[test]
 fn gpt2_positions_beyond_the_table_are_refused_at_load() {
     // The fixture's table has 256 rows.
     assert_eq!(
@@ -366,6 +406,11 @@ fn config_json_out_of_domain_is_refused_by_key_and_value() {
             "llama",
             set("partial_rotary_factor", json!(0.05)),
             "head_dim × partial_rotary_factor is 0, expected an even number from 2 to head_dim 16",
+        ),
+        (
+            "llama",
+            set("head_dim", json!(15)),
+            "head_dim × partial_rotary_factor is 15, expected an even number from 2 to head_dim 15",
         ),
         (
             "llama",
