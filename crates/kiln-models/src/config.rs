@@ -213,9 +213,7 @@ impl ModelConfig {
                 return bad(Field::HeadDim, &self.head_dim, &allowed);
             }
         }
-        if let Some(w) = self.sliding_window {
-            size(Field::SlidingWindow, w, usize::MAX)?;
-        }
+        // A sliding window needs no bound: the attention kernels clamp it.
         if self.sliding_layers.len() != self.n_layers {
             return Err(Error::format(format!(
                 "{}: {} sliding-window flags for {} layers",
@@ -332,7 +330,6 @@ pub(crate) enum Field {
     HeadDim,
     FfnDim,
     MaxPositions,
-    SlidingWindow,
     NormEps,
     AttnSoftcap,
     FinalSoftcap,
@@ -379,7 +376,6 @@ impl ConfigKeys {
                     HeadDim => "attention.key_length",
                     FfnDim => "feed_forward_length",
                     MaxPositions => "context_length",
-                    SlidingWindow => "attention.sliding_window",
                     NormEps if arch == "gpt2" => "attention.layer_norm_epsilon",
                     NormEps => "attention.layer_norm_rms_epsilon",
                     AttnSoftcap => "attn_logit_softcapping",
@@ -406,7 +402,6 @@ impl ConfigKeys {
                     (HeadDim, _) => "head_dim".into(),
                     (FfnDim, _) => "intermediate_size".into(),
                     (MaxPositions, _) => "max_position_embeddings".into(),
-                    (SlidingWindow, _) => "sliding_window".into(),
                     (NormEps, _) => "rms_norm_eps".into(),
                     (AttnSoftcap, _) => "attn_logit_softcapping".into(),
                     (FinalSoftcap, _) => "final_logit_softcapping".into(),
