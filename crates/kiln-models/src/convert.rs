@@ -187,7 +187,7 @@ fn same_file(a: &Path, b: &Path) -> bool {
 fn check_output(out: &Path, dir: &Path, shards: &[PathBuf]) -> Result<()> {
     if out.is_dir() {
         return Err(Error::format(format!(
-            "{}: is a directory; -o takes the path of the GGUF file to write",
+            "the output {} is a directory; give the path of the GGUF file to write",
             out.display()
         )));
     }
@@ -195,7 +195,7 @@ fn check_output(out: &Path, dir: &Path, shards: &[PathBuf]) -> Result<()> {
     for input in shards.iter().cloned().chain(inputs) {
         if same_file(&input, out) {
             return Err(Error::format(format!(
-                "{}: is the input file {}; write the GGUF to another path",
+                "the output {} is the input file {}; write the GGUF to another path",
                 out.display(),
                 input.display()
             )));

@@ -286,14 +286,20 @@ fn an_output_that_is_an_input_is_refused() {
         assert_eq!(
             err,
             format!(
-                "{}: is the input file {}; write the GGUF to another path",
+                "the output {} is the input file {}; write the GGUF to another path",
                 out.display(),
                 dir.join(input).display()
             )
         );
     }
     let err = convert_error(&dir, &elsewhere);
-    assert!(err.ends_with("is a directory; -o takes the path of the GGUF file to write"));
+    assert_eq!(
+        err,
+        format!(
+            "the output {} is a directory; give the path of the GGUF file to write",
+            elsewhere.display()
+        )
+    );
     assert_eq!(snapshot(&dir), before, "the inputs are untouched");
 
     // A good conversion replaces an earlier output whole, and leaves nothing else.
