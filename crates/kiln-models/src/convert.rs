@@ -2,14 +2,14 @@
 //! conventions (tensor names, metadata keys, Q/K rows permuted for rope on adjacent
 //! pairs), so that llama.cpp and kiln read the result the same way.
 
-use crate::config::Arch;
-use crate::load::config_from_hf;
+use crate::config::{Arch, ModelConfig, Norm, Rope};
+use crate::config_hf::config_from_hf;
 use kiln_core::{quant, DType, Error, Result};
 use kiln_io::gguf::{GgufWriter, Value};
 use kiln_io::hf_config::HfConfig;
-use kiln_io::safetensors::SafetensorsModel;
+use kiln_io::safetensors::{SafetensorsModel, INDEX_FILE};
 use kiln_tokenizer::Tokenizer;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// llama.cpp's `general.file_type` numbers for the types kiln writes.
 fn file_type(dtype: DType) -> Result<u32> {
@@ -41,6 +41,198 @@ fn permute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
     out
 }
 
+/// What becomes of one checkpoint tensor.
+enum Kind {
+    /// Kept f32.
+    Norm,
+    /// In the requested type where its rows are whole blocks.
+    Matrix,
+    /// A Q or K projection: rows permuted within each of this many heads.
+    Heads(usize),
+}
+
+/// One tensor to write: its checkpoint name, its GGUF name, the shape the config implies.
+struct Planned {
+    hf: String,
+    gguf: String,
+    shape: Vec<usize>,
+    kind: Kind,
+}
+
+/// Every tensor the GGUF will hold, each checked against the config (present, a dtype
+/// kiln reads, the shape the config implies) before anything is read or written.
+fn plan(c: &ModelConfig, st: &SafetensorsModel, tied: bool, dir: &str) -> Result<Vec<Planned>> {
+    let (dim, q, kv, ffn) = (c.dim, c.q_dim(), c.kv_dim(), c.ffn_dim);
+    let mut plan = Vec::new();
+    let mut add = |hf: String, gguf: String, shape: Vec<usize>, kind: Kind| {
+        plan.push(Planned {
+            hf,
+            gguf,
+            shape,
+            kind,
+        })
+    };
+    add(
+        "model.embed_tokens.weight".into(),
+        "token_embd.weight".into(),
+        vec![c.vocab_size, dim],
+        Kind::Matrix,
+    );
+    for l in 0..c.n_layers {
+        let hf = |n: &str| format!("model.layers.{l}.{n}.weight");
+        let gg = |n: &str| format!("blk.{l}.{n}.weight");
+        let layer = [
+            ("input_layernorm", "attn_norm", vec![dim], Kind::Norm),
+            (
+                "self_attn.q_proj",
+                "attn_q",
+                vec![q, dim],
+                Kind::Heads(c.n_heads),
+            ),
+            (
+                "self_attn.k_proj",
+                "attn_k",
+                vec![kv, dim],
+                Kind::Heads(c.n_kv_heads),
+            ),
+            ("self_attn.v_proj", "attn_v", vec![kv, dim], Kind::Matrix),
+            (
+                "self_attn.o_proj",
+                "attn_output",
+                vec![dim, q],
+                Kind::Matrix,
+            ),
+            ("mlp.gate_proj", "ffn_gate", vec![ffn, dim], Kind::Matrix),
+            ("mlp.up_proj", "ffn_up", vec![ffn, dim], Kind::Matrix),
+            ("mlp.down_proj", "ffn_down", vec![dim, ffn], Kind::Matrix),
+            (
+                "post_attention_layernorm",
+                "ffn_norm",
+                vec![dim],
+                Kind::Norm,
+            ),
+        ];
+        for (from, to, shape, kind) in layer {
+            add(hf(from), gg(to), shape, kind);
+        }
+    }
+    add(
+        "model.norm.weight".into(),
+        "output_norm.weight".into(),
+        vec![dim],
+        Kind::Norm,
+    );
+    // Without an lm_head (or with tied embeddings) the GGUF has no output and kiln,
+    // like llama.cpp, multiplies by the embeddings.
+    if st.tensor("lm_head.weight").is_some() && !tied {
+        add(
+            "lm_head.weight".into(),
+            "output.weight".into(),
+            vec![c.vocab_size, dim],
+            Kind::Matrix,
+        );
+    }
+    for p in &plan {
+        let t = st
+            .tensor(&p.hf)
+            .ok_or_else(|| Error::format(format!("{dir}: tensor {} is missing", p.hf)))?;
+        if t.kiln_dtype().is_none() {
+            return Err(Error::unsupported(format!(
+                "{dir}: tensor {} is {}; kiln converts f32, f16 and bf16 checkpoints",
+                p.hf,
+                t.dtype_name()
+            )));
+        }
+        if t.shape != p.shape {
+            return Err(Error::format(format!(
+                "{dir}: tensor {} is {:?}, the config implies {:?}",
+                p.hf, t.shape, p.shape
+            )));
+        }
+    }
+    Ok(plan)
+}
+
+/// The files of a model directory that conversion reads besides its shards.
+const INPUT_FILES: &[&str] = &[
+    "config.json",
+    INDEX_FILE,
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+];
+
+/// Two paths name one file when they resolve to one place (through symlinks and `..`)
+/// or, on Unix, to one inode (hard links).
+fn same_file(a: &Path, b: &Path) -> bool {
+    if let (Ok(x), Ok(y)) = (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        if x == y {
+            return true;
+        }
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+            return x.dev() == y.dev() && x.ino() == y.ino();
+        }
+    }
+    false
+}
+
+/// Refuse an output that would replace one of the inputs.
+fn check_output(out: &Path, dir: &Path, shards: &[PathBuf]) -> Result<()> {
+    if out.is_dir() {
+        return Err(Error::format(format!(
+            "the output {} is a directory; give the path of the GGUF file to write",
+            out.display()
+        )));
+    }
+    let inputs = INPUT_FILES.iter().map(|n| dir.join(n));
+    for input in shards.iter().cloned().chain(inputs) {
+        if same_file(&input, out) {
+            return Err(Error::format(format!(
+                "the output {} is the input file {}; write the GGUF to another path",
+                out.display(),
+                input.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Write to a temporary file beside `out` and rename it over `out` once complete: a
+/// failure or a crash leaves no partial file at `out`, and whatever was there stays
+/// intact until the rename.
+fn write_replacing(w: &GgufWriter, out: &Path) -> Result<()> {
+    let name = out.file_name().ok_or_else(|| {
+        Error::format(format!("{}: the output path names no file", out.display()))
+    })?;
+    let tmp = out.with_file_name(format!(
+        ".{}.{}.partial",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(|e| Error::io(tmp.display(), e))?;
+    let written = (|| {
+        let mut b = std::io::BufWriter::new(file);
+        w.write_to(&mut b)?;
+        b.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, out)
+    })();
+    written.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(out.display(), e)
+    })
+}
+
 /// Convert the Hugging Face directory `dir` to a GGUF file at `out`, matrices in `dtype`
 /// (norms stay f32). Returns the number of tensors written.
 pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> Result<usize> {
@@ -55,115 +247,95 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
         )));
     }
     let rope = c.rope.as_ref().expect("llama has rope");
-    if rope.llama3.is_some() {
-        return Err(Error::unsupported(
-            "converting llama3 rope scaling (rope_freqs) is not implemented",
-        ));
+    // The row permutation moves whole heads' halves: it is right only when rope turns
+    // the whole head.
+    if rope.dims != c.head_dim {
+        return Err(Error::unsupported(format!(
+            "{dir_name}: rope turns {} of each head's {} dimensions; kiln converts only full rotary",
+            rope.dims, c.head_dim
+        )));
     }
     let st = SafetensorsModel::open_dir(dir)?;
+    check_output(out, dir, &st.files)?;
+    let plan = plan(&c, &st, hf.tie_word_embeddings.unwrap_or(false), &dir_name)?;
     let tokenizer = Tokenizer::from_hf_dir_sentencepiece(dir)?;
+
     let arch = c.arch.name();
     let mut w = GgufWriter::new();
-    let mut set = |k: &str, v: Value| w.set(k, v);
-    set("general.architecture", Value::String(arch.into()))?;
-    set("general.name", Value::String(name.into()))?;
-    set("general.file_type", Value::U32(file_type))?;
     let key = |k: &str| format!("{arch}.{k}");
-    set(&key("context_length"), Value::U32(c.max_positions as u32))?;
-    set(&key("embedding_length"), Value::U32(c.dim as u32))?;
-    set(&key("block_count"), Value::U32(c.n_layers as u32))?;
-    set(&key("feed_forward_length"), Value::U32(c.ffn_dim as u32))?;
-    set(&key("rope.dimension_count"), Value::U32(rope.dims as u32))?;
-    set(&key("rope.freq_base"), Value::F32(rope.theta))?;
-    set(&key("attention.head_count"), Value::U32(c.n_heads as u32))?;
-    set(
-        &key("attention.head_count_kv"),
-        Value::U32(c.n_kv_heads as u32),
-    )?;
-    if let crate::config::Norm::Rms { eps } = c.norm {
-        set(&key("attention.layer_norm_rms_epsilon"), Value::F32(eps))?;
+    // Sizes are bounded by the config's validation far below u32::MAX.
+    let int = |v: usize| Value::U32(v as u32);
+    let mut meta = vec![
+        (
+            "general.architecture".to_string(),
+            Value::String(arch.into()),
+        ),
+        ("general.name".into(), Value::String(name.into())),
+        ("general.file_type".into(), Value::U32(file_type)),
+        (key("context_length"), int(c.max_positions)),
+        (key("embedding_length"), int(c.dim)),
+        (key("block_count"), int(c.n_layers)),
+        (key("feed_forward_length"), int(c.ffn_dim)),
+        (key("rope.dimension_count"), int(rope.dims)),
+        (key("rope.freq_base"), Value::F32(rope.theta)),
+        (key("attention.head_count"), int(c.n_heads)),
+        (key("attention.head_count_kv"), int(c.n_kv_heads)),
+        // Written always, as head_dim need not be dim / heads (Mistral-Nemo's is not).
+        (key("attention.key_length"), int(c.head_dim)),
+        (key("attention.value_length"), int(c.head_dim)),
+        (key("vocab_size"), int(c.vocab_size)),
+    ];
+    if let Norm::Rms { eps } = c.norm {
+        meta.push((key("attention.layer_norm_rms_epsilon"), Value::F32(eps)));
     }
-    set(&key("vocab_size"), Value::U32(c.vocab_size as u32))?;
-    for (k, v) in tokenizer.gguf_metadata()? {
-        set(&k, v)?;
+    if let Some(window) = c.sliding_window {
+        meta.push((key("attention.sliding_window"), int(window)));
+    }
+    meta.extend(tokenizer.gguf_metadata()?);
+    for (k, v) in meta {
+        w.set(&k, v)?;
     }
 
-    let read = |name: &str| -> Result<(Vec<f32>, Vec<usize>)> {
-        let t = st
-            .tensor(name)
-            .ok_or_else(|| Error::format(format!("{dir_name}: tensor {name} is missing")))?;
-        let dt = t
-            .kiln_dtype()
-            .ok_or_else(|| Error::unsupported(format!("{name} is {}", t.dtype_name())))?;
-        let n = t.shape.iter().product();
-        Ok((
-            quant::dequantize_to_vec(dt, st.tensor_data(t), n)?,
-            t.shape.clone(),
-        ))
-    };
-    let mut count = 0;
-    let mut put = |w: &mut GgufWriter,
-                   gguf_name: &str,
-                   values: &[f32],
-                   shape: &[usize],
-                   matrix: bool|
-     -> Result<()> {
-        // Rows that are not whole blocks of the requested type stay f16, as llama.cpp does.
-        let t = if !matrix {
-            DType::F32
-        } else if shape.last().is_some_and(|&k| k % dtype.block_size() == 0) {
-            dtype
-        } else {
-            DType::F16
+    for p in &plan {
+        let t = st.tensor(&p.hf).expect("planned tensors exist");
+        let dt = t.kiln_dtype().expect("planned tensors have a kiln dtype");
+        let values = quant::dequantize_to_vec(dt, st.tensor_data(t), p.shape.iter().product())?;
+        let (values, ty) = match p.kind {
+            Kind::Norm => (values, DType::F32),
+            Kind::Heads(heads) => (
+                permute_rows(&values, p.shape[0], p.shape[1], heads),
+                matrix_type(dtype, &p.shape),
+            ),
+            Kind::Matrix => (values, matrix_type(dtype, &p.shape)),
         };
-        w.add_tensor(gguf_name, t, shape, quant::quantize(t, values)?)?;
+        w.add_tensor(&p.gguf, ty, &p.shape, quant::quantize(ty, &values)?)?;
+    }
+    let mut count = plan.len();
+    if rope.llama3.is_some() {
+        // As llama.cpp's converter: the scaling as one divisor per rotated pair, which
+        // the GGUF reader applies to the unscaled frequencies.
+        let plain = Rope {
+            llama3: None,
+            ..rope.clone()
+        };
+        let divisors: Vec<f32> = (plain.inv_freq().iter().zip(rope.inv_freq()))
+            .map(|(base, scaled)| base / scaled)
+            .collect();
+        let bytes = quant::quantize(DType::F32, &divisors)?;
+        w.add_tensor("rope_freqs.weight", DType::F32, &[divisors.len()], bytes)?;
         count += 1;
-        Ok(())
-    };
-    let (embed, shape) = read("model.embed_tokens.weight")?;
-    put(&mut w, "token_embd.weight", &embed, &shape, true)?;
-    for l in 0..c.n_layers {
-        let hf = |n: &str| format!("model.layers.{l}.{n}.weight");
-        let gg = |n: &str| format!("blk.{l}.{n}.weight");
-        let (v, s) = read(&hf("input_layernorm"))?;
-        put(&mut w, &gg("attn_norm"), &v, &s, false)?;
-        let (q, s) = read(&hf("self_attn.q_proj"))?;
-        put(
-            &mut w,
-            &gg("attn_q"),
-            &permute_rows(&q, s[0], s[1], c.n_heads),
-            &s,
-            true,
-        )?;
-        let (k, s) = read(&hf("self_attn.k_proj"))?;
-        put(
-            &mut w,
-            &gg("attn_k"),
-            &permute_rows(&k, s[0], s[1], c.n_kv_heads),
-            &s,
-            true,
-        )?;
-        for (from, to) in [
-            ("self_attn.v_proj", "attn_v"),
-            ("self_attn.o_proj", "attn_output"),
-            ("mlp.gate_proj", "ffn_gate"),
-            ("mlp.up_proj", "ffn_up"),
-            ("mlp.down_proj", "ffn_down"),
-        ] {
-            let (v, s) = read(&hf(from))?;
-            put(&mut w, &gg(to), &v, &s, true)?;
-        }
-        let (v, s) = read(&hf("post_attention_layernorm"))?;
-        put(&mut w, &gg("ffn_norm"), &v, &s, false)?;
     }
-    let (v, s) = read("model.norm.weight")?;
-    put(&mut w, "output_norm.weight", &v, &s, false)?;
-    if st.tensor("lm_head.weight").is_some() && !hf.tie_word_embeddings.unwrap_or(false) {
-        let (v, s) = read("lm_head.weight")?;
-        put(&mut w, "output.weight", &v, &s, true)?;
-    }
-    w.write_file(out)?;
+    write_replacing(&w, out)?;
     Ok(count)
+}
+
+/// Rows that are not whole blocks of the requested type stay f16, as llama.cpp does.
+fn matrix_type(dtype: DType, shape: &[usize]) -> DType {
+    if shape.last().is_some_and(|&k| k % dtype.block_size() == 0) {
+        dtype
+    } else {
+        DType::F16
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,8 @@
 
 pub mod chat;
 mod config;
+mod config_gguf;
+mod config_hf;
 mod convert;
 pub mod generate;
 mod load;
@@ -55,7 +57,7 @@ impl Model {
         backend: Arc<dyn Backend>,
         progress: Option<&dyn Fn(u64)>,
     ) -> Result<Model> {
-        let config = load::config_from_gguf(file)?;
+        let config = config_gguf::config_from_gguf(file)?;
         let weights = load::WeightLoader {
             src: &source::GgufSource(file),
             backend: backend.as_ref(),
@@ -95,7 +97,7 @@ impl Model {
     ) -> Result<Model> {
         let name = dir.display().to_string();
         let hf = HfConfig::load(&dir.join("config.json"))?;
-        let config = load::config_from_hf(&hf, &name)?;
+        let config = config_hf::config_from_hf(&hf, &name)?;
         let st = SafetensorsModel::open_dir(dir)?;
         let gpt2_prefix = if st.tensor("transformer.wte.weight").is_some() {
             "transformer."
