@@ -6,8 +6,10 @@
 
 use crate::config::{Arch, Ffn, ModelConfig, Norm, Rope};
 use crate::source::{GgufNames, RawTensor, Role, Source};
-use kiln_core::{quant, DType, Error, HostBytes, Result, RopeLayout, Shape};
+use crate::{load, Model};
+use kiln_core::{quant, Backend, DType, Error, HostBytes, Result, RopeLayout, Shape};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// The shapes `kiln bench --synthetic` knows (those of `../shared/anchors.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +68,29 @@ impl SyntheticShape {
             embed_scale: None,
             post_norms: false,
         }
+    }
+}
+
+impl Model {
+    /// A random-weight Llama-style model of any `config`: a known shape's (see
+    /// [`SyntheticShape::config`]), or one changed from it (the GPU tests keep a few of
+    /// its layers, or give it another head count).
+    pub fn synthetic_from_config(
+        config: ModelConfig,
+        ty: SyntheticType,
+        backend: Arc<dyn Backend>,
+    ) -> Result<Model> {
+        let src = SyntheticSource::new(config.clone(), ty);
+        let weights = load::WeightLoader {
+            src: &src,
+            backend: backend.as_ref(),
+            cfg: &config,
+            norm_plus_one: false,
+            transpose_linear: false,
+            progress: None,
+        }
+        .load()?;
+        Ok(Model::new(config, weights, backend))
     }
 }
 
