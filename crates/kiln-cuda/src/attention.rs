@@ -6,7 +6,7 @@
 //! the sequence grows; pieces past the current position end at once), and a second
 //! kernel merges the pieces.
 
-use crate::kernels::Arg;
+use crate::kernels::{Arg, LaunchNeed};
 use crate::{expect, ptr, to_i32, CudaBackend};
 use kiln_core::{AttentionParams, DType, Error, Result, Tensor};
 
@@ -17,6 +17,12 @@ const SPAN: usize = 64;
 const MAX_SPLITS: usize = 128;
 /// Queries up to which the key range is split.
 const SPLIT_MAX_QUERIES: usize = 8;
+
+/// The most query heads a KV head may have: one block holds them all.
+const MAX_GROUP: usize = 32;
+
+/// Warps per block that query tiles aim at.
+const TILE_WARPS: usize = 16;
 
 /// By output dimensions per lane (1..8) and queries per warp (1, 2).
 const KERNELS: [[&str; 2]; 8] = [
@@ -29,6 +35,52 @@ const KERNELS: [[&str; 2]; 8] = [
     ["attention_7_1", "attention_7_2"],
     ["attention_8_1", "attention_8_2"],
 ];
+
+/// Queries per warp and query tiles of a block for `n` queries of `group` heads a KV
+/// head, where the kernels for 1 and 2 queries a warp run at most `max_warps` warps a
+/// block. A block holds group * tiles warps sharing each chunk of keys; a warp takes
+/// `per_warp` queries of one head: two for prompts, so that each key and value read from
+/// shared memory serves both, where a group fits in [`TILE_WARPS`] warps and that
+/// kernel runs them (the 1-query kernels are checked at load to hold a group of
+/// [`MAX_GROUP`]). A block takes at most 32 queries either way.
+fn block_shape(n: usize, group: usize, max_warps: [usize; 2]) -> (usize, usize) {
+    let per_warp = if n > SPLIT_MAX_QUERIES && group <= max_warps[1].min(TILE_WARPS) {
+        2
+    } else {
+        1
+    };
+    let tiles = (TILE_WARPS / group)
+        .min(max_warps[per_warp - 1] / group)
+        .max(1)
+        .min(n.div_ceil(per_warp));
+    (per_warp, tiles)
+}
+
+/// Dynamic shared memory of a block: a chunk of 32 keys (rows padded by 4) and of 32
+/// values, and the block's `queries`, of `d` dimensions each.
+fn shared_bytes(d: usize, queries: usize) -> usize {
+    (32 * (d + 4) + 32 * d + queries * d) * 4
+}
+
+/// What the launch code above needs of an attention kernel (see `kernels::launch_need`):
+/// the 1-query kernels blocks of a whole [`MAX_GROUP`]; the 2-query kernels one warp (a
+/// group their blocks cannot hold goes to the 1-query kernel); both, shared memory for
+/// heads of their largest size and the most queries a block takes (32 either way).
+pub(crate) fn launch_need(name: &str) -> Option<LaunchNeed> {
+    let (dv, per_warp) = KERNELS.iter().enumerate().find_map(|(i, pair)| {
+        pair.iter()
+            .position(|&k| k == name)
+            .map(|qw| (i + 1, qw + 1))
+    })?;
+    Some(LaunchNeed {
+        threads: if per_warp == 1 {
+            32 * MAX_GROUP as u32
+        } else {
+            32
+        },
+        dynamic_shared: shared_bytes(32 * dv, MAX_GROUP) as u32,
+    })
+}
 
 pub(crate) fn attention(
     b: &CudaBackend,
@@ -75,9 +127,9 @@ pub(crate) fn attention(
         return Ok(());
     }
     let group = heads / kv_heads;
-    if group > 32 {
+    if group > MAX_GROUP {
         return Err(Error::unsupported(format!(
-            "attention with {group} query heads per KV head (at most 32)"
+            "attention with {group} query heads per KV head (at most {MAX_GROUP})"
         )));
     }
     let dv = d.div_ceil(32);
@@ -86,19 +138,13 @@ pub(crate) fn attention(
             "attention heads of {d} dimensions (at most 256)"
         )));
     }
-    // A block holds group * tiles warps sharing each chunk of keys; a warp takes
-    // `per_warp` queries of one head: two for prompts, so that each key and value read
-    // from shared memory serves both.
-    let per_warp = if n > SPLIT_MAX_QUERIES { 2 } else { 1 };
-    let tiles = (16 / group).max(1).min(n.div_ceil(per_warp));
+    let max_warps = [
+        b.kernels.max_threads(KERNELS[dv - 1][0])? as usize / 32,
+        b.kernels.max_threads(KERNELS[dv - 1][1])? as usize / 32,
+    ];
+    let (per_warp, tiles) = block_shape(n, group, max_warps);
     let (qt, rows) = (tiles * per_warp, group * tiles);
-    let shared = (32 * (d + 4) + 32 * d + rows * per_warp * d) * 4;
-    if shared > b.max_shared() {
-        return Err(Error::unsupported(format!(
-            "attention needs {shared} bytes of shared memory per block; the GPU allows {}",
-            b.max_shared()
-        )));
-    }
+    let shared = shared_bytes(d, rows * per_warp);
     let (splits, span) = if n <= SPLIT_MAX_QUERIES && cap > SPAN {
         // Long caches get longer pieces: at most MAX_SPLITS to merge.
         let span = SPAN.max(cap.div_ceil(MAX_SPLITS).next_multiple_of(32));
@@ -169,4 +215,50 @@ pub(crate) fn attention(
         b.note_int8_copy(out, int8)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whatever the group, query count and the kernels' register-bound limits (down to
+    /// what the load check lets through), a block fits its kernel, holds whole groups
+    /// and at most the 32 queries the shared-memory need was checked for.
+    #[test]
+    fn attention_blocks_fit_the_kernels_they_launch() {
+        let least_qw2 = launch_need(KERNELS[7][1]).unwrap().threads as usize / 32;
+        let qw1 = launch_need(KERNELS[7][0]).unwrap().threads as usize / 32;
+        for max_qw2 in least_qw2..=32 {
+            for group in 1..=MAX_GROUP {
+                for n in 1..=80 {
+                    let (per_warp, tiles) = block_shape(n, group, [qw1, max_qw2]);
+                    let warps = group * tiles;
+                    let limit = [qw1, max_qw2][per_warp - 1];
+                    assert!(
+                        warps <= limit && warps * per_warp <= MAX_GROUP && tiles >= 1,
+                        "group {group}, {n} queries, limit {max_qw2}: {per_warp} x {tiles}"
+                    );
+                    assert!(per_warp == 1 || n > SPLIT_MAX_QUERIES);
+                }
+            }
+        }
+        // Prompts keep two queries a warp where the group fits 16 warps.
+        assert_eq!(block_shape(100, 4, [32, 16]), (2, 4));
+        assert_eq!(block_shape(100, 25, [32, 16]), (1, 1));
+        assert_eq!(block_shape(100, 8, [32, 5]), (1, 2));
+    }
+
+    #[test]
+    fn every_attention_kernel_has_a_need() {
+        for (i, pair) in KERNELS.iter().enumerate() {
+            for name in pair {
+                let need = launch_need(name).unwrap();
+                assert_eq!(
+                    need.dynamic_shared as usize,
+                    shared_bytes(32 * (i + 1), MAX_GROUP)
+                );
+            }
+        }
+        assert_eq!(launch_need("attention_combine"), None);
+    }
 }

@@ -5,8 +5,8 @@ use crate::driver_error;
 use cudarc::driver::{result, sys};
 use kiln_core::{Error, Result};
 use std::collections::HashMap;
-use std::ffi::{c_void, CString};
-use std::sync::Mutex;
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::{RwLock, RwLockReadGuard};
 
 /// A kernel argument. Each is stored in a u64 slot; the kernel reads as many bytes as
 /// its parameter has, which on a little-endian machine are the value's own.
@@ -28,11 +28,30 @@ impl Arg {
     }
 }
 
+/// Loading a module's functions while any thread of the process records a CUDA graph
+/// invalidates that recording (the driver does not permit it during stream capture), so
+/// loads and recordings exclude each other: recordings share the lock, a load takes it
+/// alone.
+static LOAD_OR_RECORD: RwLock<()> = RwLock::new(());
+
+/// Held while a graph is recorded (see [`LOAD_OR_RECORD`]).
+pub(crate) fn recording() -> RwLockReadGuard<'static, ()> {
+    LOAD_OR_RECORD.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A kernel and the limits the driver gives for it.
+struct Function {
+    f: sys::CUfunction,
+    /// The largest block it can run (fewer than 1024 threads where its registers run
+    /// out first).
+    max_threads: u32,
+    max_dynamic_shared: u32,
+}
+
 pub(crate) struct Kernels {
     module: sys::CUmodule,
-    functions: Mutex<HashMap<&'static str, sys::CUfunction>>,
-    /// The most dynamic shared memory a block may ask for on this GPU.
-    max_shared: i32,
+    /// Every kernel of the module, checked at load (see [`Kernels::load`]).
+    functions: HashMap<String, Function>,
     /// Launch with programmatic dependent launch (see `follow_previous` in common.cuh).
     programmatic: bool,
 }
@@ -41,53 +60,143 @@ pub(crate) struct Kernels {
 unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
+/// The least a kernel's launch code needs of it: blocks of this many threads (launch
+/// code that adapts to a smaller limit asks for its smallest block), and this much
+/// dynamic shared memory at most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LaunchNeed {
+    pub(crate) threads: u32,
+    pub(crate) dynamic_shared: u32,
+}
+
+/// What each kernel's launch code needs of it (the launch sites' own constants). Kernels
+/// launched with more than 256 threads a block are compiled with `__launch_bounds__`
+/// for it (norms, sampling, 1-query attention), or their launch code takes what the
+/// function allows (matvec, 2-query attention); the check at load holds both to it.
+fn launch_need(name: &str) -> LaunchNeed {
+    let threads = |threads| LaunchNeed {
+        threads,
+        dynamic_shared: 0,
+    };
+    if name.starts_with("matvec") || name.starts_with("gate_up") {
+        return threads(crate::matmul::MATVEC_LEAST_THREADS);
+    }
+    if let Some(need) = crate::attention::launch_need(name) {
+        return need;
+    }
+    match name {
+        "rms_norm" | "layer_norm" => threads(crate::norm::MAX_THREADS),
+        "sample_top_k" => threads(crate::sample::THREADS),
+        // Elementwise and reduction kernels: blocks of 256 threads or fewer, which every
+        // kernel can run (256 threads of 255 registers fill one SM's 64k registers).
+        _ => threads(256),
+    }
+}
+
+fn attribute(f: sys::CUfunction, attr: sys::CUfunction_attribute) -> Result<i32> {
+    unsafe { result::function::get_function_attribute(f, attr) }.map_err(driver_error)
+}
+
+/// The functions of a loaded module, with their names.
+fn module_functions(module: sys::CUmodule) -> Result<Vec<(String, sys::CUfunction)>> {
+    let mut count = 0u32;
+    unsafe { sys::cuModuleGetFunctionCount(&mut count, module) }
+        .result()
+        .map_err(driver_error)?;
+    let mut fs: Vec<sys::CUfunction> = vec![std::ptr::null_mut(); count as usize];
+    unsafe { sys::cuModuleEnumerateFunctions(fs.as_mut_ptr(), count, module) }
+        .result()
+        .map_err(driver_error)?;
+    fs.into_iter()
+        .map(|f| {
+            let mut name: *const c_char = std::ptr::null();
+            unsafe { sys::cuFuncGetName(&mut name, f) }
+                .result()
+                .map_err(driver_error)?;
+            // SAFETY: the driver returns a NUL-terminated name it owns for the module's life.
+            let name = unsafe { CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned();
+            // Enumerated handles of a lazily loaded module are not loaded yet.
+            unsafe { sys::cuFuncLoad(f) }
+                .result()
+                .map_err(driver_error)?;
+            Ok((name, f))
+        })
+        .collect()
+}
+
 impl Kernels {
+    /// Load the module and check every kernel in it against what its launch code needs
+    /// (see [`launch_need`]): a kernel this GPU cannot run as kiln launches it is an
+    /// error here, naming it, rather than a failed launch mid-generation.
+    /// `max_shared`: the most shared memory a block may have on this GPU.
     /// `programmatic`: launch each kernel so that it may be scheduled while the one
     /// before it finishes (sm_90 and later).
     pub(crate) fn load(cubin: &[u8], max_shared: i32, programmatic: bool) -> Result<Kernels> {
+        let _loading = LOAD_OR_RECORD.write().unwrap_or_else(|e| e.into_inner());
         let module = unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) }
             .map_err(|e| Error::Device(format!("cannot load the compiled kernels: {e}")))?;
-        Ok(Kernels {
+        // Built first, so that an error below still unloads the module.
+        let mut kernels = Kernels {
             module,
-            functions: Mutex::new(HashMap::new()),
-            max_shared,
+            functions: HashMap::new(),
             programmatic,
-        })
+        };
+        for (name, f) in module_functions(module)? {
+            use sys::CUfunction_attribute as A;
+            let max_threads = attribute(f, A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?;
+            let registers = attribute(f, A::CU_FUNC_ATTRIBUTE_NUM_REGS)?;
+            let static_shared = attribute(f, A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
+            let need = launch_need(&name);
+            if (max_threads as u32) < need.threads {
+                return Err(Error::Device(format!(
+                    "kernel {name} cannot run on this GPU: kiln launches it with blocks of \
+                     {} threads, and with its {registers} registers a thread it runs at most {max_threads}",
+                    need.threads
+                )));
+            }
+            let max_dynamic_shared = max_shared - static_shared;
+            if (max_dynamic_shared as i64) < need.dynamic_shared as i64 {
+                return Err(Error::Device(format!(
+                    "kernel {name} cannot run on this GPU: it needs {} bytes of shared memory \
+                     a block beside its own {static_shared}, and the GPU allows {max_shared} in all",
+                    need.dynamic_shared
+                )));
+            }
+            // Let every kernel use as much dynamic shared memory as the GPU allows beside
+            // its static shared memory (attention needs more than the default 48 KiB for
+            // large heads).
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    max_dynamic_shared,
+                )
+            }
+            .result()
+            .map_err(driver_error)?;
+            kernels.functions.insert(
+                name,
+                Function {
+                    f,
+                    max_threads: max_threads as u32,
+                    max_dynamic_shared: max_dynamic_shared as u32,
+                },
+            );
+        }
+        Ok(kernels)
     }
 
-    fn function(&self, name: &'static str) -> Result<sys::CUfunction> {
-        let mut functions = self.functions.lock().expect("kernel table lock");
-        if let Some(&f) = functions.get(name) {
-            return Ok(f);
-        }
-        let cname = CString::new(name).expect("kernel names hold no NUL");
-        let f = unsafe { result::module::get_function(self.module, cname) }
-            .map_err(|e| Error::Device(format!("kernel {name} is missing: {e}")))?;
-        // Let every kernel use as much dynamic shared memory as the GPU allows beside its
-        // static shared memory (attention needs more than the default 48 KiB for large
-        // heads).
-        let static_shared = unsafe {
-            result::function::get_function_attribute(
-                f,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
-            )
-        }
-        .map_err(driver_error)?;
-        unsafe {
-            sys::cuFuncSetAttribute(
-                f,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                self.max_shared - static_shared,
-            )
-        }
-        .result()
-        .map_err(driver_error)?;
-        functions.insert(name, f);
-        Ok(f)
+    fn function(&self, name: &str) -> Result<&Function> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| Error::Device(format!("kernel {name} is missing")))
     }
 
-    pub(crate) fn max_shared(&self) -> usize {
-        self.max_shared as usize
+    /// The largest block `name` can run (at least what [`launch_need`] gives it).
+    pub(crate) fn max_threads(&self, name: &str) -> Result<u32> {
+        Ok(self.function(name)?.max_threads)
     }
 
     pub(crate) fn programmatic(&self) -> bool {
@@ -107,7 +216,18 @@ impl Kernels {
         args: &[Arg],
         programmatic: bool,
     ) -> Result<()> {
-        let f = self.function(name)?;
+        let function = self.function(name)?;
+        let threads = block.0 * block.1 * block.2;
+        // Launch code keeps to the limits checked at load; this names a slip in it
+        // instead of the driver's bare "out of resources".
+        if threads > function.max_threads || shared > function.max_dynamic_shared {
+            return Err(Error::Device(format!(
+                "launching {name}: a block of {threads} threads and {shared} bytes of shared \
+                 memory, over its limits of {} and {}",
+                function.max_threads, function.max_dynamic_shared
+            )));
+        }
+        let f = function.f;
         let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()

@@ -271,10 +271,6 @@ impl CudaBackend {
             shape,
         ))
     }
-
-    pub(crate) fn max_shared(&self) -> usize {
-        self.kernels.max_shared()
-    }
 }
 
 pub(crate) fn storage(t: &Tensor) -> Result<&CudaStorage> {
@@ -583,6 +579,7 @@ impl Backend for CudaBackend {
 
     fn capture(&self, step: &mut dyn FnMut() -> Result<()>) -> Result<Option<Box<dyn Replay>>> {
         self.bind()?;
+        let _recording = kernels::recording();
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver_error)?;

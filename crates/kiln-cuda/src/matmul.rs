@@ -103,6 +103,10 @@ type Dim3 = (u32, u32, u32);
 /// Warps (blockDim.y) per block of the matvec kernels.
 const MATVEC_WARPS_PER_BLOCK: usize = 4;
 
+/// The smallest block of the matvec kernels (rows not split over parts), which each of
+/// them must be able to run; larger blocks are taken only where the kernel allows them.
+pub(crate) const MATVEC_LEAST_THREADS: u32 = 32 * MATVEC_WARPS_PER_BLOCK as u32;
+
 /// Weight rows a warp of the matvec and matvec3 kernels takes, and rows of each matrix a
 /// gate_up warp takes (the same names in matvec.cu).
 const MATVEC_ROWS_PER_WARP: usize = 2;
@@ -119,16 +123,24 @@ fn items_per_row(dtype: DType, k: usize) -> usize {
 }
 
 /// Grid and block of a matvec launch over `rows` weight rows of `items` pieces each,
-/// `per_warp` rows to a warp. A warp walks its rows with a chain of loads; with few rows
-/// (tinyllama's 2048) that chain, not the bandwidth, sets the time, so short matrices
-/// split each row over up to 4 warps (blockDim.z), aiming at ~6k warps in flight on the
-/// GPU, as long as each warp keeps a full round of 32 pieces.
-fn matvec_shape(rows: usize, items: usize, per_warp: usize) -> Result<(Dim3, Dim3)> {
+/// `per_warp` rows to a warp, by a kernel that runs blocks of up to `max_threads`. A
+/// warp walks its rows with a chain of loads; with few rows (tinyllama's 2048) that
+/// chain, not the bandwidth, sets the time, so short matrices split each row over up to
+/// 4 warps (blockDim.z), aiming at ~6k warps in flight on the GPU, as long as each warp
+/// keeps a full round of 32 pieces and the block fits the kernel (kernels with many
+/// registers, such as those for 8 rows of x, may not run 512 threads).
+fn matvec_shape(
+    rows: usize,
+    items: usize,
+    per_warp: usize,
+    max_threads: u32,
+) -> Result<(Dim3, Dim3)> {
     let warps = rows.div_ceil(per_warp).max(1);
     let by_rows = 6144usize.div_ceil(warps).next_power_of_two();
     let by_items = (items / 32).max(1);
     let by_items = 1usize << by_items.ilog2();
-    let parts = by_rows.min(by_items).clamp(1, 4);
+    let by_limit = (max_threads / MATVEC_LEAST_THREADS).max(1) as usize;
+    let parts = by_rows.min(by_items).min(by_limit).clamp(1, 4);
     let blocks = u32::try_from(warps.div_ceil(MATVEC_WARPS_PER_BLOCK))
         .map_err(|_| Error::shape(format!("{rows} rows are too many for one launch")))?;
     Ok((
@@ -272,8 +284,14 @@ fn matvec(
         Arg::I32(n as i32),
         Arg::I32(accumulate as i32),
     ]);
-    let (grid, block) = matvec_shape(m, items_per_row(w.dtype(), k), MATVEC_ROWS_PER_WARP)?;
-    b.launch(batch_kernel(MATVEC[t], n), grid, block, 0, &args)
+    let kernel = batch_kernel(MATVEC[t], n);
+    let (grid, block) = matvec_shape(
+        m,
+        items_per_row(w.dtype(), k),
+        MATVEC_ROWS_PER_WARP,
+        b.kernels.max_threads(kernel)?,
+    )?;
+    b.launch(kernel, grid, block, 0, &args)
 }
 
 /// Q, K and V of a few tokens in one launch when the three share a type; otherwise
@@ -354,12 +372,14 @@ fn matmul_many_in(
     ];
     args.extend(matvec_input(b, ws[0].dtype(), x, quantized)?);
     args.extend([Arg::I32(to_i32(k, "row length")?), Arg::I32(n as i32)]);
+    let kernel = batch_kernel(MATVEC3[t], n);
     let (grid, block) = matvec_shape(
         m0 + m1 + m2,
         items_per_row(ws[0].dtype(), k),
         MATVEC_ROWS_PER_WARP,
+        b.kernels.max_threads(kernel)?,
     )?;
-    b.launch(batch_kernel(MATVEC3[t], n), grid, block, 0, &args)
+    b.launch(kernel, grid, block, 0, &args)
 }
 
 /// `out = act(x · gateᵀ) * (x · upᵀ)`: for a few tokens one kernel reads the gate and
@@ -430,8 +450,14 @@ fn gated_ffn_in(
         Arg::I32(n as i32),
         Arg::I32(gelu as i32),
     ]);
-    let (grid, block) = matvec_shape(m, items_per_row(gate.dtype(), k), GATE_UP_ROWS_PER_WARP)?;
-    b.launch(batch_kernel(GATE_UP[t], n), grid, block, 0, &args)
+    let kernel = batch_kernel(GATE_UP[t], n);
+    let (grid, block) = matvec_shape(
+        m,
+        items_per_row(gate.dtype(), k),
+        GATE_UP_ROWS_PER_WARP,
+        b.kernels.max_threads(kernel)?,
+    )?;
+    b.launch(kernel, grid, block, 0, &args)
 }
 
 /// `out (+)= x · wᵀ` through cuBLAS (beta = 1 adds to what `out` holds).
@@ -596,4 +622,30 @@ pub(crate) fn embedding(
             Arg::I32(to_i32(dim, "table width")?),
         ],
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Blocks never pass the kernel's limit (from the least the load check allows to a
+    /// full 1024), and rows are split over parts only as far as the limit allows.
+    #[test]
+    fn matvec_blocks_fit_the_kernel() {
+        for max_threads in [128, 255, 256, 384, 480, 512, 1024] {
+            for rows in [1, 7, 256, 1024, 2048, 5632, 14336, 128256] {
+                for items in [1, 31, 32, 64, 128, 176, 512, 1792] {
+                    let (grid, block) = matvec_shape(rows, items, 2, max_threads).unwrap();
+                    let threads = block.0 * block.1 * block.2;
+                    assert!(threads <= max_threads.max(MATVEC_LEAST_THREADS));
+                    assert!((1..=4).contains(&block.2));
+                    assert!(grid.0 as usize * MATVEC_WARPS_PER_BLOCK * 2 >= rows);
+                }
+            }
+        }
+        // tinyllama's Q/K/V (2048 + 2 x 256 rows of 2048 / 8 pieces): four parts where
+        // 512 threads fit, two where 8-row kernels run 384.
+        assert_eq!(matvec_shape(2560, 256, 2, 512).unwrap().1, (32, 4, 4));
+        assert_eq!(matvec_shape(2560, 256, 2, 384).unwrap().1, (32, 4, 3));
+    }
 }

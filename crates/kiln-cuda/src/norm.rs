@@ -4,10 +4,14 @@ use crate::kernels::Arg;
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{DType, Error, Result, Tensor};
 
-/// Threads per row: one float4 each where the row allows, in whole warps, at most 1024.
+/// The largest block of rms_norm and layer_norm, which each must be able to run.
+pub(crate) const MAX_THREADS: u32 = 1024;
+
+/// Threads per row: one float4 each where the row allows, in whole warps, at most
+/// [`MAX_THREADS`].
 fn block_for(dim: usize) -> (u32, u32, u32) {
     (
-        (dim.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32,
+        (dim.div_ceil(4).div_ceil(32) * 32).clamp(32, MAX_THREADS as usize) as u32,
         1,
         1,
     )

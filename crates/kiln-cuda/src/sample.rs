@@ -10,6 +10,9 @@ use kiln_core::{DType, Error, Result, SampleParams, Tensor};
 /// The most candidates the kernel keeps (its shared-memory sort), as SAMPLE_MAX_K.
 pub(crate) const MAX_TOP_K: usize = 1024;
 
+/// Threads of the one block of `sample_top_k` (its prefix sums and sort assume them).
+pub(crate) const THREADS: u32 = 1024;
+
 /// Draw on the device; `Ok(false)` when these parameters are the host's to handle.
 pub(crate) fn sample(
     b: &CudaBackend,
@@ -56,7 +59,7 @@ pub(crate) fn sample(
     b.launch(
         "sample_top_k",
         (1, 1, 1),
-        (1024, 1, 1),
+        (THREADS, 1, 1),
         0,
         &[
             Arg::Ptr(last_row),

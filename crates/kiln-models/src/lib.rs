@@ -76,18 +76,7 @@ impl Model {
         ty: SyntheticType,
         backend: Arc<dyn Backend>,
     ) -> Result<Model> {
-        let config = shape.config();
-        let src = synthetic::SyntheticSource::new(config.clone(), ty);
-        let weights = load::WeightLoader {
-            src: &src,
-            backend: backend.as_ref(),
-            cfg: &config,
-            norm_plus_one: false,
-            transpose_linear: false,
-            progress: None,
-        }
-        .load()?;
-        Ok(Model::new(config, weights, backend))
+        Self::synthetic_from_config(shape.config(), ty, backend)
     }
 
     pub fn from_hf_dir(

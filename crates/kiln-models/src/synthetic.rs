@@ -6,8 +6,10 @@
 
 use crate::config::{Arch, Ffn, ModelConfig, Norm, Rope};
 use crate::source::{GgufNames, RawTensor, Role, Source};
-use kiln_core::{quant, DType, Error, HostBytes, Result, RopeLayout, Shape};
+use crate::{load, Model};
+use kiln_core::{quant, Backend, DType, Error, HostBytes, Result, RopeLayout, Shape};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// The shapes `kiln bench --synthetic` knows (those of `../shared/anchors.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +71,46 @@ impl SyntheticShape {
     }
 }
 
+impl Model {
+    /// A random-weight Llama-style model of any `config`: a known shape's (see
+    /// [`SyntheticShape::config`]), or one changed from it (the GPU tests keep a few of
+    /// its layers, or give it another head count).
+    pub fn synthetic_from_config(
+        config: ModelConfig,
+        ty: SyntheticType,
+        backend: Arc<dyn Backend>,
+    ) -> Result<Model> {
+        Self::synthetic_with(SyntheticSource::new(config, ty), backend)
+    }
+
+    /// [`Model::synthetic_from_config`]'s model with every matrix decoded to F32: the same
+    /// weights, run without rounding activations to the weights' type (the reference the
+    /// GPU tests measure each weight type's error against).
+    pub fn synthetic_decoded(
+        config: ModelConfig,
+        ty: SyntheticType,
+        backend: Arc<dyn Backend>,
+    ) -> Result<Model> {
+        let mut src = SyntheticSource::new(config, ty);
+        src.decoded = true;
+        Self::synthetic_with(src, backend)
+    }
+
+    fn synthetic_with(src: SyntheticSource, backend: Arc<dyn Backend>) -> Result<Model> {
+        let config = src.config.clone();
+        let weights = load::WeightLoader {
+            src: &src,
+            backend: backend.as_ref(),
+            cfg: &config,
+            norm_plus_one: false,
+            transpose_linear: false,
+            progress: None,
+        }
+        .load()?;
+        Ok(Model::new(config, weights, backend))
+    }
+}
+
 /// The weight types of a synthetic model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SyntheticType {
@@ -125,6 +167,8 @@ type RowPools = HashMap<(DType, usize), std::sync::Arc<Vec<u8>>>;
 pub(crate) struct SyntheticSource {
     config: ModelConfig,
     ty: SyntheticType,
+    /// Matrices decoded to F32 (see [`Model::synthetic_decoded`]).
+    decoded: bool,
     /// Quantized row pools, by (dtype, row length).
     pools: std::sync::Mutex<RowPools>,
 }
@@ -134,6 +178,7 @@ impl SyntheticSource {
         SyntheticSource {
             config,
             ty,
+            decoded: false,
             pools: Default::default(),
         }
     }
@@ -204,8 +249,13 @@ impl Source for SyntheticSource {
                 bytes: HostBytes::from_vec(bytes),
             }));
         }
-        let dtype = self.ty.dtype_for(name, self.config.n_layers);
-        let pool = self.pool(dtype, cols)?;
+        let mut dtype = self.ty.dtype_for(name, self.config.n_layers);
+        let mut pool = self.pool(dtype, cols)?;
+        if self.decoded {
+            let values = quant::dequantize_to_vec(dtype, &pool, POOL_ROWS * cols)?;
+            pool = std::sync::Arc::new(quant::quantize(DType::F32, &values)?);
+            dtype = DType::F32;
+        }
         let row_bytes = dtype.row_bytes(cols)?;
         let mut bytes = Vec::with_capacity(rows * row_bytes);
         while bytes.len() < rows * row_bytes {

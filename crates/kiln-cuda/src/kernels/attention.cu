@@ -219,15 +219,19 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
     }
 }
 
-#define ATTENTION(DV, QW)                                                                    \
-    extern "C" __global__ void attention_##DV##_##QW(                                        \
+// The 1-query kernels are compiled for blocks of 1024 threads (at most 64 registers a
+// thread): one block holds a whole group of up to 32 heads (attention.rs checks each
+// kernel's limit at load). The 2-query kernels are left their registers; attention.rs
+// sizes their blocks to what each runs.
+#define ATTENTION(DV, QW, BOUNDS)                                                            \
+    extern "C" __global__ void BOUNDS attention_##DV##_##QW(                                 \
         const float* q, const float* kc, const float* vc, const int* pos, float* out,        \
         float* part, i8* xq, float* xd, int n, int heads, int kv_heads, int D, float scale,  \
         float cap, int window, int qt, int span) {                                           \
         attention_body<DV, QW>(q, kc, vc, pos, out, part, xq, xd, n, heads, kv_heads, D,     \
                                scale, cap, window, qt, span);                                \
     }
-#define ATTENTION_QW(DV) ATTENTION(DV, 1) ATTENTION(DV, 2)
+#define ATTENTION_QW(DV) ATTENTION(DV, 1, __launch_bounds__(1024)) ATTENTION(DV, 2, )
 ATTENTION_QW(1)
 ATTENTION_QW(2)
 ATTENTION_QW(3)

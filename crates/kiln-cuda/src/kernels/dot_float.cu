@@ -29,7 +29,9 @@ template <int T> __device__ __forceinline__ void load8(WRow row, int c, float w[
 // warp's part of the row (see combine_parts); every lane ends with the warp's sums.
 // Lane l takes chunks l, l + 32, ... of eight values, so a warp reads consecutive 16-
 // or 32-byte pieces (coalesced). Rows whose length is not a multiple of 8 go value by
-// value.
+// value. A chunk's weights of all R rows are held while the B rows of x stream past
+// one at a time: holding x's chunks of all B rows instead (8 B values) took the 8-row
+// kernels past 128 registers, the most a thread of a 512-thread block may have.
 template <int T, int B, int R>
 __device__ __forceinline__ void dot_rows(const WRow rows[R], XF32 in, int k, int n,
                                          float acc[R][B]) {
@@ -42,25 +44,20 @@ __device__ __forceinline__ void dot_rows(const WRow rows[R], XF32 in, int k, int
     const int chunks = (k & 7) == 0 ? k / 8 : 0;
 #pragma unroll 2
     for (int c = threadIdx.z * 32 + lane; c < chunks; c += 32 * blockDim.z) {
-        float xv[B][8];
+        float wv[R][8];
+#pragma unroll
+        for (int j = 0; j < R; j++) load8<T>(rows[j], c, wv[j]);
 #pragma unroll
         for (int b = 0; b < B; b++) {
             if (b < n) {
                 const float4* p = (const float4*)(x + (size_t)b * k) + 2 * c;
                 const float4 a = p[0], e = p[1];
-                xv[b][0] = a.x; xv[b][1] = a.y; xv[b][2] = a.z; xv[b][3] = a.w;
-                xv[b][4] = e.x; xv[b][5] = e.y; xv[b][6] = e.z; xv[b][7] = e.w;
+                const float xv[8] = {a.x, a.y, a.z, a.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+                for (int j = 0; j < R; j++)
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[j][b] += wv[j][i] * xv[i];
             }
-        }
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            float wv[8];
-            load8<T>(rows[j], c, wv);
-#pragma unroll
-            for (int b = 0; b < B; b++)
-                if (b < n)
-#pragma unroll
-                    for (int i = 0; i < 8; i++) acc[j][b] += wv[i] * xv[b][i];
         }
     }
     for (int i = chunks * 8 + threadIdx.z * 32 + lane; i < k; i += 32 * blockDim.z) {

@@ -9,9 +9,10 @@
 // 32 values, as quantize_x_q8 does, for the quantized matvec that reads it next: a
 // launch fewer. Eight consecutive lanes hold a 32-value unit; they find its largest
 // magnitude by shuffles.
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
-                                    float* __restrict__ out, i8* __restrict__ xq,
-                                    float* __restrict__ xd, int dim, float eps) {
+extern "C" __global__ void __launch_bounds__(1024)
+    rms_norm(const float* __restrict__ x, const float* __restrict__ w,
+             float* __restrict__ out, i8* __restrict__ xq,
+             float* __restrict__ xd, int dim, float eps) {
     follow_previous();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
@@ -64,9 +65,10 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 }
 
 // out = (x - mean) / sqrt(var + eps) * w + b.   Launch: grid (rows), block up to 1024.
-extern "C" __global__ void layer_norm(const float* __restrict__ x, const float* __restrict__ w,
-                                      const float* __restrict__ b, float* __restrict__ out,
-                                      int dim, float eps) {
+extern "C" __global__ void __launch_bounds__(1024)
+    layer_norm(const float* __restrict__ x, const float* __restrict__ w,
+               const float* __restrict__ b, float* __restrict__ out,
+               int dim, float eps) {
     follow_previous();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;

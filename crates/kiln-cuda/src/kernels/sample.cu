@@ -47,10 +47,11 @@ __device__ __forceinline__ bool before(float la, int ia, float lb, int ib) {
 }
 
 // Launch: grid 1, block 1024. 1 <= top_k <= min(vocab, SAMPLE_MAX_K).
-extern "C" __global__ void sample_top_k(float* logits, int vocab, const int* penalized,
-                                        int n_penalized, float penalty, int top_k,
-                                        float top_p, float min_p, float temperature,
-                                        float draw, int* out) {
+extern "C" __global__ void __launch_bounds__(1024)
+    sample_top_k(float* logits, int vocab, const int* penalized,
+                 int n_penalized, float penalty, int top_k,
+                 float top_p, float min_p, float temperature,
+                 float draw, int* out) {
     follow_previous();
     __shared__ u32 hist[256];
     __shared__ u32 chosen_prefix, chosen_left;
