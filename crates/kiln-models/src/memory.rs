@@ -86,6 +86,17 @@ impl fmt::Display for NoRoom {
     }
 }
 
+/// Bytes of a KV cache of `context` positions.
+pub fn kv_cache_bytes(config: &ModelConfig, context: usize) -> u128 {
+    kv_per_position(config).saturating_mul(context as u128)
+}
+
+fn kv_per_position(c: &ModelConfig) -> u128 {
+    (c.n_layers as u128)
+        .saturating_mul(2 * KV_BYTES)
+        .saturating_mul((c.n_kv_heads as u128).saturating_mul(c.head_dim as u128))
+}
+
 impl MemoryPlan {
     /// The plan for `config` on `device`, whose weights take `weight_bytes` as stored,
     /// running batches of up to `batch` tokens; `all_logits` when a batch returns the logits
@@ -101,9 +112,7 @@ impl MemoryPlan {
         let u = |v: usize| v as u128;
         let kv_dim = u(c.n_kv_heads).saturating_mul(u(c.head_dim));
         let q_dim = u(c.n_heads).saturating_mul(u(c.head_dim));
-        let kv_per_position = u(c.n_layers)
-            .saturating_mul(2 * KV_BYTES)
-            .saturating_mul(kv_dim);
+        let kv_per_position = kv_per_position(c);
         // f32 buffers of one token in a batch (an upper bound: fused and split layouts'
         // buffers both counted), see `Scratch` in model.rs.
         let per_token = (5 * u(c.dim))
@@ -281,6 +290,25 @@ mod tests {
         c.vocab_size = usize::MAX;
         let plan = MemoryPlan::new(&c, u64::MAX, Device::Cuda(0), usize::MAX, true);
         assert!(plan.check(usize::MAX, &free(1 << 40)).is_err());
+    }
+
+    #[test]
+    fn a_kv_cache_beyond_memory_is_an_error_not_an_abort() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/data/tiny-llama.gguf"
+        );
+        let file = kiln_io::gguf::GgufFile::open(path).unwrap();
+        let cpu = std::sync::Arc::new(kiln_cpu::CpuBackend::new(Some(1)).unwrap());
+        let model = crate::Model::from_gguf(&file, cpu, None).unwrap();
+        // 2 layers, K and V, 2 KV heads of 64, f32: 2 KiB a position, 4 TiB in all.
+        let err = model.new_cache(i32::MAX as usize).err().expect("refused");
+        assert!(
+            err.to_string()
+                .contains("KV cache of 2147483647 positions needs"),
+            "{err}"
+        );
+        assert!(model.new_cache(64).is_ok());
     }
 
     #[test]
