@@ -4,8 +4,10 @@
 //! `ffn_down`) in every dtype, as GB/s of weight bytes streamed, beside the machine's own
 //! read and copy bandwidth measured the same way (same threads, same bytes, same timer).
 
+use crate::console::Failure;
 use kiln_core::{quant, Backend, DType, HostBytes, Result, Shape};
 use kiln_cpu::CpuBackend;
+use kiln_models::memory::{self, human_bytes};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rayon::prelude::*;
 use std::time::Instant;
@@ -15,6 +17,47 @@ pub struct KernelBench {
     pub reps: usize,
     pub rows: usize,
     pub cols: usize,
+}
+
+impl KernelBench {
+    /// Refuse sizes the benchmark cannot run: empty matrices, rows the quantized types
+    /// cannot split into blocks, and matrices the machine has no memory for.
+    pub fn checked(self) -> Result<Self, Failure> {
+        crate::model_file::check_threads(self.threads)?;
+        let block = DType::ALL.iter().map(|d| d.block_size()).max().unwrap_or(1);
+        if self.rows == 0 {
+            return Err(Failure::usage(
+                "--rows 0: the matrix needs at least one row",
+            ));
+        }
+        if self.cols == 0 {
+            return Err(Failure::usage(
+                "--cols 0: the matrix needs at least one column",
+            ));
+        }
+        // The bandwidth runs hold two F32-sized buffers at once; each dtype's weight
+        // is at most that size again.
+        let need = (self.rows as u128 * self.cols as u128) * 4 * 2;
+        if let Some(free) = memory::host_free_memory() {
+            if need > free.bytes {
+                return Err(Failure::usage(format!(
+                    "--rows {} --cols {}: the benchmark needs {} and {} is free in {}",
+                    self.rows,
+                    self.cols,
+                    human_bytes(need),
+                    human_bytes(free.bytes),
+                    free.what
+                )));
+            }
+        }
+        if !self.cols.is_multiple_of(block) {
+            return Err(Failure::usage(format!(
+                "--cols {}: a positive multiple of {block} (the largest quantization block)",
+                self.cols
+            )));
+        }
+        Ok(self)
+    }
 }
 
 /// Median seconds of `reps` runs of `f`, after one warm-up run.

@@ -4,8 +4,9 @@
 //! the mean and standard deviation of tokens per second. Like llama-bench, neither test
 //! reads back logits: the next token is picked on the device.
 
+use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
-use kiln_core::{Error, Result};
+use kiln_models::memory::{self, MemoryPlan};
 use kiln_models::{Model, SyntheticShape, SyntheticType};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -41,12 +42,23 @@ fn mean_std(v: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
-pub fn run(b: &ModelBench) -> Result<String> {
+pub fn run(b: &ModelBench) -> CliResult<String> {
+    let ctx = b.prompt.max(b.gen).saturating_add(1);
+    if ctx > model_file::MAX_CONTEXT {
+        return Err(Failure::usage(format!(
+            "-p {} -n {}: at most {} tokens each",
+            b.prompt,
+            b.gen,
+            model_file::MAX_CONTEXT - 1
+        )));
+    }
     let backend = model_file::backend(b.device, b.threads)?;
     let device = backend.describe();
     let (mut model, name, ty) = match (&b.model, &b.synthetic) {
         (Some(path), None) => {
-            let (m, _) = model_file::open(path, backend)?;
+            let file = model_file::open(Some(path))?;
+            let plan = file.plan(backend.as_ref(), b.prompt, false);
+            let m = file.load(backend, &plan, ctx)?;
             let name = path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
@@ -55,16 +67,22 @@ pub fn run(b: &ModelBench) -> Result<String> {
         }
         (None, Some(shape)) => {
             let s = SyntheticShape::from_name(shape).ok_or_else(|| {
-                Error::unsupported(format!(
-                    "unknown synthetic shape '{shape}' (tinyllama-1.1b, llama3-8b)"
+                Failure::usage(format!(
+                    "--synthetic {shape}: the shapes are tinyllama-1.1b and llama3-8b"
                 ))
             })?;
             let t = SyntheticType::from_name(&b.ty).ok_or_else(|| {
-                Error::unsupported(format!(
-                    "unknown --type '{}' (f32, f16, bf16, q8_0, q4_0, q4_k_m)",
+                Failure::usage(format!(
+                    "--type {}: the types are f32, f16, bf16, q8_0, q4_0, q4_k_m",
                     b.ty
                 ))
             })?;
+            // Its weights are made in memory: only the context is checked here.
+            let plan = MemoryPlan::new(&s.config(), 0, backend.device(), b.prompt, false);
+            if let Some(free) = memory::free_memory(backend.as_ref())? {
+                plan.check(ctx, &free)
+                    .map_err(|no_room| Failure::usage(format!("-p/-n: {no_room}")))?;
+            }
             eprintln!(
                 "building a random {} model with {} weights...",
                 s.name(),
@@ -76,11 +94,7 @@ pub fn run(b: &ModelBench) -> Result<String> {
                 t.name(),
             )
         }
-        _ => {
-            return Err(Error::unsupported(
-                "give either -m MODEL or --synthetic SHAPE",
-            ))
-        }
+        _ => return Err(Failure::usage("give either -m MODEL or --synthetic SHAPE")),
     };
     let vocab = model.config.vocab_size as u64;
     let mut seed = 12345u64;
@@ -90,8 +104,6 @@ pub fn run(b: &ModelBench) -> Result<String> {
             .wrapping_add(1442695040888963407);
         ((seed >> 33) % vocab) as u32
     };
-    let ctx =
-        (b.prompt.max(b.gen) + 1).min(model.config.max_positions.max(b.prompt.max(b.gen) + 1));
     let mut cache = model.new_cache(ctx)?;
     let mut rows = Vec::new();
     if b.prompt > 0 {

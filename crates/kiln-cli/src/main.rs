@@ -2,13 +2,15 @@
 
 mod bench;
 mod bench_model;
+mod console;
 mod devices;
 mod info;
 mod model_file;
 mod perplexity;
 mod run;
 
-use clap::{Parser, Subcommand};
+use clap::{ArgAction, Parser, Subcommand};
+use console::{CliResult, Failure};
 use model_file::DeviceChoice;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -22,6 +24,12 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// More log lines on stderr (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
+    #[arg(short = 'v', long = "verbose", global = true, action = ArgAction::Count)]
+    verbose: u8,
+    /// Errors only on stderr: no warnings or progress.
+    #[arg(short = 'q', long = "quiet", global = true, conflicts_with = "verbose")]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -92,18 +100,21 @@ struct BenchArgs {
     cols: usize,
 }
 
-fn bench(a: BenchArgs) -> kiln_core::Result<()> {
+fn bench(a: BenchArgs) -> CliResult {
     let text = if a.kernels {
-        bench::kernels(&bench::KernelBench {
-            threads: a.threads,
-            reps: a.reps.max(5),
-            rows: a.rows,
-            cols: a.cols,
-        })?
+        bench::kernels(
+            &bench::KernelBench {
+                threads: a.threads,
+                reps: a.reps.max(5),
+                rows: a.rows,
+                cols: a.cols,
+            }
+            .checked()?,
+        )?
     } else {
         if a.output != "md" && a.output != "json" {
-            return Err(kiln_core::Error::unsupported(format!(
-                "-o {} (md or json)",
+            return Err(Failure::usage(format!(
+                "-o {}: the output is md or json",
                 a.output
             )));
         }
@@ -123,25 +134,52 @@ fn bench(a: BenchArgs) -> kiln_core::Result<()> {
     Ok(())
 }
 
+/// clap's message without its usage block and hints, on one line.
+fn clap_message(e: &clap::Error) -> String {
+    e.render()
+        .to_string()
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more information")
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+        .trim_start_matches("error: ")
+        .to_string()
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            let failure = Failure::usage(clap_message(&e));
+            console::report(&failure);
+            return ExitCode::from(failure.exit_code());
+        }
+    };
+    console::init_logging(cli.verbose, cli.quiet);
     let result = match cli.command {
-        Command::Run(a) => run::run(a),
-        Command::Perplexity(a) => perplexity::run(a),
-        Command::Info { path } => info::run(&path),
+        Command::Run(a) => run::run(a, cli.quiet),
+        Command::Perplexity(a) => perplexity::run(a, cli.quiet),
+        Command::Info { path } => info::run(&path).map_err(Failure::from),
         Command::Bench(a) => bench(a),
-        Command::Devices => devices::run(),
+        Command::Devices => devices::run().map_err(Failure::from),
         Command::Convert { dir, out, ty, name } => match kiln_core::DType::from_name(&ty) {
             Some(dtype) => kiln_models::convert_hf_to_gguf(&dir, &out, dtype, &name)
-                .map(|n| eprintln!("wrote {} ({n} tensors, {ty})", out.display())),
-            None => Err(kiln_core::Error::unsupported(format!("--type {ty}"))),
+                .map(|n| eprintln!("wrote {} ({n} tensors, {ty})", out.display()))
+                .map_err(Failure::from),
+            None => Err(Failure::usage(format!(
+                "--type {ty}: the types are f32, f16, bf16, q8_0, q4_0, q4_K, q6_K"
+            ))),
         },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kiln: error: {e}");
-            ExitCode::FAILURE
+        Err(failure) => {
+            console::report(&failure);
+            ExitCode::from(failure.exit_code())
         }
     }
 }

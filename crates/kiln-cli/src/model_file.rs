@@ -1,11 +1,13 @@
 //! Opening a model and its tokenizer from a path, on the chosen backend.
 
+use crate::console::{CliResult, Failure};
 use kiln_core::{Backend, Error, Result};
 use kiln_cpu::CpuBackend;
 use kiln_cuda::CudaBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_io::{detect_format, FileFormat};
-use kiln_models::Model;
+use kiln_models::memory::{self, MemoryPlan};
+use kiln_models::{Checkpoint, Model, ModelConfig};
 use kiln_tokenizer::Tokenizer;
 use std::path::Path;
 use std::sync::Arc;
@@ -20,32 +22,196 @@ pub enum DeviceChoice {
     Cuda,
 }
 
-pub fn backend(device: DeviceChoice, threads: Option<usize>) -> Result<Arc<dyn Backend>> {
-    match device {
-        DeviceChoice::Cpu => Ok(Arc::new(CpuBackend::new(threads)?)),
-        DeviceChoice::Cuda => Ok(Arc::new(CudaBackend::new(0)?)),
+/// Threads beyond this many per core only add stacks and hand-offs.
+const THREADS_PER_CORE: usize = 4;
+
+/// Refuse a thread count of 0, or far above the machine's cores.
+pub fn check_threads(threads: Option<usize>) -> CliResult<()> {
+    let Some(n) = threads else { return Ok(()) };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let most = cores * THREADS_PER_CORE;
+    if n == 0 || n > most {
+        return Err(Failure::usage(format!(
+            "-t {n}: from 1 to {most} threads ({cores} cores here)"
+        )));
+    }
+    Ok(())
+}
+
+pub fn backend(device: DeviceChoice, threads: Option<usize>) -> CliResult<Arc<dyn Backend>> {
+    check_threads(threads)?;
+    Ok(match device {
+        DeviceChoice::Cpu => Arc::new(CpuBackend::new(threads)?),
+        DeviceChoice::Cuda => Arc::new(CudaBackend::new(0)?),
         DeviceChoice::Auto => match CudaBackend::new(0) {
-            Ok(cuda) => Ok(Arc::new(cuda)),
+            Ok(cuda) => Arc::new(cuda),
             Err(e) => {
                 // Expected on machines without a GPU; worth a word when one is there.
                 if kiln_cuda::is_available() {
-                    eprintln!("kiln: the GPU cannot be used ({e}); running on the CPU");
+                    tracing::warn!("the GPU cannot be used ({e}); running on the CPU");
                 }
-                Ok(Arc::new(CpuBackend::new(threads)?))
+                Arc::new(CpuBackend::new(threads)?)
             }
         },
-    }
+    })
 }
 
 /// kiln's default model (models/README.md): a small LLaMA trained on license texts,
 /// embedded so that `kiln run` works with no download.
 const DEFAULT_MODEL: &[u8] = include_bytes!("../../../models/kiln-default.gguf");
 
-/// The embedded default model.
-pub fn open_default(backend: Arc<dyn Backend>) -> Result<(Model, Tokenizer)> {
-    let file = GgufFile::from_bytes("<embedded kiln-default.gguf>", DEFAULT_MODEL.to_vec())?;
-    let tokenizer = Tokenizer::from_gguf(&file)?;
-    Ok((Model::from_gguf(&file, backend, None)?, tokenizer))
+/// A model file opened, its configuration and tokenizer read, its weights not yet loaded.
+pub struct ModelFile {
+    pub checkpoint: Checkpoint,
+    pub tokenizer: Tokenizer,
+    /// The path, or "the default model", for messages.
+    pub name: String,
+    /// Bytes to read while loading, for the progress bar.
+    size: u64,
+}
+
+/// Open `path`, or the embedded default model when `None`.
+pub fn open(path: Option<&Path>) -> Result<ModelFile> {
+    let Some(path) = path else {
+        let file = GgufFile::from_bytes("<embedded kiln-default.gguf>", DEFAULT_MODEL.to_vec())?;
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        return Ok(ModelFile {
+            checkpoint: Checkpoint::from_gguf(file)?,
+            tokenizer,
+            name: "the default model".into(),
+            size: 0,
+        });
+    };
+    let name = path.display().to_string();
+    match detect_format(path)? {
+        FileFormat::Gguf => {
+            let file = GgufFile::open(path)?;
+            let tokenizer = Tokenizer::from_gguf(&file)?;
+            let size = file.file_size();
+            Ok(ModelFile {
+                checkpoint: Checkpoint::from_gguf(file)?,
+                tokenizer,
+                name,
+                size,
+            })
+        }
+        FileFormat::HfDirectory => {
+            let checkpoint = Checkpoint::open_hf_dir(path)?;
+            Ok(ModelFile {
+                checkpoint,
+                tokenizer: Tokenizer::from_hf_dir(path)?,
+                name,
+                size: dir_size(path),
+            })
+        }
+        FileFormat::Safetensors => Err(Error::unsupported(format!(
+            "{}: give the Hugging Face directory that holds this file (kiln needs its config.json and tokenizer)",
+            path.display()
+        ))),
+    }
+}
+
+impl ModelFile {
+    pub fn config(&self) -> &ModelConfig {
+        &self.checkpoint.config
+    }
+
+    /// Refuse, before anything is allocated, a context whose buffers `plan` says do not
+    /// fit on `backend`'s device; then load the weights.
+    pub fn load(
+        &self,
+        backend: Arc<dyn Backend>,
+        plan: &MemoryPlan,
+        context: usize,
+    ) -> CliResult<Model> {
+        if let Some(free) = memory::free_memory(backend.as_ref())? {
+            plan.check(context, &free).map_err(|no_room| {
+                let msg = format!("{}: {no_room}", self.name);
+                // A smaller --ctx-size helps only when some context fits.
+                if no_room.largest > 0 {
+                    Failure::Usage(msg)
+                } else {
+                    Failure::Kiln(Error::Device(msg))
+                }
+            })?;
+        }
+        warn_above_trained(context, self.config(), &self.name);
+        let bar = progress_bar(self.size);
+        let tick = |n: u64| bar.iter().for_each(|b| b.inc(n));
+        let model = self.checkpoint.load(backend, Some(&tick));
+        bar.iter().for_each(|b| b.finish_and_clear());
+        Ok(model?)
+    }
+
+    /// The plan for this model on `backend`'s device (see [`MemoryPlan::new`]).
+    pub fn plan(&self, backend: &dyn Backend, batch: usize, all_logits: bool) -> MemoryPlan {
+        MemoryPlan::new(
+            self.config(),
+            self.checkpoint.weight_bytes(),
+            backend.device(),
+            batch,
+            all_logits,
+        )
+    }
+}
+
+/// The largest context kiln can address: positions are i32 on the device.
+pub const MAX_CONTEXT: usize = i32::MAX as usize;
+
+/// Parses `--ctx-size`: a count of tokens kiln can address.
+pub fn context_arg(s: &str) -> std::result::Result<usize, String> {
+    let n: u128 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a whole number of tokens"))?;
+    if n > MAX_CONTEXT as u128 {
+        return Err(format!(
+            "{n} tokens is above the largest context kiln can address ({MAX_CONTEXT})"
+        ));
+    }
+    Ok(n as usize)
+}
+
+/// The context to use: `asked`, or the model's own for 0 or when not given (at most
+/// `default_cap` then). Above the length the model was trained for is allowed (llama.cpp's
+/// behaviour; see [`warn_above_trained`]), except for learned positions, which have no
+/// embedding past it.
+pub fn context_size(
+    asked: Option<usize>,
+    config: &ModelConfig,
+    name: &str,
+    default_cap: usize,
+) -> CliResult<usize> {
+    let trained = config.max_positions;
+    let context = match asked {
+        Some(0) if trained == 0 => {
+            return Err(Failure::usage(format!(
+                "--ctx-size 0 asks for the model's own context, and {name} does not say how long it is: give --ctx-size N"
+            )))
+        }
+        Some(0) => trained,
+        Some(n) => n,
+        None if trained == 0 => default_cap,
+        None => trained.min(default_cap),
+    };
+    if trained > 0 && context > trained && config.rope.is_none() {
+        return Err(Failure::usage(format!(
+            "--ctx-size {context}: {name} has learned position embeddings for {trained} positions, no more"
+        )));
+    }
+    Ok(context)
+}
+
+/// Say so when `context` is longer than the model was trained for: it runs, and its
+/// output may degrade. Called once the context is known to fit, so that a refusal is
+/// the only line.
+pub fn warn_above_trained(context: usize, config: &ModelConfig, name: &str) {
+    let trained = config.max_positions;
+    if trained > 0 && context > trained {
+        tracing::warn!(
+            "--ctx-size {context} is above the {trained} positions {name} was trained for; its output may degrade past them"
+        );
+    }
 }
 
 /// A progress bar over `total` bytes when stderr is a terminal and the model is large
@@ -73,29 +239,4 @@ fn dir_size(path: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
-}
-
-pub fn open(path: &Path, backend: Arc<dyn Backend>) -> Result<(Model, Tokenizer)> {
-    match detect_format(path)? {
-        FileFormat::Gguf => {
-            let file = GgufFile::open(path)?;
-            let tokenizer = Tokenizer::from_gguf(&file)?;
-            let bar = progress_bar(file.file_size());
-            let tick = |n: u64| bar.iter().for_each(|b| b.inc(n));
-            let model = Model::from_gguf(&file, backend, Some(&tick));
-            bar.iter().for_each(|b| b.finish_and_clear());
-            Ok((model?, tokenizer))
-        }
-        FileFormat::HfDirectory => {
-            let bar = progress_bar(dir_size(path));
-            let tick = |n: u64| bar.iter().for_each(|b| b.inc(n));
-            let model = Model::from_hf_dir(path, backend, Some(&tick));
-            bar.iter().for_each(|b| b.finish_and_clear());
-            Ok((model?, Tokenizer::from_hf_dir(path)?))
-        }
-        FileFormat::Safetensors => Err(Error::unsupported(format!(
-            "{}: give the Hugging Face directory that holds this file (kiln needs its config.json and tokenizer)",
-            path.display()
-        ))),
-    }
 }

@@ -3,10 +3,13 @@
 //! cut it into chunks of `ctx` tokens, make each chunk's first token BOS (when the
 //! tokenizer adds one), and score only the second half of each chunk.
 
+use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
-use kiln_core::{Error, Result};
+use kiln_core::Error;
 use kiln_models::perplexity;
-use std::path::PathBuf;
+use kiln_tokenizer::Tokenizer;
+use std::io::{IsTerminal, Read};
+use std::path::{Path, PathBuf};
 
 #[derive(clap::Args)]
 pub struct PerplexityArgs {
@@ -15,42 +18,206 @@ pub struct PerplexityArgs {
     /// The text file to score.
     #[arg(short = 'f', long)]
     pub file: PathBuf,
-    /// Chunk size in tokens.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 512)]
+    /// Chunk size in tokens (0: the model's context).
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 512, value_parser = model_file::context_arg, allow_hyphen_values = true)]
     pub ctx: usize,
+    /// Score at most this many chunks (all when not given); the text after them is not
+    /// even tokenized.
+    #[arg(long)]
+    pub chunks: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
 }
 
-pub fn run(a: PerplexityArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.file).map_err(|e| Error::io(a.file.display(), e))?;
-    let backend = model_file::backend(a.device, a.threads)?;
-    let (mut model, tokenizer) = model_file::open(&a.model, backend)?;
-    let ctx = a.ctx;
-    if ctx > model.config.max_positions && model.config.rope.is_none() {
-        return Err(Error::shape(format!(
-            "--ctx-size {ctx} exceeds the model's {} positions",
-            model.config.max_positions
+/// The largest text perplexity reads: its token ids and the text itself stay in memory.
+const MAX_TEXT_BYTES: u64 = 256 << 20;
+
+/// The text of `path`: a regular file of valid UTF-8, at most [`MAX_TEXT_BYTES`].
+fn read_text(path: &Path) -> CliResult<String> {
+    let shown = path.display();
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(format!("-f {shown}"), e))?;
+    if !meta.is_file() {
+        return Err(Failure::usage(format!(
+            "-f {shown}: not a regular file (perplexity reads a text file)"
         )));
     }
-    let tokens = tokenizer.encode(&text, true)?;
-    let bos = tokenizer.add_bos().then(|| tokenizer.bos_id()).flatten();
-    let start = std::time::Instant::now();
-    let mut line = String::new();
-    let p = perplexity(&mut model, &tokens, ctx, bos, |i, running| {
-        line += &format!("[{}]{running:.4},", i + 1);
-        eprint!("\r{line}");
+    if meta.len() > MAX_TEXT_BYTES {
+        return Err(Failure::usage(format!(
+            "-f {shown}: {} bytes; perplexity reads at most {MAX_TEXT_BYTES} (cut the text, or use --chunks on a part of it)",
+            meta.len()
+        )));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_TEXT_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(|e| Error::io(format!("-f {shown}"), e))?;
+    if bytes.len() as u64 > MAX_TEXT_BYTES {
+        return Err(Failure::usage(format!(
+            "-f {shown}: grew past {MAX_TEXT_BYTES} bytes while read"
+        )));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        Failure::usage(format!(
+            "-f {shown}: not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
     })
-    .map_err(|e| Error::shape(format!("{}: {e}", a.file.display())))?;
-    eprintln!();
-    eprintln!(
-        "{} chunks of {ctx} tokens, {} scored, {:.2} s",
-        p.chunks,
-        p.scored,
-        start.elapsed().as_secs_f64()
-    );
+}
+
+/// Text is tokenized in pieces of about this many bytes: a tokenizer's working memory
+/// grows with the text it is given (tens of bytes per byte), the ids only by 4 bytes a
+/// token.
+const PIECE_BYTES: usize = 1 << 20;
+
+/// Where the piece starting at `from` ends: after a newline that a non-space character
+/// follows, where whole-text tokenization splits too (pre-tokenizers cut there); at a
+/// character boundary when no such newline comes soon.
+fn piece_end(text: &str, from: usize) -> usize {
+    let min = from + PIECE_BYTES;
+    if min >= text.len() {
+        return text.len();
+    }
+    let bytes = text.as_bytes();
+    let search_end = (min + PIECE_BYTES).min(text.len() - 1);
+    (min..search_end)
+        .find(|&i| bytes[i] == b'\n' && !bytes[i + 1].is_ascii_whitespace())
+        .map(|i| i + 1)
+        .unwrap_or_else(|| {
+            (min..=text.len())
+                .find(|&i| text.is_char_boundary(i))
+                .unwrap_or(text.len())
+        })
+}
+
+/// Token ids of `text` (BOS first when the tokenizer adds one), stopping once `limit`
+/// ids are there. Texts longer than one piece are tokenized a piece at a time; with a
+/// SentencePiece tokenizer that adds a dummy-prefix space, each piece after the first
+/// starts with one, a token of difference per megabyte from tokenizing the whole text.
+fn tokenize(
+    tokenizer: &Tokenizer,
+    text: &str,
+    limit: Option<usize>,
+) -> kiln_core::Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    if tokenizer.add_bos() {
+        ids.extend(tokenizer.bos_id());
+    }
+    let mut from = 0;
+    while from < text.len() && limit.is_none_or(|l| ids.len() < l) {
+        let end = piece_end(text, from);
+        ids.extend(tokenizer.encode(&text[from..end], false)?);
+        from = end;
+    }
+    if from == text.len() && tokenizer.add_eos() {
+        ids.extend(tokenizer.eos_ids().first());
+    }
+    if let Some(l) = limit {
+        ids.truncate(l);
+    }
+    Ok(ids)
+}
+
+/// Progress after each chunk: rewritten in place on a terminal; otherwise about ten
+/// lines in all, so that a log does not grow with the number of chunks.
+struct Progress {
+    total: usize,
+    terminal: bool,
+    quiet: bool,
+}
+
+impl Progress {
+    fn chunk(&self, i: usize, running: f64) {
+        let done = i + 1;
+        if self.quiet {
+            return;
+        }
+        if self.terminal {
+            eprint!("\r[{done}/{}] PPL {running:.4}", self.total);
+        } else if done.is_multiple_of(self.total.div_ceil(10).max(1)) || done == self.total {
+            eprintln!("[{done}/{}] PPL {running:.4}", self.total);
+        }
+    }
+}
+
+pub fn run(a: PerplexityArgs, quiet: bool) -> CliResult {
+    let text = read_text(&a.file)?;
+    let backend = model_file::backend(a.device, a.threads)?;
+    let file = model_file::open(Some(&a.model))?;
+    let ctx = model_file::context_size(Some(a.ctx), file.config(), &file.name, usize::MAX)?;
+    if ctx < 4 {
+        return Err(Failure::usage(format!(
+            "--ctx-size {ctx}: perplexity needs chunks of at least 4 tokens"
+        )));
+    }
+    if a.chunks == Some(0) {
+        return Err(Failure::usage("--chunks 0: score at least one chunk"));
+    }
+    let limit = a.chunks.map(|n| n.saturating_mul(ctx));
+    let tokens = tokenize(&file.tokenizer, &text, limit)?;
+    drop(text);
+    if tokens.len() < 2 * ctx {
+        return Err(Failure::usage(format!(
+            "-f {}: {} tokens; perplexity with --ctx-size {ctx} needs at least {} (two chunks)",
+            a.file.display(),
+            tokens.len(),
+            2 * ctx
+        )));
+    }
+    let plan = file.plan(backend.as_ref(), ctx, true);
+    let mut model = file.load(backend, &plan, ctx)?;
+    let bos = file
+        .tokenizer
+        .add_bos()
+        .then(|| file.tokenizer.bos_id())
+        .flatten();
+    let progress = Progress {
+        total: tokens.len() / ctx,
+        terminal: std::io::stderr().is_terminal(),
+        quiet,
+    };
+    let start = std::time::Instant::now();
+    let p = perplexity(&mut model, &tokens, ctx, bos, |i, running| {
+        progress.chunk(i, running)
+    })?;
+    if progress.terminal && !quiet {
+        eprintln!();
+    }
+    if !quiet {
+        eprintln!(
+            "{} chunks of {ctx} tokens, {} scored, {:.2} s",
+            p.chunks,
+            p.scored,
+            start.elapsed().as_secs_f64()
+        );
+    }
     println!("PPL = {:.6} +/- {:.6}", p.ppl, p.error);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_end_after_a_newline_before_text_and_cover_the_text() {
+        let line = "word ".repeat(50) + "\n";
+        let text = line.repeat(3 * PIECE_BYTES / line.len());
+        let mut from = 0;
+        let mut pieces = 0;
+        while from < text.len() {
+            let end = piece_end(&text, from);
+            assert!(end > from);
+            assert!(end == text.len() || text.as_bytes()[end - 1] == b'\n');
+            from = end;
+            pieces += 1;
+        }
+        assert_eq!(from, text.len());
+        assert!((2..=4).contains(&pieces), "{pieces}");
+        // No newline at all: cut at a character boundary.
+        let text = "é".repeat(PIECE_BYTES);
+        let end = piece_end(&text, 0);
+        assert!(text.is_char_boundary(end) && end >= PIECE_BYTES);
+    }
 }

@@ -1,7 +1,7 @@
 //! `kiln run`: generate text from a prompt.
 
+use crate::console::{self, CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
-use kiln_core::{Error, Result};
 use kiln_models::chat::Message;
 use kiln_models::{generate, GenerateOptions, Sampler, SamplerConfig};
 use std::io::Write;
@@ -19,19 +19,19 @@ pub struct RunArgs {
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     pub n_predict: usize,
     /// Temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8, value_parser = non_negative)]
+    #[arg(long, default_value_t = 0.8, value_parser = non_negative, allow_hyphen_values = true)]
     pub temp: f32,
     /// Keep the k most likely tokens; 0 keeps all.
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
     /// Keep the most likely tokens up to this much probability; 1 keeps all.
-    #[arg(long, default_value_t = 0.95, value_parser = probability)]
+    #[arg(long, default_value_t = 0.95, value_parser = probability, allow_hyphen_values = true)]
     pub top_p: f32,
     /// Drop tokens less likely than this share of the most likely one; 0 keeps all.
-    #[arg(long, default_value_t = 0.05, value_parser = probability)]
+    #[arg(long, default_value_t = 0.05, value_parser = probability, allow_hyphen_values = true)]
     pub min_p: f32,
     /// Divide the logits of recent tokens by this (multiply when negative); 1 is off.
-    #[arg(long, default_value_t = 1.0, value_parser = positive)]
+    #[arg(long, default_value_t = 1.0, value_parser = positive, allow_hyphen_values = true)]
     pub repeat_penalty: f32,
     /// Random seed (default: from the clock).
     #[arg(short = 's', long)]
@@ -39,8 +39,8 @@ pub struct RunArgs {
     /// Stop when this text appears (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Context size in tokens (default: the model's, at most 4096).
-    #[arg(short = 'c', long = "ctx-size")]
+    /// Context size in tokens (default: the model's, at most 4096; 0: the model's).
+    #[arg(short = 'c', long = "ctx-size", value_parser = model_file::context_arg, allow_hyphen_values = true)]
     pub ctx_size: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
@@ -60,20 +60,17 @@ pub enum Output {
     Json,
 }
 
-pub fn run(a: RunArgs) -> Result<()> {
+/// The default context when --ctx-size is not given: the model's, at most this.
+const DEFAULT_CONTEXT: usize = 4096;
+
+pub fn run(a: RunArgs, quiet: bool) -> CliResult {
     let backend = model_file::backend(a.device, a.threads)?;
-    let (mut model, tokenizer) = match &a.model {
-        Some(path) => model_file::open(path, backend)?,
-        None => model_file::open_default(backend)?,
-    };
-    let model_name = a
-        .model
-        .as_ref()
-        .map_or("the default model".to_string(), |p| p.display().to_string());
+    let file = model_file::open(a.model.as_deref())?;
+    let tokenizer = &file.tokenizer;
     let prompt = if a.chat {
-        let template = tokenizer.chat_template().ok_or_else(|| {
-            Error::unsupported(format!("{model_name}: the model has no chat template"))
-        })?;
+        let template = tokenizer
+            .chat_template()
+            .ok_or_else(|| Failure::usage(format!("--chat: {} has no chat template", file.name)))?;
         let text_of = |id: Option<u32>| {
             id.and_then(|id| tokenizer.token_text(id))
                 .unwrap_or("")
@@ -91,15 +88,24 @@ pub fn run(a: RunArgs) -> Result<()> {
     } else {
         tokenizer.encode(&a.prompt, true)?
     };
-    let context = a
-        .ctx_size
-        .unwrap_or_else(|| model.config.max_positions.min(4096));
-    if context > model.config.max_positions && model.config.rope.is_none() {
-        return Err(Error::shape(format!(
-            "--ctx-size {context} exceeds the {} positions this model has embeddings for",
-            model.config.max_positions
+    if prompt.is_empty() {
+        return Err(Failure::usage(
+            "-p: the prompt is empty (and the model adds no BOS)",
+        ));
+    }
+    let context = model_file::context_size(a.ctx_size, file.config(), &file.name, DEFAULT_CONTEXT)?;
+    // Everything the user can get wrong is checked before any text is printed.
+    if prompt.len() >= context {
+        return Err(Failure::usage(format!(
+            "the prompt has {} tokens, and --ctx-size {context} leaves no room to generate: raise --ctx-size above {} ({} was trained for {} positions)",
+            prompt.len(),
+            prompt.len(),
+            file.name,
+            file.config().max_positions
         )));
     }
+    let plan = file.plan(backend.as_ref(), prompt.len(), false);
+    let mut model = file.load(backend, &plan, context)?;
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -123,34 +129,34 @@ pub fn run(a: RunArgs) -> Result<()> {
     let streaming = a.output == Output::Text;
     let mut stdout = std::io::stdout().lock();
     if streaming && !a.chat {
-        let _ = write!(stdout, "{}", a.prompt);
-        let _ = stdout.flush();
+        console::stream(&mut stdout, &a.prompt);
     }
     let g = generate(
         &mut model,
-        &tokenizer,
+        tokenizer,
         &prompt,
         &mut sampler,
         &opts,
         |piece| {
             if streaming {
-                let _ = write!(stdout, "{piece}");
-                let _ = stdout.flush();
+                console::stream(&mut stdout, piece);
             }
         },
     )?;
     let pp = g.prompt_tokens.len() as f64 / g.prompt_time.as_secs_f64().max(1e-9);
     let tg = g.tokens.len() as f64 / g.gen_time.as_secs_f64().max(1e-9);
     if streaming {
-        let _ = writeln!(stdout);
-        eprintln!(
-            "\nprompt: {} tokens, {:.1} ms, {pp:.1} tokens/s | generation: {} tokens, {:.1} ms, {tg:.1} tokens/s | stop: {:?}",
-            g.prompt_tokens.len(),
-            g.prompt_time.as_secs_f64() * 1e3,
-            g.tokens.len(),
-            g.gen_time.as_secs_f64() * 1e3,
-            g.stop
-        );
+        console::stream(&mut stdout, "\n");
+        if !quiet {
+            eprintln!(
+                "\nprompt: {} tokens, {:.1} ms, {pp:.1} tokens/s | generation: {} tokens, {:.1} ms, {tg:.1} tokens/s | stop: {:?}",
+                g.prompt_tokens.len(),
+                g.prompt_time.as_secs_f64() * 1e3,
+                g.tokens.len(),
+                g.gen_time.as_secs_f64() * 1e3,
+                g.stop
+            );
+        }
     } else {
         let json = serde_json::json!({
             "prompt_tokens": g.prompt_tokens,

@@ -94,13 +94,15 @@ fn stop_strings_end_generation() {
 }
 
 #[test]
-fn a_prompt_longer_than_the_context_is_a_clear_error() {
+fn a_prompt_longer_than_the_context_is_a_clear_error_before_any_output() {
     let long = "word ".repeat(400);
     let o = kiln(&["run", "-p", &long, "-c", "64", "-n", "4"]);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(2));
     let err = stderr(&o);
-    assert!(err.contains("context holds 64"), "{err}");
+    assert!(err.contains("--ctx-size 64"), "{err}");
+    assert!(!err.contains("shape mismatch"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
+    assert_eq!(stdout(&o), "", "the prompt was echoed before the error");
 }
 
 #[test]
@@ -167,10 +169,178 @@ fn bench_prints_llama_bench_rows() {
 }
 
 #[test]
-fn a_context_the_machine_cannot_hold_is_an_error_not_an_abort() {
+fn a_context_the_machine_cannot_hold_is_refused_with_what_fits() {
     let o = kiln(&["run", "-p", "hi", "-c", "2000000000", "-n", "2"]);
-    assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("cannot allocate"), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    for says in [
+        "a context of 2000000000 tokens",
+        "KV cache needs",
+        "free after the weights",
+    ] {
+        assert!(err.contains(says), "{says}: {err}");
+    }
+    let largest: usize = err
+        .split("the largest context that fits is ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no largest context in {err}"));
+    assert!(largest > 512 && largest < 2_000_000_000, "{largest}");
+    assert_eq!(stdout(&o), "");
+}
+
+#[test]
+fn contexts_that_wrap_or_are_zero_are_handled() {
+    let o = kiln(&["run", "-p", "hi", "-n", "1", "-c", "18446744073709551615"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(
+        err.starts_with("kiln: error: ")
+            && err.contains("18446744073709551615")
+            && err.contains("2147483647"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // 0: the model's own context.
+    let o = kiln(&[
+        "run",
+        "-p",
+        "Permission",
+        "-n",
+        "2",
+        "--temp",
+        "0",
+        "-c",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// Above the trained context is allowed, with a warning on stderr (llama.cpp's
+/// behaviour); `-q` and `RUST_LOG=off` silence it.
+#[test]
+fn a_context_above_the_trained_one_warns_and_runs() {
+    let args = [
+        "run",
+        "-m",
+        "tests/data/tiny-llama.gguf",
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "--temp",
+        "0",
+        "-c",
+        "200",
+    ];
+    let o = kiln(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("WARN") && stderr(&o).contains("above the 128 positions"),
+        "{}",
+        stderr(&o)
+    );
+    let quiet = kiln(&[&args[..], &["-q"]].concat());
+    assert!(quiet.status.success());
+    assert!(!stderr(&quiet).contains("WARN"), "{}", stderr(&quiet));
+    let off = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(repo())
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    assert!(off.status.success());
+    assert!(!stderr(&off).contains("WARN"), "{}", stderr(&off));
+}
+
+/// When generation fails after the prompt was echoed, the error still starts a line of
+/// its own on a terminal that shows stdout and stderr together.
+#[test]
+fn an_error_after_streamed_text_starts_its_own_line() {
+    let model = repo().join("tests/corpus/hostile/vocab_above_embedding/model.gguf");
+    let dir = tempfile::tempdir().unwrap();
+    let both = dir.path().join("both");
+    let file = std::fs::File::create(&both).unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "run",
+            "--device",
+            "cpu",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "the the the",
+            "-n",
+            "2",
+        ])
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .status()
+        .unwrap();
+    let text = std::fs::read_to_string(&both).unwrap();
+    assert!(matches!(status.code(), Some(1 | 2)), "{text}");
+    let error = text
+        .lines()
+        .find(|l| l.contains("kiln: error:"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(error.starts_with("kiln: error:"), "{text:?}");
+}
+
+#[test]
+fn bench_kernel_sizes_are_checked_before_allocating() {
+    for (args, says) in [
+        (&["--rows", "0"][..], "--rows 0"),
+        (&["--rows", "1000000", "--cols", "1000000"][..], "needs"),
+        (&["--rows", "8", "--cols", "100"][..], "--cols 100"),
+        (&["-t", "0"][..], "-t 0"),
+    ] {
+        let o = kiln(&[&["bench", "--kernels"][..], args].concat());
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = stderr(&o);
+        assert!(
+            err.starts_with("kiln: error: ") && err.contains(says),
+            "{args:?}: {err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+}
+
+#[test]
+fn perplexity_errors_have_one_prefix_and_progress_stays_short() {
+    let o = kiln(&[
+        "perplexity",
+        "-m",
+        "tests/data/tiny-llama.gguf",
+        "-f",
+        "README.md",
+        "-c",
+        "100000",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert_eq!(err.matches("kiln: error:").count(), 1, "{err}");
+    assert!(
+        !err.contains("shape mismatch") && err.contains("needs at least 200000"),
+        "{err}"
+    );
+    // Hundreds of chunks; the log has a dozen lines, not a line's worth per chunk.
+    let o = kiln(&[
+        "perplexity",
+        "-m",
+        "tests/data/tiny-llama.gguf",
+        "-f",
+        "scripts/fixtures/ppl.txt",
+        "-c",
+        "4",
+        "--chunks",
+        "300",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.lines().count() <= 12 && err.len() < 1024, "{err}");
+    assert!(err.contains("300 chunks of 4 tokens"), "{err}");
 }
 
 /// Without a GPU, `--device cuda` is one clear line and status 1, and `--device auto`

@@ -135,10 +135,9 @@ pub fn generate(
     }
     if prompt.len() >= opts.context {
         return Err(Error::shape(format!(
-            "the prompt has {} tokens; the context holds {} (raise --ctx-size, up to the model's {})",
+            "the prompt has {} tokens and the context {}: the context must be longer than the prompt",
             prompt.len(),
             opts.context,
-            model.config.max_positions
         )));
     }
     let mut cache = model.new_cache(opts.context)?;

@@ -5,12 +5,14 @@
 //! tokens through it.
 
 pub mod chat;
+mod checkpoint;
 mod config;
 mod config_gguf;
 mod config_hf;
 mod convert;
 pub mod generate;
 mod load;
+pub mod memory;
 mod model;
 mod perplexity;
 pub mod sampler;
@@ -18,6 +20,7 @@ mod source;
 mod synthetic;
 mod weights;
 
+pub use checkpoint::Checkpoint;
 pub use config::{Arch, Ffn, Llama3Scaling, ModelConfig, Norm, Rope};
 pub use convert::convert_hf_to_gguf;
 pub use generate::{generate, GenerateOptions, Generation, StopReason};
@@ -28,8 +31,6 @@ pub use synthetic::{SyntheticShape, SyntheticType};
 
 use kiln_core::{Backend, Error, Result};
 use kiln_io::gguf::GgufFile;
-use kiln_io::hf_config::HfConfig;
-use kiln_io::safetensors::SafetensorsModel;
 use kiln_io::{detect_format, FileFormat};
 use std::path::Path;
 use std::sync::Arc;
@@ -58,16 +59,7 @@ impl Model {
         progress: Option<&dyn Fn(u64)>,
     ) -> Result<Model> {
         let config = config_gguf::config_from_gguf(file)?;
-        let weights = load::WeightLoader {
-            src: &source::GgufSource(file),
-            backend: backend.as_ref(),
-            cfg: &config,
-            norm_plus_one: false,
-            transpose_linear: false,
-            progress,
-        }
-        .load()?;
-        Ok(Model::new(config, weights, backend))
+        checkpoint::load_model(&source::GgufSource(file), config, false, backend, progress)
     }
 
     /// A random-weight model of a known shape (see [`SyntheticShape`]).
@@ -84,28 +76,6 @@ impl Model {
         backend: Arc<dyn Backend>,
         progress: Option<&dyn Fn(u64)>,
     ) -> Result<Model> {
-        let name = dir.display().to_string();
-        let hf = HfConfig::load(&dir.join("config.json"))?;
-        let config = config_hf::config_from_hf(&hf, &name)?;
-        let st = SafetensorsModel::open_dir(dir)?;
-        let gpt2_prefix = if st.tensor("transformer.wte.weight").is_some() {
-            "transformer."
-        } else {
-            ""
-        };
-        let weights = load::WeightLoader {
-            src: &source::HfSource {
-                model: &st,
-                dir: name,
-                gpt2_prefix,
-            },
-            backend: backend.as_ref(),
-            cfg: &config,
-            norm_plus_one: matches!(config.arch, Arch::Gemma | Arch::Gemma2),
-            transpose_linear: config.arch == Arch::Gpt2,
-            progress,
-        }
-        .load()?;
-        Ok(Model::new(config, weights, backend))
+        Checkpoint::open_hf_dir(dir)?.load(backend, progress)
     }
 }

@@ -149,6 +149,18 @@ impl Model {
             )));
         }
         let c = &self.config;
+        // Asked before allocating: a failed host allocation aborts the process.
+        let need = crate::memory::kv_cache_bytes(c, capacity);
+        if let Some(free) = crate::memory::free_memory(self.backend.as_ref())? {
+            if need > free.bytes {
+                return Err(Error::Device(format!(
+                    "a KV cache of {capacity} positions needs {}; {} is free in {}",
+                    crate::memory::human_bytes(need),
+                    crate::memory::human_bytes(free.bytes),
+                    free.what
+                )));
+            }
+        }
         let mut k = Vec::with_capacity(c.n_layers);
         let mut v = Vec::with_capacity(c.n_layers);
         for _ in 0..c.n_layers {
