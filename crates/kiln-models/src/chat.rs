@@ -7,10 +7,11 @@
 //! in instructions (minijinja's fuel) and in bytes: what the template writes, everywhere
 //! it writes it (`{{ }}` inside `{% set %}` blocks and macros included), and what the
 //! filters and methods that multiply text (`join`, `replace`, `indent`) would build,
-//! checked before they build it.
+//! checked before they build it; and filters that make a list of a string's characters
+//! or a sequence's items take at most [`MAX_ITEMS`].
 
 use kiln_core::{Error, Result};
-use minijinja::value::{Kwargs, StringInput, Value};
+use minijinja::value::{Kwargs, Rest, StringInput, Value};
 use minijinja::{context, Environment, ErrorKind, State};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -27,6 +28,43 @@ const FUEL: u64 = 5_000_000;
 
 /// Bytes a render may write in all, beyond a multiple of what it is given.
 const OUTPUT_BASE: usize = 4 << 20;
+
+/// The longest string or sequence a filter or method may turn into a list: a list holds
+/// tens of bytes per item, and `'x' * 99999999 | list` would otherwise take gigabytes.
+const MAX_ITEMS: usize = 1 << 20;
+
+/// Filters that build a sequence with an item per item (or character) of their input.
+fn listing_filters() -> Vec<(&'static str, Value)> {
+    use minijinja::filters;
+    vec![
+        ("list", Value::from_function(filters::list)),
+        ("batch", Value::from_function(filters::batch)),
+        ("slice", Value::from_function(filters::slice)),
+        ("sort", Value::from_function(filters::sort)),
+        ("map", Value::from_function(filters::map)),
+        ("items", Value::from_function(filters::items)),
+        ("chain", Value::from_function(filters::chain)),
+        ("zip", Value::from_function(filters::zip)),
+        ("split", Value::from_function(filters::split)),
+        ("lines", Value::from_function(filters::lines)),
+    ]
+}
+
+/// Python string methods that do the same.
+const LISTING_METHODS: &[&str] = &["split", "splitlines", "rsplit"];
+
+/// Refuses to turn `v` into a list when it is too long (its length in bytes for a string,
+/// an upper bound on its characters; unknown for a lazy iterator, which range() bounds).
+fn check_items(v: &Value, what: &str) -> std::result::Result<(), minijinja::Error> {
+    let len = v.as_str().map(str::len).or_else(|| v.len()).unwrap_or(0);
+    if len > MAX_ITEMS {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("{what} of a value with {len} items; at most {MAX_ITEMS} are allowed"),
+        ));
+    }
+    Ok(())
+}
 
 /// Bytes of text a render may produce: its output, the output of its `{% set %}` blocks and
 /// macros, and the results of `join`, `replace` and `indent`, counted together.
@@ -97,6 +135,9 @@ fn environment(budget: &Budget) -> Environment<'static> {
     });
     let b = budget.clone();
     env.set_unknown_method_callback(move |state, value, method, args| {
+        if LISTING_METHODS.contains(&method) {
+            check_items(value, &format!(".{method}()"))?;
+        }
         if let Some(s) = value.as_str() {
             match (method, args) {
                 ("join", [items]) => b.take(joined_len(items, s.len())?)?,
@@ -141,6 +182,14 @@ fn environment(budget: &Budget) -> Environment<'static> {
             minijinja::filters::indent(s, Some(width), first, blank, kwargs)
         },
     );
+    for (name, builtin) in listing_filters() {
+        env.add_filter(name, move |state: &State, args: Rest<Value>| {
+            if let Some(input) = args.first() {
+                check_items(input, &format!("|{name}"))?;
+            }
+            builtin.call(state, &args)
+        });
+    }
     env.add_function(
         "raise_exception",
         |msg: String| -> std::result::Result<String, minijinja::Error> {

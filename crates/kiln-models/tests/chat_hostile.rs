@@ -64,6 +64,19 @@ fn text_that_multiplies_is_refused_before_it_is_built() {
 }
 
 #[test]
+fn huge_lists_are_refused_before_they_are_built() {
+    for t in [
+        "{{ ('x' * 99999999) | list | length }}",
+        "{{ ('x ' * 49999999).split() | length }}",
+        "{{ ('x\n' * 49999999) | lines | length }}",
+        "{{ ('x' * 99999999) | batch(1) | length }}",
+        "{{ ('x' * 99999999) | map('upper') | length }}",
+    ] {
+        refused(t, "items; at most 1048576 are allowed");
+    }
+}
+
+#[test]
 fn ordinary_templates_and_long_messages_still_render() {
     let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n";
     let long = "word ".repeat(200_000);
