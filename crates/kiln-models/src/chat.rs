@@ -226,6 +226,7 @@ pub fn render(template: &str, messages: &[Message], bos: &str, eos: &str) -> Res
     let mut out = BoundedText {
         text: Vec::new(),
         limit: budget.limit,
+        overflowed: false,
     };
     let rendered = t.render_captured_to(
         context! {
@@ -236,7 +237,7 @@ pub fn render(template: &str, messages: &[Message], bos: &str, eos: &str) -> Res
         },
         &mut out,
     );
-    if out.text.len() > out.limit {
+    if out.overflowed {
         return Err(Error::format(format!(
             "chat template: {}",
             budget.exceeded_message()
@@ -251,14 +252,14 @@ pub fn render(template: &str, messages: &[Message], bos: &str, eos: &str) -> Res
 struct BoundedText {
     text: Vec<u8>,
     limit: usize,
+    /// Set when a write would pass the limit (minijinja reports only an I/O error).
+    overflowed: bool,
 }
 
 impl std::io::Write for BoundedText {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if self.text.len() + buf.len() > self.limit {
-            // Kept one byte past the limit so that the caller can tell why writing failed.
-            self.text.truncate(self.limit);
-            self.text.push(0);
+            self.overflowed = true;
             return Err(std::io::Error::other("the output is too long"));
         }
         self.text.extend_from_slice(buf);

@@ -45,6 +45,13 @@ fn endless_loops_run_out_of_fuel() {
 #[test]
 fn text_that_multiplies_is_refused_before_it_is_built() {
     for t in [
+        // Raw text repeated into the output: only the writer sees it.
+        "{% for i in range(99999) %}xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx{% endfor %}",
+    ] {
+        let err = refused(t, "");
+        assert!(err.starts_with("chat template: the template builds more than"), "{err}");
+    }
+    for t in [
         // Repetition and joins that would write gigabytes.
         "{% for i in range(99999) %}{{ 'x' * 99999 }}{% endfor %}",
         "{{ range(99999) | join('x' * 99999) }}",
