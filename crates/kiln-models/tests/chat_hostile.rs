@@ -44,13 +44,16 @@ fn endless_loops_run_out_of_fuel() {
 
 #[test]
 fn text_that_multiplies_is_refused_before_it_is_built() {
-    for t in [
-        // Raw text repeated into the output: only the writer sees it.
-        "{% for i in range(99999) %}xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx{% endfor %}",
-    ] {
-        let err = refused(t, "");
-        assert!(err.starts_with("chat template: the template builds more than"), "{err}");
-    }
+    // Raw text repeated into the output: only the writer sees it.
+    let raw = format!(
+        "{{% for i in range(99999) %}}{}{{% endfor %}}",
+        "x".repeat(100)
+    );
+    let err = refused(&raw, "");
+    assert!(
+        err.starts_with("chat template: the template builds more than"),
+        "{err}"
+    );
     for t in [
         // Repetition and joins that would write gigabytes.
         "{% for i in range(99999) %}{{ 'x' * 99999 }}{% endfor %}",
