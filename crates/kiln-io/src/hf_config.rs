@@ -165,7 +165,7 @@ impl HfConfig {
     }
 
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path.display(), e))?;
+        let text = crate::file::read_to_string(path, crate::file::FileKind::CONFIG_JSON)?;
         Self::from_json(&text).map_err(|e| Error::format(format!("{}: {e}", path.display())))
     }
 

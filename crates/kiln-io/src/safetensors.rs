@@ -62,7 +62,7 @@ impl SafetensorsModel {
     /// A single `.safetensors` file.
     pub fn open_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let bytes = crate::map_file(&path)?;
+        let bytes = crate::file::map(&path)?;
         Self::from_parts(vec![(path, bytes)], None)
     }
 
@@ -76,19 +76,21 @@ impl SafetensorsModel {
     pub fn open_dir(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         let index_path = dir.join(INDEX_FILE);
-        if index_path.is_file() {
+        // `exists`, not `is_file`: an index that is not a regular file is an error to
+        // report, not a reason to look for a single file instead.
+        if index_path.exists() {
             let (files, weight_map) = read_index(&index_path)?;
             let parts = files
                 .into_iter()
                 .map(|f| {
                     let path = dir.join(f);
-                    crate::map_file(&path).map(|bytes| (path, bytes))
+                    crate::file::map(&path).map(|bytes| (path, bytes))
                 })
                 .collect::<Result<Vec<_>>>()?;
             return Self::from_parts(parts, Some((index_path, weight_map)));
         }
         let single = dir.join(SINGLE_FILE);
-        if single.is_file() {
+        if single.exists() {
             return Self::open_file(single);
         }
         Err(Error::format(format!(
@@ -182,7 +184,7 @@ fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
     struct Index {
         weight_map: BTreeMap<String, String>,
     }
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path.display(), e))?;
+    let text = crate::file::read_to_string(path, crate::file::FileKind::SAFETENSORS_INDEX)?;
     let index: Index = serde_json::from_str(&text)
         .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
     let mut files: Vec<String> = index.weight_map.values().cloned().collect();

@@ -151,7 +151,17 @@ fn token_id(f: &GgufFile, vocab: &Vocab, key: &str, default: Option<u32>) -> Res
     }
 }
 
+/// The tokenizer of a GGUF file; every error names the file.
 pub fn load(f: &GgufFile) -> Result<Tokenizer> {
+    let in_file = |msg: String| format!("{}: {msg}", f.path.display());
+    load_keys(f).map_err(|e| match e {
+        Error::Format(msg) => Error::Format(in_file(msg)),
+        Error::Unsupported(msg) => Error::Unsupported(in_file(msg)),
+        other => other,
+    })
+}
+
+fn load_keys(f: &GgufFile) -> Result<Tokenizer> {
     const MODEL: &str = "tokenizer.ggml.model";
     let kind = opt_str(f, MODEL)?.ok_or_else(|| key_err(MODEL, "is missing"))?;
     let is_llama = match kind {
@@ -196,7 +206,7 @@ pub fn load(f: &GgufFile) -> Result<Tokenizer> {
     let chat_template = opt_str(f, "tokenizer.chat_template")?.map(str::to_string);
 
     let model = if is_llama {
-        let mut spm = SentencePiece::new(vocab, Algorithm::Bpe);
+        let mut spm = SentencePiece::new(vocab, Algorithm::Bpe)?;
         spm.set_unk(unk);
         spm.add_space_prefix = opt_bool(f, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
         Model::Spm(spm)

@@ -4,14 +4,14 @@
 use crate::hf_json::HfJson;
 use crate::{sentencepiece_model, Model, Tokenizer};
 use kiln_core::{Error, Result};
+use kiln_io::file::{self, FileKind};
 use serde_json::Value;
 use std::path::Path;
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
-    if !path.exists() {
+    let Some(text) = file::read_to_string_if_present(path, FileKind::CONFIG_JSON)? else {
         return Ok(None);
-    }
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path.display(), e))?;
+    };
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|e| Error::format(format!("{}: {e}", path.display())))
@@ -58,38 +58,33 @@ pub fn load(dir: &Path, prefer_sentencepiece: bool) -> Result<Tokenizer> {
     let cfg_bool = |k: &str| cfg.get(k).and_then(Value::as_bool);
     let mut chat = chat_template(&cfg);
     if chat.is_none() {
-        // Newer transformers save the template beside the config.
-        let path = dir.join("chat_template.jinja");
-        if path.exists() {
-            chat = Some(std::fs::read_to_string(&path).map_err(|e| Error::io(path.display(), e))?);
-        }
+        // Newer transformers save the template beside the config. Read (bounded) even
+        // when no chat is asked for: a tokenizer carries its template.
+        chat = file::read_to_string_if_present(
+            &dir.join("chat_template.jinja"),
+            FileKind::CHAT_TEMPLATE,
+        )?;
     }
 
     let json_path = dir.join("tokenizer.json");
     let model_path = dir.join("tokenizer.model");
-    let (model, model_bos, model_eos) = if json_path.exists()
-        && !(prefer_sentencepiece && model_path.exists())
-    {
-        (Model::Hf(Box::new(HfJson::load(&json_path)?)), None, None)
-    } else if model_path.exists() {
-        let bytes = std::fs::read(&model_path).map_err(|e| Error::io(model_path.display(), e))?;
-        let m = sentencepiece_model::parse(&bytes)
-            .map_err(|e| Error::format(format!("{}: {e}", model_path.display())))?;
-        (Model::Spm(m.model), m.bos, m.eos)
-    } else {
-        return Err(Error::format(format!(
-            "{}: neither tokenizer.json nor tokenizer.model is present",
-            dir.display()
-        )));
-    };
+    let (model, model_bos, model_eos) =
+        if json_path.exists() && !(prefer_sentencepiece && model_path.exists()) {
+            (Model::Hf(Box::new(HfJson::load(&json_path)?)), None, None)
+        } else if model_path.exists() {
+            let bytes = file::read(&model_path, FileKind::SENTENCEPIECE_MODEL)?;
+            let m = sentencepiece_model::parse(&bytes)
+                .map_err(|e| Error::format(format!("{}: {e}", model_path.display())))?;
+            (Model::Spm(m.model), m.bos, m.eos)
+        } else {
+            return Err(Error::format(format!(
+                "{}: neither tokenizer.json nor tokenizer.model is present",
+                dir.display()
+            )));
+        };
 
-    let vocab_size = model.vocab_size();
     let lookup = |t: &str| model.id(t);
-    let in_vocab = |id: u64| {
-        u32::try_from(id)
-            .ok()
-            .filter(|&i| (i as usize) < vocab_size)
-    };
+    let in_vocab = |id: u64| u32::try_from(id).ok().filter(|&i| model.has_id(i));
     let mut bos = token_field(&cfg, "bos_token")
         .and_then(lookup)
         .or_else(|| {

@@ -3,13 +3,18 @@
 use crate::byte_level;
 use crate::sentencepiece::parse_byte_token;
 use kiln_core::{Error, Result};
-use std::collections::HashSet;
+use kiln_io::file::{self, FileKind};
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 pub struct HfJson {
     tok: tokenizers::Tokenizer,
-    /// id → vocabulary text, added tokens included.
-    texts: Vec<Option<String>>,
+    /// id → vocabulary text, added tokens included. A map, not a table indexed by id:
+    /// the ids are the file's, and one id near 2^32 must not size a table. Ids need not be
+    /// dense either: transformers and the `tokenizers` crate keep the vocabulary as a
+    /// dictionary, and llama.cpp's converter fills holes with unused `[PAD<id>]` tokens,
+    /// so a vocabulary with holes is valid (the model refuses ids past its embeddings).
+    texts: HashMap<u32, String>,
     added: HashSet<u32>,
     /// The decoder maps GPT-2's byte alphabet back to bytes (else SentencePiece-style).
     byte_level: bool,
@@ -26,21 +31,27 @@ fn has_byte_level(v: &serde_json::Value) -> bool {
     }
 }
 
+/// The one part of tokenizer.json read besides what `tokenizers` reads; the rest is
+/// skipped, not held.
+#[derive(serde::Deserialize)]
+struct DecoderOnly {
+    decoder: Option<serde_json::Value>,
+}
+
 impl HfJson {
     pub fn load(path: &Path) -> Result<HfJson> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path.display(), e))?;
+        let text = file::read_to_string(path, FileKind::TOKENIZER_JSON)?;
         let tok: tokenizers::Tokenizer = text
             .parse()
             .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
+        let json: DecoderOnly = serde_json::from_str(&text)
             .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
-        let byte_level = json.get("decoder").is_some_and(has_byte_level);
-        let vocab = tok.get_vocab(true);
-        let n = vocab.values().map(|&i| i as usize + 1).max().unwrap_or(0);
-        let mut texts = vec![None; n];
-        for (t, id) in vocab {
-            texts[id as usize] = Some(t);
-        }
+        let byte_level = json.decoder.as_ref().is_some_and(has_byte_level);
+        let texts = tok
+            .get_vocab(true)
+            .into_iter()
+            .map(|(t, id)| (id, t))
+            .collect();
         let added = tok.get_added_tokens_decoder().keys().copied().collect();
         Ok(HfJson {
             tok,
@@ -69,7 +80,7 @@ impl HfJson {
     }
 
     pub fn text(&self, id: u32) -> Option<&str> {
-        self.texts.get(id as usize)?.as_deref()
+        self.texts.get(&id).map(String::as_str)
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -40,6 +40,15 @@ impl Model {
         }
     }
 
+    /// Whether `id` names a token (tokenizer.json ids may have holes).
+    fn has_id(&self, id: u32) -> bool {
+        match self {
+            Model::Spm(m) => (id as usize) < m.vocab.len(),
+            Model::ByteBpe(m) => (id as usize) < m.vocab.len(),
+            Model::Hf(h) => h.text(id).is_some(),
+        }
+    }
+
     fn id(&self, text: &str) -> Option<u32> {
         match self {
             Model::Spm(m) => m.vocab.id(text),

@@ -27,28 +27,43 @@ pub struct SentencePiece {
     /// looks every vocabulary entry up.
     pub merge_any_type: bool,
     unk: Option<u32>,
-    max_piece_len: usize,
+    /// The pieces unigram segmentation uses (empty for BPE).
+    lattice_pieces: unigram::PieceIndex,
     unk_score: f32,
+    /// The highest normal piece score: user-defined pieces score above any split.
+    max_score: f32,
 }
 
 impl SentencePiece {
-    pub fn new(vocab: Vocab, algorithm: Algorithm) -> SentencePiece {
+    /// Fails only for a unigram vocabulary with a piece longer than sentencepiece allows.
+    pub fn new(vocab: Vocab, algorithm: Algorithm) -> Result<SentencePiece> {
         let unk = vocab.first_of_type(TokenType::Unknown);
-        let max_piece_len = vocab.tokens.iter().map(String::len).max().unwrap_or(0);
+        let normal_scores = || {
+            vocab
+                .scores
+                .iter()
+                .zip(&vocab.types)
+                .filter(|(_, &t)| t == TokenType::Normal)
+                .map(|(&s, _)| s)
+        };
         // sentencepiece: unknown characters score 10 below the least likely normal piece.
-        let min_score = vocab
-            .scores
-            .iter()
-            .zip(&vocab.types)
-            .filter(|(_, &t)| t == TokenType::Normal)
-            .map(|(&s, _)| s)
-            .fold(f32::INFINITY, f32::min);
+        let min_score = normal_scores().fold(f32::INFINITY, f32::min);
         let unk_score = if min_score.is_finite() {
             min_score
         } else {
             0.0
         } - 10.0;
-        SentencePiece {
+        let max_score = normal_scores().fold(0.0, f32::max);
+        let lattice_pieces = match algorithm {
+            Algorithm::Bpe => unigram::PieceIndex::default(),
+            Algorithm::Unigram => unigram::PieceIndex::new(&vocab, |id| {
+                matches!(
+                    vocab.token_type(id),
+                    Some(TokenType::Normal | TokenType::UserDefined)
+                )
+            })?,
+        };
+        Ok(SentencePiece {
             vocab,
             algorithm,
             add_space_prefix: true,
@@ -56,9 +71,10 @@ impl SentencePiece {
             escape_whitespaces: true,
             merge_any_type: true,
             unk,
-            max_piece_len,
+            lattice_pieces,
             unk_score,
-        }
+            max_score,
+        })
     }
 
     pub fn set_unk(&mut self, unk: Option<u32>) {
@@ -110,18 +126,19 @@ impl SentencePiece {
                 let id = self.vocab.id(p)?;
                 self.mergeable(id).then(|| (id, self.vocab.score(id)))
             }),
-            Algorithm::Unigram => {
-                unigram::viterbi(&text, self.max_piece_len, self.unk_score, |p| {
-                    let id = self.vocab.id(p)?;
-                    let score = match self.vocab.token_type(id)? {
-                        TokenType::Normal => self.vocab.score(id),
-                        // sentencepiece prefers user-defined pieces over any split of them.
-                        TokenType::UserDefined => p.len() as f32 * self.max_score() - 0.1,
-                        _ => return None,
-                    };
-                    Some(unigram::Piece { id, score })
-                })
-            }
+            Algorithm::Unigram => unigram::viterbi(
+                &text,
+                &self.lattice_pieces,
+                &self.vocab,
+                self.unk_score,
+                |id| match self.vocab.token_type(id) {
+                    // sentencepiece prefers user-defined pieces over any split of them.
+                    Some(TokenType::UserDefined) => {
+                        self.vocab.tokens[id as usize].len() as f32 * self.max_score - 0.1
+                    }
+                    _ => self.vocab.score(id),
+                },
+            ),
         };
         let mut prev_unk = false;
         for piece in pieces {
@@ -136,16 +153,6 @@ impl SentencePiece {
             }
         }
         Ok(())
-    }
-
-    fn max_score(&self) -> f32 {
-        self.vocab
-            .scores
-            .iter()
-            .zip(&self.vocab.types)
-            .filter(|(_, &t)| t == TokenType::Normal)
-            .map(|(&s, _)| s)
-            .fold(0.0, f32::max)
     }
 
     /// Text outside the vocabulary: one `<0xNN>` token per byte (llama.cpp's

@@ -106,7 +106,7 @@ pub fn parse(bytes: &[u8]) -> Result<ModelFile> {
             .filter(|&i| (i as usize) < vocab.len())
     };
     let (unk, bos, eos) = (id(unk_id), id(bos_id), id(eos_id));
-    let mut model = SentencePiece::new(vocab, algorithm);
+    let mut model = SentencePiece::new(vocab, algorithm).map_err(bad)?;
     if unk.is_some() {
         model.set_unk(unk);
     }

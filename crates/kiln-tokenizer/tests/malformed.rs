@@ -25,10 +25,16 @@ fn gguf(keys: Vec<(&str, Value)>) -> GgufFile {
     GgufFile::from_bytes("test.gguf", bytes).unwrap()
 }
 
+/// The error, which must name the file first.
 fn gguf_err(keys: Vec<(&str, Value)>) -> String {
     match Tokenizer::from_gguf(&gguf(keys)) {
         Ok(_) => panic!("expected an error"),
-        Err(e) => e.to_string(),
+        Err(e) => {
+            let msg = e.to_string();
+            let msg = msg.strip_prefix("unsupported: ").unwrap_or(&msg);
+            assert!(msg.starts_with("test.gguf: "), "{msg}");
+            msg.to_string()
+        }
     }
 }
 

@@ -72,7 +72,7 @@ impl GgufFile {
     /// Map and validate a GGUF file. Every error message starts with the path.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        Self::from_file_bytes(path, crate::map_file(path)?)
+        Self::from_file_bytes(path, crate::file::map(path)?)
     }
 
     /// Parse a GGUF image held in memory; `name` stands for the path in messages.

@@ -1,0 +1,181 @@
+//! Opening the files kiln reads: each must be a regular file, and a file read whole must
+//! fit the size its kind can justify.
+//!
+//! Paths come from users and from downloaded model directories, so a name may stand for a
+//! FIFO (opening it for reading blocks until a writer appears), a device such as
+//! `/dev/zero` (endless) or a file far larger than its kind ever is. Every file is
+//! `stat`ed first, which never blocks, and refused unless it is a regular file; it is then
+//! opened without blocking and checked again, in case it was swapped in between.
+
+use crate::FileBytes;
+use kiln_core::{Error, Result};
+use memmap2::Mmap;
+use std::fs::{File, Metadata};
+use std::io::Read;
+use std::path::Path;
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+
+/// What a file read whole is, for messages, and the largest size kiln accepts for it.
+///
+/// The limits are several times the largest such file published, and small enough that
+/// parsing the largest accepted file stays well under a gigabyte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileKind {
+    pub what: &'static str,
+    pub max_bytes: u64,
+}
+
+impl FileKind {
+    /// `config.json`, `tokenizer_config.json`, `generation_config.json`: a few kilobytes in
+    /// practice (the largest tokenizer_config.json, with every added token listed, ~1 MB).
+    pub const CONFIG_JSON: FileKind = FileKind {
+        what: "JSON configuration file",
+        max_bytes: 16 * MIB,
+    };
+    /// `model.safetensors.index.json`: one line per tensor, a few MB for the largest
+    /// checkpoints (~100k tensors).
+    pub const SAFETENSORS_INDEX: FileKind = FileKind {
+        what: "safetensors index",
+        max_bytes: 64 * MIB,
+    };
+    /// `tokenizer.json`: the largest published is Gemma 3's, 33.4 MB (31.8 MiB). Parsing
+    /// costs the `tokenizers` crate up to ~23 bytes of memory per byte (a file of nothing
+    /// but short vocabulary entries: 915 MB peak for 39 MiB), so the limit leaves Gemma 3
+    /// some headroom and keeps the densest accepted file near 840 MB.
+    pub const TOKENIZER_JSON: FileKind = FileKind {
+        what: "tokenizer.json",
+        max_bytes: 36 * MIB,
+    };
+    /// `tokenizer.model` (SentencePiece): Gemma's, 4.2-4.7 MB, is the largest in use.
+    pub const SENTENCEPIECE_MODEL: FileKind = FileKind {
+        what: "SentencePiece model",
+        max_bytes: 16 * MIB,
+    };
+    /// `chat_template.jinja`: published templates are under 30 KB.
+    pub const CHAT_TEMPLATE: FileKind = FileKind {
+        what: "chat template",
+        max_bytes: MIB,
+    };
+    /// Text to score (`kiln perplexity -f`): wikitext-2's test set, the usual one, is
+    /// 1.3 MB; tokenizing and scoring hold tens of bytes per byte of text.
+    pub const TEXT: FileKind = FileKind {
+        what: "text file",
+        max_bytes: 16 * MIB,
+    };
+}
+
+/// What a path is when it is not a regular file.
+fn file_type_name(meta: &Metadata) -> &'static str {
+    let t = meta.file_type();
+    if t.is_dir() {
+        return "a directory";
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    "not a file"
+}
+
+fn check_regular(path: &Path, meta: &Metadata) -> Result<()> {
+    if meta.is_file() {
+        return Ok(());
+    }
+    Err(Error::format(format!(
+        "{}: not a regular file ({}); kiln reads model files only from regular files",
+        path.display(),
+        file_type_name(meta)
+    )))
+}
+
+/// Opens a regular file for reading, refusing anything else without blocking on it.
+/// Returns the file and its size.
+pub fn open(path: &Path) -> Result<(File, u64)> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path.display(), e))?;
+    check_regular(path, &meta)?;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        // A FIFO swapped in after the stat would otherwise block the open.
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options
+        .open(path)
+        .map_err(|e| Error::io(path.display(), e))?;
+    let meta = file.metadata().map_err(|e| Error::io(path.display(), e))?;
+    check_regular(path, &meta)?;
+    Ok((file, meta.len()))
+}
+
+/// The whole file, when it is a regular file of at most `kind.max_bytes`.
+pub fn read(path: &Path, kind: FileKind) -> Result<Vec<u8>> {
+    let (file, size) = open(path)?;
+    let too_large = |size: u64| {
+        Error::format(format!(
+            "{}: {size} bytes, larger than the {} MiB kiln accepts for a {}",
+            path.display(),
+            kind.max_bytes / MIB,
+            kind.what
+        ))
+    };
+    if size > kind.max_bytes {
+        return Err(too_large(size));
+    }
+    // The size can change after the stat (and some kernel files report 0): read one
+    // byte past the limit to notice.
+    let mut bytes = Vec::with_capacity(size as usize);
+    file.take(kind.max_bytes + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Error::io(path.display(), e))?;
+    if bytes.len() as u64 > kind.max_bytes {
+        return Err(too_large(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
+/// Like [`read`], for text: the file must be UTF-8.
+pub fn read_to_string(path: &Path, kind: FileKind) -> Result<String> {
+    String::from_utf8(read(path, kind)?).map_err(|e| {
+        Error::format(format!(
+            "{}: not UTF-8 text (invalid byte at offset {}); a {} must be UTF-8",
+            path.display(),
+            e.utf8_error().valid_up_to(),
+            kind.what
+        ))
+    })
+}
+
+/// Like [`read_to_string`], or `None` when nothing is at `path` (a dangling link counts as
+/// nothing, as `Path::exists` does).
+pub fn read_to_string_if_present(path: &Path, kind: FileKind) -> Result<Option<String>> {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        _ => read_to_string(path, kind).map(Some),
+    }
+}
+
+/// Maps a whole regular file read-only (GGUF files and safetensors shards, which may be
+/// larger than memory: mapping reads nothing until a tensor is used).
+pub(crate) fn map(path: &Path) -> Result<FileBytes> {
+    let (file, _) = open(path)?;
+    // SAFETY: the map is read-only. Another process truncating the file while it is
+    // mapped would fault; that is the accepted contract of mmap-based model loaders.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path.display(), e))?;
+    Ok(Arc::new(map))
+}
