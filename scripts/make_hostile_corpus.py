@@ -158,6 +158,8 @@ def argument_cases():
     case("bench_prompt_too_long", ["bench", "-m", "{tmp}/model.gguf", "--device", "cpu", "-p", "3000000000",
                                    "-n", "0", "-r", "1"],
          "error", "args", "a prompt past what positions can address", files={"model.gguf": TINY})
+    case("bench_kernels_billion_reps", ["bench", "--kernels", "-r", "1000000000"], "error", "args",
+         "a billion repetitions: a run that never ends, and a table of a billion times", message="1000000000")
     case("bench_unknown_synthetic", ["bench", "--synthetic", "gpt5", "--device", "cpu"], "error", "args",
          "an unknown synthetic shape", message="--synthetic gpt5")
     case("ctx_wraps_u64", RUN + ["-c", "18446744073709551615"] + PROMPT, "error", "args",

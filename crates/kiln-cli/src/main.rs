@@ -80,9 +80,10 @@ struct BenchArgs {
     /// Generated tokens (the tg test); 0 skips it.
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
     gen: usize,
-    /// Timed repetitions after a warm-up.
-    #[arg(short = 'r', long, default_value_t = 3)]
-    reps: usize,
+    /// Timed repetitions after a warm-up (1 to 1000: a run must end).
+    #[arg(short = 'r', long, default_value_t = 3,
+          value_parser = clap::value_parser!(u16).range(1..=1000))]
+    reps: u16,
     #[arg(short = 't', long)]
     threads: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
@@ -105,7 +106,7 @@ fn bench(a: BenchArgs) -> CliResult {
         bench::kernels(
             &bench::KernelBench {
                 threads: a.threads,
-                reps: a.reps.max(5),
+                reps: usize::from(a.reps).max(5),
                 rows: a.rows,
                 cols: a.cols,
             }
@@ -124,7 +125,7 @@ fn bench(a: BenchArgs) -> CliResult {
             ty: a.ty,
             prompt: a.prompt,
             gen: a.gen,
-            reps: a.reps.max(1),
+            reps: usize::from(a.reps),
             threads: a.threads,
             device: a.device,
             json: a.output == "json",

@@ -5,11 +5,10 @@
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
-use kiln_core::Error;
 use kiln_models::perplexity;
 use kiln_tokenizer::Tokenizer;
-use std::io::{IsTerminal, Read};
-use std::path::{Path, PathBuf};
+use std::io::IsTerminal;
+use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct PerplexityArgs {
@@ -29,41 +28,6 @@ pub struct PerplexityArgs {
     pub device: DeviceChoice,
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
-}
-
-/// The largest text perplexity reads: its token ids and the text itself stay in memory.
-const MAX_TEXT_BYTES: u64 = 256 << 20;
-
-/// The text of `path`: a regular file of valid UTF-8, at most [`MAX_TEXT_BYTES`].
-fn read_text(path: &Path) -> CliResult<String> {
-    let shown = path.display();
-    let meta = std::fs::metadata(path).map_err(|e| Error::io(format!("-f {shown}"), e))?;
-    if !meta.is_file() {
-        return Err(Failure::usage(format!(
-            "-f {shown}: not a regular file (perplexity reads a text file)"
-        )));
-    }
-    if meta.len() > MAX_TEXT_BYTES {
-        return Err(Failure::usage(format!(
-            "-f {shown}: {} bytes; perplexity reads at most {MAX_TEXT_BYTES} (cut the text, or use --chunks on a part of it)",
-            meta.len()
-        )));
-    }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_TEXT_BYTES + 1).read_to_end(&mut bytes))
-        .map_err(|e| Error::io(format!("-f {shown}"), e))?;
-    if bytes.len() as u64 > MAX_TEXT_BYTES {
-        return Err(Failure::usage(format!(
-            "-f {shown}: grew past {MAX_TEXT_BYTES} bytes while read"
-        )));
-    }
-    String::from_utf8(bytes).map_err(|e| {
-        Failure::usage(format!(
-            "-f {shown}: not UTF-8 text (invalid byte at offset {})",
-            e.utf8_error().valid_up_to()
-        ))
-    })
 }
 
 /// Text is tokenized in pieces of about this many bytes: a tokenizer's working memory
@@ -142,7 +106,7 @@ impl Progress {
 }
 
 pub fn run(a: PerplexityArgs, quiet: bool) -> CliResult {
-    let text = read_text(&a.file)?;
+    let text = kiln_io::file::read_to_string(&a.file, kiln_io::file::FileKind::TEXT)?;
     let backend = model_file::backend(a.device, a.threads)?;
     let file = model_file::open(Some(&a.model))?;
     let ctx = model_file::context_size(Some(a.ctx), file.config(), &file.name, usize::MAX)?;

@@ -96,7 +96,7 @@ fn check_regular(path: &Path, meta: &Metadata) -> Result<()> {
         return Ok(());
     }
     Err(Error::format(format!(
-        "{}: not a regular file ({}); kiln reads model files only from regular files",
+        "{}: not a regular file ({}); kiln reads only regular files",
         path.display(),
         file_type_name(meta)
     )))

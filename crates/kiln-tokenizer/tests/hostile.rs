@@ -66,7 +66,7 @@ fn special_files_in_a_model_directory_are_refused() {
             assert_eq!(
                 msg,
                 format!(
-                    "{}: not a regular file ({what}); kiln reads model files only from regular files",
+                    "{}: not a regular file ({what}); kiln reads only regular files",
                     path.display()
                 )
             );
