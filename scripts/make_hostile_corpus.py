@@ -256,15 +256,20 @@ def config_cases():
 # --- chat templates ----------------------------------------------------------------------
 
 def template_cases():
-    def tpl(name, template, why):
+    def tpl(name, template, why, expect="error"):
         tc = json.loads((ROOT / LLAMA_HF / "tokenizer_config.json").read_text())
         tc["chat_template"] = template
-        case(f"template_{name}", RUN + ["-m", "{tmp}/model", "--chat"] + PROMPT, "error", "template", why,
+        case(f"template_{name}", RUN + ["-m", "{tmp}/model", "--chat"] + PROMPT, expect, "template", why,
              base=LLAMA_HF, files={"model/tokenizer_config.json": json.dumps(tc, indent=2) + "\n"})
+    tpl("valid", "{% set ns = namespace(n=0) %}{{ bos_token }}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "[{{ m.role }} {{ ns.n }}] {{ m.content ~ eos_token }}{% endfor %}",
+        "a well-behaved template: renders in its limited child process and runs", expect="ok")
     tpl("nested_loops", "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}",
         "10^10 iterations: fuel must stop it")
     tpl("doubling", "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
         "{% endfor %}{{ ns.s }}", "a string doubled 40 times")
+    tpl("concat_chain", "{% set a = 'x' * 99999999 %}{% set b = a ~ a ~ a ~ a %}{{ (b ~ b ~ b) | length }}",
+        "long strings joined by ~ outside any loop: 1.2 GB before any write")
     tpl("repeat", "{{ 'x' * 10000000000 }}", "a string repeated 10^10 times")
     tpl("syntax_error", "{% for %}", "a template that does not parse")
     case("template_jinja_file_without_chat", RUN_HF, "ok", "template",

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_model;
+mod chat_sandbox;
 mod console;
 mod devices;
 mod info;
@@ -151,6 +152,9 @@ fn clap_message(e: &clap::Error) -> String {
 }
 
 fn main() -> ExitCode {
+    if std::env::args_os().nth(1).is_some_and(|a| a == chat_sandbox::CHILD_ARG) {
+        return chat_sandbox::child_main();
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version

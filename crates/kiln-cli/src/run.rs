@@ -82,7 +82,7 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
             role: "user".into(),
             content: a.prompt.clone(),
         }];
-        let text = kiln_models::chat::render(template, &user, &bos, &eos)?;
+        let text = crate::chat_sandbox::render(&file.name, template, &user, &bos, &eos)?;
         // The template writes BOS itself when the model wants one.
         tokenizer.encode_with_special_tokens(&text, false)?
     } else {
