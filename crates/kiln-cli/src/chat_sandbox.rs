@@ -153,7 +153,11 @@ pub fn child_main() -> std::process::ExitCode {
     match text {
         Ok(text) => {
             let mut out = std::io::stdout().lock();
-            if out.write_all(text.as_bytes()).and_then(|_| out.flush()).is_ok() {
+            if out
+                .write_all(text.as_bytes())
+                .and_then(|_| out.flush())
+                .is_ok()
+            {
                 std::process::ExitCode::SUCCESS
             } else {
                 std::process::ExitCode::from(1)

@@ -152,7 +152,10 @@ fn clap_message(e: &clap::Error) -> String {
 }
 
 fn main() -> ExitCode {
-    if std::env::args_os().nth(1).is_some_and(|a| a == chat_sandbox::CHILD_ARG) {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == chat_sandbox::CHILD_ARG)
+    {
         return chat_sandbox::child_main();
     }
     let cli = match Cli::try_parse() {
