@@ -104,6 +104,18 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
                 }
                 return Ok(());
             }
+            // Prompts on AVX2: the decode kernels, each group of weight rows against every
+            // activation row while it is in L1.
+            if n > 1 && dot::isa() == dot::Isa::Avx2 {
+                if w.dtype() == DType::Q8_0 {
+                    let w = as_blocks(wb)?;
+                    gemv::avx2::matmul_q8::<BlockQ8_0>(pool, &w, &xq, out, n, m, k, dot::dot_q8_0);
+                } else {
+                    let w = as_blocks(wb)?;
+                    gemv::avx2::matmul_q8::<BlockQ4_0>(pool, &w, &xq, out, n, m, k, dot::dot_q4_0);
+                }
+                return Ok(());
+            }
             // Decode: several weight rows per loop against the once-prepared row (`gemv`).
             if n == 1 && gemv::supported() {
                 if w.dtype() == DType::Q8_0 {
@@ -142,6 +154,14 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
                     kgemm::matmul::<BlockQ4K>(pool, &as_blocks(wb)?, xq, out, n, m, k);
                 } else {
                     kgemm::matmul::<BlockQ6K>(pool, &as_blocks(wb)?, xq, out, n, m, k);
+                }
+                return Ok(());
+            }
+            if n > 1 && dot::isa() == dot::Isa::Avx2 {
+                if w.dtype() == DType::Q4_K {
+                    gemv::avx2::matmul_q4k(pool, &as_blocks(wb)?, xq, out, n, m);
+                } else {
+                    gemv::avx2::matmul_q6k(pool, &as_blocks(wb)?, xq, out, n, m);
                 }
                 return Ok(());
             }

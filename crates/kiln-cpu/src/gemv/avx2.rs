@@ -7,7 +7,7 @@
 //! Per-row dot products (`crate::dot`), which decode used before on AVX2, redo the
 //! activation's share for every row and request a whole row up front.
 
-use super::{by_groups, ROWS};
+use super::{by_groups, by_groups_batched, ROWS};
 use crate::pool::Pool;
 use half::{bf16, f16};
 use kiln_core::quant::{BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK};
@@ -162,36 +162,46 @@ impl Float for bf16 {
     }
 }
 
-/// `out[r] = w[r] · x` for Q8_0/Q4_0 `w` of `m` rows of `k / QK` blocks; blocks past the
-/// last whole group go through `dot`. Requires AVX2, FMA and F16C.
-pub(super) fn matvec_q8<W: Block>(
+/// `out[i, r] = w[r] · x[i]` for Q8_0/Q4_0 `w` of `m` rows of `k / QK` blocks and `n`
+/// activation rows (decode, or a prompt: each group of weight rows meets every activation
+/// row while in L1); blocks past the last whole group go through `dot`. Requires AVX2,
+/// FMA and F16C.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_q8<W: Block>(
     pool: &Pool,
     w: &[W],
     x: &[BlockQ8_0],
     out: &mut [f32],
+    n: usize,
     m: usize,
     k: usize,
     dot: fn(&[W], &[BlockQ8_0]) -> f32,
 ) {
     assert!(crate::dot::isa() == crate::dot::Isa::Avx2, "needs AVX2");
     let nb = k / QK;
-    assert!(w.len() >= m * nb && x.len() >= nb && out.len() >= m);
-    let (prepared, dx) = prepare::<W>(&x[..nb]);
+    assert!(w.len() >= m * nb && x.len() >= n * nb && out.len() >= n * m);
+    let (prepared, dx) = prepare::<W>(&x[..n * nb]);
     let tail = nb / GROUP * GROUP;
-    by_groups(pool, out, m, |r| {
+    let group = |r: [usize; ROWS], i: usize| {
         let rows: [&[W]; ROWS] = r.map(|r| &w[r * nb..][..nb]);
+        let (xp, dxi) = (&prepared[i * nb..][..nb], &dx[i * nb..][..nb]);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the ISA asserted above has AVX2, FMA and F16C.
-        let mut sums = unsafe { x86::rows_q8(rows, &prepared, &dx) };
+        let mut sums = unsafe { x86::rows_q8(rows, xp, dxi) };
         #[cfg(not(target_arch = "x86_64"))]
-        let mut sums: [f32; ROWS] = unreachable!("AVX2 is x86_64 only");
+        let mut sums: [f32; ROWS] = unreachable!("AVX2 is x86_64 only: {xp:p} {dxi:p}");
         if tail < nb {
             for (s, row) in sums.iter_mut().zip(rows) {
-                *s += dot(&row[tail..], &x[tail..nb]);
+                *s += dot(&row[tail..], &x[i * nb + tail..(i + 1) * nb]);
             }
         }
         sums
-    });
+    };
+    if n == 1 {
+        by_groups(pool, out, m, |r| group(r, 0));
+    } else {
+        by_groups_batched(pool, out, n, m, group);
+    }
 }
 
 /// `out[r] = w[r] · x` for float `w` of `m` rows of `x.len()` elements. Requires AVX2,
@@ -209,34 +219,59 @@ pub(super) fn matvec_float<W: Float>(pool: &Pool, w: &[W], x: &[f32], out: &mut 
     });
 }
 
-/// `out[r] = w[r] · x` for Q4_K `w` of `m` rows of `x.len()` blocks. Requires AVX2, FMA and
-/// F16C.
-pub(super) fn matvec_q4k(pool: &Pool, w: &[BlockQ4K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
+/// `out[i, r] = w[r] · x[i]` for Q4_K or Q6_K `w` of `m` rows of `nb` blocks and `n`
+/// activation rows (as [`matmul_q8`]). Requires AVX2, FMA and F16C.
+fn matmul_k<W: Sync>(
+    pool: &Pool,
+    w: &[W],
+    x: &[BlockQ8K],
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+    rows_fn: unsafe fn([&[W]; ROWS], &[BlockQ8K]) -> [f32; ROWS],
+) {
     assert!(crate::dot::isa() == crate::dot::Isa::Avx2, "needs AVX2");
-    let nb = x.len();
-    assert!(w.len() >= m * nb && out.len() >= m);
-    by_groups(pool, out, m, |r| {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the ISA asserted above has AVX2, FMA and F16C.
-        return unsafe { x86::rows_q4k(r.map(|r| &w[r * nb..][..nb]), x) };
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("AVX2 is x86_64 only")
-    });
+    let nb = x.len() / n.max(1);
+    assert!(w.len() >= m * nb && x.len() == n * nb && out.len() >= n * m);
+    let group = |r: [usize; ROWS], i: usize| {
+        // SAFETY: the ISA asserted above has AVX2, FMA and F16C, all `rows_fn` needs.
+        unsafe { rows_fn(r.map(|r| &w[r * nb..][..nb]), &x[i * nb..][..nb]) }
+    };
+    if n == 1 {
+        by_groups(pool, out, m, |r| group(r, 0));
+    } else {
+        by_groups_batched(pool, out, n, m, group);
+    }
 }
 
-/// `out[r] = w[r] · x` for Q6_K `w` of `m` rows of `x.len()` blocks. Requires AVX2, FMA and
-/// F16C.
-pub(super) fn matvec_q6k(pool: &Pool, w: &[BlockQ6K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
-    assert!(crate::dot::isa() == crate::dot::Isa::Avx2, "needs AVX2");
-    let nb = x.len();
-    assert!(w.len() >= m * nb && out.len() >= m);
-    by_groups(pool, out, m, |r| {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the ISA asserted above has AVX2, FMA and F16C.
-        return unsafe { x86::rows_q6k(r.map(|r| &w[r * nb..][..nb]), x) };
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("AVX2 is x86_64 only")
-    });
+/// Q4_K weights (see [`matmul_k`]).
+pub(crate) fn matmul_q4k(
+    pool: &Pool,
+    w: &[BlockQ4K],
+    x: &[BlockQ8K],
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    matmul_k(pool, w, x, out, n, m, x86::rows_q4k);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("AVX2 is x86_64 only: {pool:p} {w:p} {x:p} {out:p} {n} {m}")
+}
+
+/// Q6_K weights (see [`matmul_k`]).
+pub(crate) fn matmul_q6k(
+    pool: &Pool,
+    w: &[BlockQ6K],
+    x: &[BlockQ8K],
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    matmul_k(pool, w, x, out, n, m, x86::rows_q6k);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("AVX2 is x86_64 only: {pool:p} {w:p} {x:p} {out:p} {n} {m}")
 }
 
 #[cfg(target_arch = "x86_64")]

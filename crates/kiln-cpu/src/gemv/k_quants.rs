@@ -163,7 +163,7 @@ mod x86 {
 /// [`available()`].
 pub(crate) fn matvec_q4k(pool: &Pool, w: &[BlockQ4K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
     if crate::dot::isa() == crate::dot::Isa::Avx2 {
-        return avx2::matvec_q4k(pool, w, x, out, m);
+        return avx2::matmul_q4k(pool, w, x, out, 1, m);
     }
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = x.len();
@@ -183,7 +183,7 @@ pub(crate) fn matvec_q4k(pool: &Pool, w: &[BlockQ4K], x: &[BlockQ8K], out: &mut 
 /// [`available()`].
 pub(crate) fn matvec_q6k(pool: &Pool, w: &[BlockQ6K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
     if crate::dot::isa() == crate::dot::Isa::Avx2 {
-        return avx2::matvec_q6k(pool, w, x, out, m);
+        return avx2::matmul_q6k(pool, w, x, out, 1, m);
     }
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = x.len();

@@ -188,7 +188,7 @@ pub(crate) fn matvec<W: PairBlock + avx2::Block>(
     dot: fn(&[W], &[BlockQ8_0]) -> f32,
 ) {
     if crate::dot::isa() == crate::dot::Isa::Avx2 {
-        return avx2::matvec_q8(pool, w, x, out, m, k, dot);
+        return avx2::matmul_q8(pool, w, x, out, 1, m, k, dot);
     }
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = k / QK;
