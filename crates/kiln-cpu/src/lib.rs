@@ -4,7 +4,7 @@
 //! are quantized to Q8_0 or Q8_K (`quantize`) and multiplied with integer SIMD dot
 //! products chosen at run time ([`dot`]), rows spread over kiln's own thread pool
 //! ([`pool`]: the caller works too, idle workers poll before they sleep); decode on
-//! AVX-512 takes several weight rows per loop (`gemv`). Products with several activation
+//! AVX-512 or AVX2 takes several weight rows per loop (`gemv`). Products with several activation
 //! rows (prompts) use register-tiled kernels on AVX-512 (`qgemm` and `kgemm` for quantized
 //! weights, `fgemm` for F32/F16/BF16, on AMX tiles where present: `amx`) and the `gemm`
 //! crate for float weights elsewhere. The remaining ops are f32 loops, the heavier ones

@@ -7,8 +7,8 @@
 //! matrix-vector product needs. With many activation rows each weight is reused across
 //! rows and the product is compute-bound: on AVX-512 it goes to the register-tiled kernels
 //! (`qgemm`, `kgemm`, `fgemm`); F32/F16/BF16 weights elsewhere go to the `gemm` crate.
-//! Decode (one activation row) on AVX-512 goes to the several-rows kernels of `gemv`;
-//! elsewhere each weight row is dotted on its own (`by_rows`).
+//! Decode (one activation row) on AVX-512 or AVX2 goes to the several-rows kernels of
+//! `gemv`; elsewhere each weight row is dotted on its own (`by_rows`).
 
 use crate::pool::{Pool, SharedMut};
 use crate::{amx, dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, quantize, storage};
@@ -68,7 +68,7 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
             gemm_f32(pool, xs, wb, w.dtype(), out, n, m, k)
         }
         // Decode: several weight rows per loop with the prefetch interleaved (`gemv`).
-        DType::F32 | DType::F16 | DType::BF16 if n == 1 && gemv::available() => match w.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 if n == 1 && gemv::supported() => match w.dtype() {
             DType::F32 => gemv::float::matvec::<f32>(pool, cast(wb)?, xs, out, m),
             DType::F16 => gemv::float::matvec::<f16>(pool, cast(wb)?, xs, out, m),
             _ => gemv::float::matvec::<bf16>(pool, cast(wb)?, xs, out, m),
@@ -104,8 +104,20 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
                 }
                 return Ok(());
             }
+            // Prompts on AVX2: the decode kernels, each group of weight rows against every
+            // activation row while it is in L1.
+            if n > 1 && dot::isa() == dot::Isa::Avx2 {
+                if w.dtype() == DType::Q8_0 {
+                    let w = as_blocks(wb)?;
+                    gemv::avx2::matmul_q8::<BlockQ8_0>(pool, &w, &xq, out, n, m, k, dot::dot_q8_0);
+                } else {
+                    let w = as_blocks(wb)?;
+                    gemv::avx2::matmul_q8::<BlockQ4_0>(pool, &w, &xq, out, n, m, k, dot::dot_q4_0);
+                }
+                return Ok(());
+            }
             // Decode: several weight rows per loop against the once-prepared row (`gemv`).
-            if n == 1 && gemv::available() {
+            if n == 1 && gemv::supported() {
                 if w.dtype() == DType::Q8_0 {
                     let w = as_blocks(wb)?;
                     gemv::q8_0::matvec::<BlockQ8_0>(pool, &w, &xq, out, m, k, dot::dot_q8_0);
@@ -145,7 +157,15 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
                 }
                 return Ok(());
             }
-            if n == 1 && gemv::available() {
+            if n > 1 && dot::isa() == dot::Isa::Avx2 {
+                if w.dtype() == DType::Q4_K {
+                    gemv::avx2::matmul_q4k(pool, &as_blocks(wb)?, xq, out, n, m);
+                } else {
+                    gemv::avx2::matmul_q6k(pool, &as_blocks(wb)?, xq, out, n, m);
+                }
+                return Ok(());
+            }
+            if n == 1 && gemv::supported() {
                 if w.dtype() == DType::Q4_K {
                     gemv::k_quants::matvec_q4k(pool, &as_blocks(wb)?, xq, out, m);
                 } else {

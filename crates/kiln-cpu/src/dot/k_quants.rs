@@ -135,45 +135,55 @@ pub(crate) mod x86 {
         }
     }
 
-    /// # Safety
-    /// AVX2, FMA and F16C must be available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_k_avx2(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
-        // SAFETY: this function enables AVX2, FMA, F16C; every load reads inside a block
-        // field of the stated size (qs: 128 / 256 bytes, offsets below are in range).
+    /// One Q4_K block against `x`: `Σ_j sc_j · (q · x)` over its sub-blocks as eight i32,
+    /// and `Σ_j m_j · (Σ x over sub-block j)` as four i32. Needs AVX2.
+    #[inline(always)]
+    pub(crate) unsafe fn q4k_block_avx2(w: &BlockQ4K, x: &BlockQ8K) -> (__m256i, __m128i) {
+        // SAFETY: the caller enabled AVX2; every load reads inside a block field of the
+        // stated size (qs: 128 / 256 bytes, offsets below are in range).
         unsafe {
             let m4 = _mm256_set1_epi8(0x0F);
             // Shuffle masks broadcasting i16 lane k of each 128-bit half.
             let bcast = |k: i16| _mm256_set1_epi16(((2 * k + 1) << 8) | (2 * k));
+            let sm = unpack_q4k_scales(&w.scales);
+            let mins = q4k_mins(&sm, x);
+            // The eight scales as i16, the same in both 128-bit halves.
+            let sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+                sm.as_ptr() as *const __m128i
+            )));
+            let (qp, yp) = (w.qs.as_ptr(), x.qs.as_ptr());
+            let mut sumi = _mm256_setzero_si256();
+            for g in 0..QK_K / 64 {
+                // 32 bytes hold 64 quants: low nibbles are sub-block 2g, high 2g + 1.
+                let bits = _mm256_loadu_si256(qp.add(32 * g) as *const __m256i);
+                let lo = _mm256_and_si256(bits, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                let ylo = _mm256_loadu_si256(yp.add(64 * g) as *const __m256i);
+                let yhi = _mm256_loadu_si256(yp.add(64 * g + 32) as *const __m256i);
+                // ≤ 15·128·2 per i16: no saturation.
+                let plo = _mm256_maddubs_epi16(lo, ylo);
+                let phi = _mm256_maddubs_epi16(hi, yhi);
+                let slo = _mm256_shuffle_epi8(sc, bcast(2 * g as i16));
+                let shi = _mm256_shuffle_epi8(sc, bcast(2 * g as i16 + 1));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(slo, plo));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(shi, phi));
+            }
+            (sumi, mins)
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_k_avx2(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
+        // SAFETY: this function enables AVX2, FMA, F16C, which the helpers need.
+        unsafe {
             let mut acc = _mm256_setzero_ps();
             let mut acc_m = _mm_setzero_ps();
             for (w, x) in w.iter().zip(x) {
                 let (d, dmin) = f16x2_times(w.d.to_bits(), w.dmin.to_bits(), x.d);
-                let sm = unpack_q4k_scales(&w.scales);
-                let prod = q4k_mins(&sm, x);
-                acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
-
-                // The eight scales as i16, the same in both 128-bit halves.
-                let sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(
-                    sm.as_ptr() as *const __m128i,
-                )));
-                let (qp, yp) = (w.qs.as_ptr(), x.qs.as_ptr());
-                let mut sumi = _mm256_setzero_si256();
-                for g in 0..QK_K / 64 {
-                    // 32 bytes hold 64 quants: low nibbles are sub-block 2g, high 2g + 1.
-                    let bits = _mm256_loadu_si256(qp.add(32 * g) as *const __m256i);
-                    let lo = _mm256_and_si256(bits, m4);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                    let ylo = _mm256_loadu_si256(yp.add(64 * g) as *const __m256i);
-                    let yhi = _mm256_loadu_si256(yp.add(64 * g + 32) as *const __m256i);
-                    // ≤ 15·128·2 per i16: no saturation.
-                    let plo = _mm256_maddubs_epi16(lo, ylo);
-                    let phi = _mm256_maddubs_epi16(hi, yhi);
-                    let slo = _mm256_shuffle_epi8(sc, bcast(2 * g as i16));
-                    let shi = _mm256_shuffle_epi8(sc, bcast(2 * g as i16 + 1));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(slo, plo));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(shi, phi));
-                }
+                let (sumi, mins) = q4k_block_avx2(w, x);
+                acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins), acc_m);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
             }
             hsum256(acc) - hsum128(acc_m)
@@ -238,61 +248,70 @@ pub(crate) mod x86 {
         }
     }
 
-    /// # Safety
-    /// AVX2, FMA and F16C must be available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q6_k_avx2(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
-        // SAFETY: this function enables AVX2, FMA, F16C; every load reads inside a block
-        // field of the stated size (ql 128, qh 64, scales 16, qs 256, bsums 32 bytes).
+    /// `Σ q·x` of one Q6_K block against `x` with its sub-block scales (the −32 offset
+    /// taken out) as eight i32. Needs AVX2.
+    #[inline(always)]
+    pub(crate) unsafe fn q6k_block_avx2(w: &BlockQ6K, x: &BlockQ8K) -> __m256i {
+        // SAFETY: the caller enabled AVX2; every load reads inside a block field of the
+        // stated size (ql 128, qh 64, scales 16, qs 256, bsums 32 bytes).
         unsafe {
             let m4 = _mm256_set1_epi8(0x0F);
             let m30 = _mm256_set1_epi8(0x30);
             let shuf: [__m128i; 8] = std::array::from_fn(|i| q6_scale_shuffle(i as i8));
+            let scales = _mm_loadu_si128(w.scales.as_ptr() as *const __m128i);
+            // 32·Σ sc·bsum, the −32 offset of every quant.
+            let bsums = _mm256_loadu_si256(x.bsums.as_ptr() as *const __m256i);
+            let summ = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), bsums);
+            let mut sumi = _mm256_setzero_si256();
+            for h in 0..2 {
+                let ql = w.ql.as_ptr().add(64 * h);
+                let ql0 = _mm256_loadu_si256(ql as *const __m256i);
+                let ql1 = _mm256_loadu_si256(ql.add(32) as *const __m256i);
+                let qh = _mm256_loadu_si256(w.qh.as_ptr().add(32 * h) as *const __m256i);
+                // Bit pairs 0-1, 2-3, 4-5, 6-7 of qh moved to bits 4-5 (the 16-bit shifts
+                // leak bits across bytes only outside the 0x30 mask).
+                let q = [
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql0, m4),
+                        _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql1, m4),
+                        _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                        _mm256_and_si256(qh, m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                    ),
+                ];
+                for (k, q) in q.iter().enumerate() {
+                    let y =
+                        _mm256_loadu_si256(x.qs.as_ptr().add(128 * h + 32 * k) as *const __m256i);
+                    // ≤ 63·128·2 per i16: no saturation.
+                    let p = _mm256_maddubs_epi16(*q, y);
+                    // i16 lanes 0..8 are the first 16 elements, lanes 8..16 the next.
+                    let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, shuf[4 * h + k]));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(sc, p));
+                }
+            }
+            _mm256_sub_epi32(sumi, _mm256_slli_epi32(summ, 5))
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q6_k_avx2(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+        // SAFETY: this function enables AVX2, FMA, F16C, which the helper needs.
+        unsafe {
             let mut acc = _mm256_setzero_ps();
             for (w, x) in w.iter().zip(x) {
                 let (d, _) = f16x2_times(w.d.to_bits(), 0, x.d);
-                let scales = _mm_loadu_si128(w.scales.as_ptr() as *const __m128i);
-                // 32·Σ sc·bsum, the −32 offset of every quant.
-                let bsums = _mm256_loadu_si256(x.bsums.as_ptr() as *const __m256i);
-                let summ = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), bsums);
-                let mut sumi = _mm256_setzero_si256();
-                for h in 0..2 {
-                    let ql = w.ql.as_ptr().add(64 * h);
-                    let ql0 = _mm256_loadu_si256(ql as *const __m256i);
-                    let ql1 = _mm256_loadu_si256(ql.add(32) as *const __m256i);
-                    let qh = _mm256_loadu_si256(w.qh.as_ptr().add(32 * h) as *const __m256i);
-                    // Bit pairs 0-1, 2-3, 4-5, 6-7 of qh moved to bits 4-5 (the 16-bit shifts
-                    // leak bits across bytes only outside the 0x30 mask).
-                    let q = [
-                        _mm256_or_si256(
-                            _mm256_and_si256(ql0, m4),
-                            _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(ql1, m4),
-                            _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                            _mm256_and_si256(qh, m30),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                        ),
-                    ];
-                    for (k, q) in q.iter().enumerate() {
-                        let y = _mm256_loadu_si256(
-                            x.qs.as_ptr().add(128 * h + 32 * k) as *const __m256i
-                        );
-                        // ≤ 63·128·2 per i16: no saturation.
-                        let p = _mm256_maddubs_epi16(*q, y);
-                        // i16 lanes 0..8 are the first 16 elements, lanes 8..16 the next.
-                        let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, shuf[4 * h + k]));
-                        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(sc, p));
-                    }
-                }
-                let total = _mm256_sub_epi32(sumi, _mm256_slli_epi32(summ, 5));
+                let total = q6k_block_avx2(w, x);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(total), acc);
             }
             hsum256(acc)

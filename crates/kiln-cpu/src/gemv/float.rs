@@ -1,7 +1,7 @@
 //! F32, F16 and BF16 weights against one f32 activation row: weights widened to f32 as
 //! they are loaded, two accumulators per row (so ROWS · 2 independent FMA chains).
 
-use super::{available, by_groups, ROWS};
+use super::{available, avx2, by_groups, ROWS};
 use crate::fgemm::FloatWeight;
 use crate::pool::Pool;
 
@@ -58,7 +58,16 @@ mod x86 {
 
 /// `out[r] = w[r] · x` for `w` of `m` rows of `x.len()` elements. Requires
 /// [`available()`].
-pub(crate) fn matvec<W: FloatWeight>(pool: &Pool, w: &[W], x: &[f32], out: &mut [f32], m: usize) {
+pub(crate) fn matvec<W: FloatWeight + avx2::Float>(
+    pool: &Pool,
+    w: &[W],
+    x: &[f32],
+    out: &mut [f32],
+    m: usize,
+) {
+    if crate::dot::isa() == crate::dot::Isa::Avx2 {
+        return avx2::matvec_float(pool, w, x, out, m);
+    }
     assert!(available(), "matvec kernel needs AVX-512");
     let k = x.len();
     assert!(w.len() >= m * k && out.len() >= m);
@@ -76,11 +85,12 @@ pub(crate) fn matvec<W: FloatWeight>(pool: &Pool, w: &[W], x: &[f32], out: &mut 
 mod tests {
     use super::*;
     use crate::dot::test_util::{ref_dot, test_pool};
+    use crate::gemv::supported;
     use half::{bf16, f16};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
-    fn check<W: FloatWeight>(from: fn(f32) -> W, to: fn(W) -> f32) {
+    fn check<W: FloatWeight + avx2::Float>(from: fn(f32) -> W, to: fn(W) -> f32) {
         let mut rng = StdRng::seed_from_u64(0xf16);
         // k: a whole number of steps, a ragged tail, shorter than one step.
         for &k in &[64usize, 2048, 100, 7] {
@@ -107,8 +117,8 @@ mod tests {
 
     #[test]
     fn matvec_matches_reference() {
-        if !available() {
-            eprintln!("no AVX-512: matvec kernel not testable here");
+        if !supported() {
+            eprintln!("no AVX2 or AVX-512: matvec kernel not testable here");
             return;
         }
         check::<f32>(|v| v, |v| v);

@@ -8,7 +8,7 @@
 //! nibbles of `qs[64h..64h + 64]` are sub-blocks `4h` and `4h + 2`, the high nibbles
 //! `4h + 1` and `4h + 3`, so two `and`s and a shift unpack 128 quants.
 
-use super::{available, by_groups, ROWS};
+use super::{available, avx2, by_groups, ROWS};
 use crate::pool::Pool;
 use kiln_core::quant::{BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
 
@@ -162,6 +162,9 @@ mod x86 {
 /// `out[r] = w[r] · x` for Q4_K `w` of `m` rows of `x.len()` blocks. Requires
 /// [`available()`].
 pub(crate) fn matvec_q4k(pool: &Pool, w: &[BlockQ4K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
+    if crate::dot::isa() == crate::dot::Isa::Avx2 {
+        return avx2::matmul_q4k(pool, w, x, out, 1, m);
+    }
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = x.len();
     assert!(w.len() >= m * nb && out.len() >= m);
@@ -179,6 +182,9 @@ pub(crate) fn matvec_q4k(pool: &Pool, w: &[BlockQ4K], x: &[BlockQ8K], out: &mut 
 /// `out[r] = w[r] · x` for Q6_K `w` of `m` rows of `x.len()` blocks. Requires
 /// [`available()`].
 pub(crate) fn matvec_q6k(pool: &Pool, w: &[BlockQ6K], x: &[BlockQ8K], out: &mut [f32], m: usize) {
+    if crate::dot::isa() == crate::dot::Isa::Avx2 {
+        return avx2::matmul_q6k(pool, w, x, out, 1, m);
+    }
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = x.len();
     assert!(w.len() >= m * nb && out.len() >= m);
@@ -196,6 +202,7 @@ mod tests {
     use super::*;
     use crate::dot;
     use crate::dot::test_util::{ref_dot, test_pool};
+    use crate::gemv::supported;
     use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize, quantize_q8_k};
     use kiln_core::DType;
     use rand::rngs::StdRng;
@@ -247,8 +254,8 @@ mod tests {
 
     #[test]
     fn matvec_matches_dot_q4_k() {
-        if !available() {
-            eprintln!("no AVX-512 VNNI: matvec kernel not testable here");
+        if !supported() {
+            eprintln!("no AVX2 or AVX-512 VNNI: matvec kernel not testable here");
             return;
         }
         check::<BlockQ4K>(DType::Q4_K, matvec_q4k, dot::dot_q4_k);
@@ -256,8 +263,8 @@ mod tests {
 
     #[test]
     fn matvec_matches_dot_q6_k() {
-        if !available() {
-            eprintln!("no AVX-512 VNNI: matvec kernel not testable here");
+        if !supported() {
+            eprintln!("no AVX2 or AVX-512 VNNI: matvec kernel not testable here");
             return;
         }
         check::<BlockQ6K>(DType::Q6_K, matvec_q6k, dot::dot_q6_k);

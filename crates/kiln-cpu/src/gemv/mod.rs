@@ -1,4 +1,5 @@
-//! Matrix-vector products (decode, one activation row) on AVX-512: `out[r] = w[r] · x`.
+//! Matrix-vector products (decode, one activation row) on AVX-512, or AVX2 ([`avx2`]):
+//! `out[r] = w[r] · x`.
 //!
 //! Decode reads every weight once per token, so these kernels are about keeping memory
 //! busy while doing as little per weight as possible. Shared by every format here:
@@ -11,8 +12,10 @@
 //!   `matmul::by_rows` does) fills the line-fill buffers and stalls the core; one request
 //!   per line consumed keeps a steady stream in flight.
 //!
-//! Formats: Q8_0/Q4_0 ([`q8_0`]), Q4_K/Q6_K ([`k_quants`]), F32/F16/BF16 ([`float`]).
+//! Formats: Q8_0/Q4_0 ([`q8_0`]), Q4_K/Q6_K ([`k_quants`]), F32/F16/BF16 ([`float`]); each
+//! hands over to [`avx2`] on CPUs without AVX-512 (`KILN_CPU_ISA=avx2` forces it).
 
+pub(crate) mod avx2;
 pub(crate) mod float;
 pub(crate) mod k_quants;
 pub(crate) mod q8_0;
@@ -23,9 +26,15 @@ use crate::pool::Pool;
 /// Weight rows per loop.
 const ROWS: usize = 4;
 
-/// Whether this CPU can run the kernels.
+/// Whether this CPU can run the AVX-512 kernels.
 pub(crate) fn available() -> bool {
     dot::isa() == Isa::Avx512Vnni
+}
+
+/// Whether this CPU runs the decode kernels, those for AVX-512 or those for AVX2
+/// ([`avx2`]); else `matmul` dots row by row.
+pub(crate) fn supported() -> bool {
+    matches!(dot::isa(), Isa::Avx512Vnni | Isa::Avx2)
 }
 
 /// Fill `out[..m]` over the thread pool, [`ROWS`] rows at a time: `group(rows)` returns
@@ -49,6 +58,41 @@ fn by_groups(
             og.copy_from_slice(&sums[..og.len()]);
         }
     });
+}
+
+/// [`by_groups`] for `n` activation rows into `out[n, m]`: `group(rows, i)` returns the
+/// products of weight rows `rows` with activation row `i`. Each group of weight rows is
+/// used for every activation row while it is in L1, so the weights stream from memory once.
+fn by_groups_batched(
+    pool: &Pool,
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+    group: impl Fn([usize; ROWS], usize) -> [f32; ROWS] + Sync,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let chunk = (m / (pool.threads() * 8)).clamp(ROWS, 64) / ROWS * ROWS;
+    // Weight-row-major [m, n] first (each task owns whole rows), then transposed.
+    let mut t = vec![0f32; m * n];
+    pool.for_chunks_mut(&mut t, chunk * n, |c, o| {
+        for (g, og) in o.chunks_mut(ROWS * n).enumerate() {
+            let r0 = c * chunk + g * ROWS;
+            let rows = std::array::from_fn(|j| (r0 + j).min(m - 1));
+            for i in 0..n {
+                let sums = group(rows, i);
+                for (row, s) in og.chunks_exact_mut(n).zip(sums) {
+                    row[i] = s;
+                }
+            }
+        }
+    });
+    for (r, row) in t.chunks_exact(n).enumerate() {
+        for (i, &v) in row.iter().enumerate() {
+            out[i * m + r] = v;
+        }
+    }
 }
 
 /// Ask for the cache line at `p` (any address: prefetches never fault).

@@ -11,7 +11,7 @@
 //! gather and multiplied by the activation scales in one go, rather than broadcast
 //! pair by pair (which took more instructions than the dot product).
 
-use super::{available, by_groups, ROWS};
+use super::{available, avx2, by_groups, ROWS};
 use crate::pool::Pool;
 use crate::qgemm::WeightBlock;
 use kiln_core::quant::{BlockQ4_0, BlockQ8_0, QK};
@@ -176,8 +176,9 @@ mod x86 {
     }
 }
 
-/// `out[r] = w[r] · x` for `w` of `m` rows of `k / QK` blocks. Requires [`available()`].
-pub(crate) fn matvec<W: PairBlock>(
+/// `out[r] = w[r] · x` for `w` of `m` rows of `k / QK` blocks. Requires [`super::supported`]
+/// (on AVX2 the kernels of [`avx2`] run).
+pub(crate) fn matvec<W: PairBlock + avx2::Block>(
     pool: &Pool,
     w: &[W],
     x: &[BlockQ8_0],
@@ -186,6 +187,9 @@ pub(crate) fn matvec<W: PairBlock>(
     k: usize,
     dot: fn(&[W], &[BlockQ8_0]) -> f32,
 ) {
+    if crate::dot::isa() == crate::dot::Isa::Avx2 {
+        return avx2::matmul_q8(pool, w, x, out, 1, m, k, dot);
+    }
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = k / QK;
     assert!(w.len() >= m * nb && x.len() >= nb && out.len() >= m);
@@ -230,12 +234,13 @@ mod tests {
     use super::*;
     use crate::dot;
     use crate::dot::test_util::{ref_dot, test_pool};
+    use crate::gemv::supported;
     use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize};
     use kiln_core::DType;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
-    fn check<W: PairBlock>(dtype: DType, dot: fn(&[W], &[BlockQ8_0]) -> f32) {
+    fn check<W: PairBlock + avx2::Block>(dtype: DType, dot: fn(&[W], &[BlockQ8_0]) -> f32) {
         let mut rng = StdRng::seed_from_u64(0x6e3f);
         // k: one block, a pair, under a group, a group and a ragged tail, many groups.
         for &k in &[32usize, 64, 96, 512 + 96, 2048] {
@@ -267,8 +272,8 @@ mod tests {
 
     #[test]
     fn matvec_matches_dot_q8_0() {
-        if !available() {
-            eprintln!("no AVX-512 VNNI: matvec kernel not testable here");
+        if !supported() {
+            eprintln!("no AVX2 or AVX-512 VNNI: matvec kernel not testable here");
             return;
         }
         check::<BlockQ8_0>(DType::Q8_0, dot::dot_q8_0);
@@ -276,8 +281,8 @@ mod tests {
 
     #[test]
     fn matvec_matches_dot_q4_0() {
-        if !available() {
-            eprintln!("no AVX-512 VNNI: matvec kernel not testable here");
+        if !supported() {
+            eprintln!("no AVX2 or AVX-512 VNNI: matvec kernel not testable here");
             return;
         }
         check::<BlockQ4_0>(DType::Q4_0, dot::dot_q4_0);
