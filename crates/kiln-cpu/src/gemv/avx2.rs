@@ -185,11 +185,7 @@ pub(crate) fn matmul_q8<W: Block>(
     let group = |r: [usize; ROWS], i: usize| {
         let rows: [&[W]; ROWS] = r.map(|r| &w[r * nb..][..nb]);
         let (xp, dxi) = (&prepared[i * nb..][..nb], &dx[i * nb..][..nb]);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the ISA asserted above has AVX2, FMA and F16C.
-        let mut sums = unsafe { x86::rows_q8(rows, xp, dxi) };
-        #[cfg(not(target_arch = "x86_64"))]
-        let mut sums: [f32; ROWS] = unreachable!("AVX2 is x86_64 only: {xp:p} {dxi:p}");
+        let mut sums = rows_q8(rows, xp, dxi);
         if tail < nb {
             for (s, row) in sums.iter_mut().zip(rows) {
                 *s += dot(&row[tail..], &x[i * nb + tail..(i + 1) * nb]);
@@ -202,6 +198,15 @@ pub(crate) fn matmul_q8<W: Block>(
     } else {
         by_groups_batched(pool, out, n, m, group);
     }
+}
+
+/// [`x86::rows_q8`] behind the ISA check that `matmul_q8` made.
+fn rows_q8<W: Block>(rows: [&[W]; ROWS], xp: &[Prepared], dx: &[f32]) -> [f32; ROWS] {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: matmul_q8 asserted an ISA with AVX2, FMA and F16C.
+    return unsafe { x86::rows_q8(rows, xp, dx) };
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("AVX2 is x86_64 only: {:p} {xp:p} {dx:p}", rows[0])
 }
 
 /// `out[r] = w[r] · x` for float `w` of `m` rows of `x.len()` elements. Requires AVX2,
