@@ -102,7 +102,7 @@ pub(crate) mod x86 {
 
     /// Needs AVX.
     #[inline(always)]
-    unsafe fn hsum256(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum256(v: __m256) -> f32 {
         // SAFETY: the caller enabled AVX.
         unsafe {
             let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

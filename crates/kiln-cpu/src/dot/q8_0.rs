@@ -42,6 +42,7 @@ pub(crate) mod x86 {
     //! Helpers are `#[inline(always)]` without `target_feature` so they inline into the
     //! feature-enabled entry points; each is only sound to call from such a function.
     use super::*;
+    use crate::dot::k_quants::x86::hsum256;
     use std::arch::x86_64::*;
 
     /// `d_w[k] · d_x[k]` for four consecutive blocks, converting all eight f16 with one
@@ -72,18 +73,6 @@ pub(crate) mod x86 {
         unsafe {
             let f = _mm_cvtph_ps(_mm_cvtsi32_si128((dw as u32 | (dx as u32) << 16) as i32));
             _mm_cvtss_f32(_mm_mul_ss(f, _mm_movehdup_ps(f)))
-        }
-    }
-
-    /// Needs AVX.
-    #[inline(always)]
-    unsafe fn hsum256(v: __m256) -> f32 {
-        // SAFETY: the caller enabled AVX.
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            _mm_cvtss_f32(s)
         }
     }
 

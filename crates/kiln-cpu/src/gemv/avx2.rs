@@ -282,7 +282,7 @@ pub(crate) fn matmul_q6k(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
-    use crate::dot::k_quants::x86::{f16x2_times, q4k_block_avx2, q6k_block_avx2};
+    use crate::dot::k_quants::x86::{f16x2_times, hsum256, q4k_block_avx2, q6k_block_avx2};
     use crate::gemv::prefetch;
 
     /// `Σ` over the first `GROUP · (x.len() / GROUP)` blocks of `w[r] · x` for ROWS rows.
@@ -333,7 +333,7 @@ mod x86 {
                     }
                 }
             }
-            acc.map(|v| hsum(v))
+            acc.map(|v| hsum256(v))
         }
     }
 
@@ -369,7 +369,7 @@ mod x86 {
                     }
                 }
             }
-            let mut sums = acc.map(|[a, b]| hsum(_mm256_add_ps(a, b)));
+            let mut sums = acc.map(|[a, b]| hsum256(_mm256_add_ps(a, b)));
             for (s, row) in sums.iter_mut().zip(w) {
                 *s += row[body..]
                     .iter()
@@ -378,17 +378,6 @@ mod x86 {
                     .sum::<f32>();
             }
             sums
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        // SAFETY: the caller enabled AVX.
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            _mm_cvtss_f32(s)
         }
     }
 
@@ -426,7 +415,7 @@ mod x86 {
                     acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
                 }
             }
-            std::array::from_fn(|r| hsum(acc[r]) - hsum(acc_m[r]))
+            std::array::from_fn(|r| hsum256(acc[r]) - hsum256(acc_m[r]))
         }
     }
 
@@ -449,7 +438,7 @@ mod x86 {
                     acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(total), acc[r]);
                 }
             }
-            acc.map(|v| hsum(v))
+            acc.map(|v| hsum256(v))
         }
     }
 }
