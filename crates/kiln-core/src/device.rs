@@ -6,6 +6,8 @@ pub enum Device {
     Cpu,
     /// An NVIDIA GPU, by CUDA ordinal.
     Cuda(usize),
+    /// A GPU reached through wgpu (Vulkan, Metal, DX12), by its index in kiln's adapter list.
+    Wgpu(usize),
 }
 
 impl fmt::Display for Device {
@@ -13,6 +15,7 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(i) => write!(f, "cuda:{i}"),
+            Device::Wgpu(i) => write!(f, "wgpu:{i}"),
         }
     }
 }

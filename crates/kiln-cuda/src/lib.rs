@@ -12,7 +12,6 @@ mod compile;
 mod device;
 mod elementwise;
 mod kernels;
-mod layout;
 mod matmul;
 mod memory;
 mod norm;
@@ -347,7 +346,7 @@ impl Backend for CudaBackend {
         }
         let t = self.alloc_tensor(dtype, shape)?;
         if want > 0 {
-            let split = layout::split(dtype, data.as_slice());
+            let split = kiln_core::quant::gpu_layout::split(dtype, data.as_slice());
             let bytes = split.as_deref().unwrap_or(data.as_slice());
             self.bind()?;
             // On our stream, so that the kernels queued after it see the bytes: a
@@ -373,7 +372,7 @@ impl Backend for CudaBackend {
                 .map_err(driver_error)?;
             self.stream.synchronize().map_err(driver_error)?;
         }
-        Ok(layout::join(t.dtype(), &out).unwrap_or(out))
+        Ok(kiln_core::quant::gpu_layout::join(t.dtype(), &out).unwrap_or(out))
     }
 
     fn write(&self, t: &mut Tensor, data: &[u8]) -> Result<()> {
@@ -386,7 +385,7 @@ impl Backend for CudaBackend {
             )));
         }
         if !data.is_empty() {
-            let split = layout::split(t.dtype(), data);
+            let split = kiln_core::quant::gpu_layout::split(t.dtype(), data);
             let bytes = split.as_deref().unwrap_or(data);
             self.bind()?;
             // From pageable memory the driver stages the bytes before returning.

@@ -127,7 +127,7 @@ impl MemoryPlan {
         let one_token = per_token.saturating_add(u(c.vocab_size).saturating_mul(4));
         let (margin, weights) = match device {
             Device::Cpu => (HOST_MARGIN, 0),
-            Device::Cuda(_) => (DEVICE_MARGIN, u128::from(weight_bytes)),
+            Device::Cuda(_) | Device::Wgpu(_) => (DEVICE_MARGIN, u128::from(weight_bytes)),
         };
         let (buffers, other_per_position) = if all_logits {
             (

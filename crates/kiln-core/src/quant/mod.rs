@@ -9,6 +9,7 @@
 
 mod expand;
 mod float;
+pub mod gpu_layout;
 mod q4_0;
 mod q4_k;
 mod q6_k;

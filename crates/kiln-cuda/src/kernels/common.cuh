@@ -98,7 +98,7 @@ __device__ __forceinline__ u16 load_u16(const u8* p) { return *(const u16*)p; }
 // Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles.
 // Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 x i8 scales, f16 d.
 //
-// On the GPU a quantized tensor is stored split (done at upload by layout.rs): first the
+// On the GPU a quantized tensor is stored split (done at upload by kiln_core::quant::gpu_layout): first the
 // quant bytes of every block, in order (QBYTES per block), then the rest of every block
 // (its scales and mins, in their order within the block). The bits are ggml's; the split
 // only puts the quants of a row at 16-byte aligned addresses, so a lane reads 16 bytes of

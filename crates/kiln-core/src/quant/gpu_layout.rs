@@ -1,13 +1,14 @@
-//! How quantized tensors sit in GPU memory: ggml's blocks split into two regions, first
-//! the quant bytes of every block in order, then the rest of every block (scales, mins)
-//! in order. Same bits and size as the file's; only the quants of each row start at a
-//! 16-byte aligned address, so a lane loads 16 of them at once (the 18-, 34- and 210-byte
-//! ggml blocks are only 2-byte aligned). `common.cuh` reads this layout (`weight_row`).
+//! How quantized tensors sit in GPU memory (CUDA and wgpu): ggml's blocks split into two
+//! regions, first the quant bytes of every block in order, then the rest of every block
+//! (scales, mins) in order. Same bits and size as the file's; only the quants of each row
+//! start at a 16-byte aligned address, so a lane loads 16 of them at once, and WGSL can read
+//! them as `array<u32>` (the 18-, 34- and 210-byte ggml blocks are only 2-byte aligned).
+//! kiln-cuda's `common.cuh` (`weight_row`) and kiln-wgpu's `common.wgsl` read this layout.
 
-use kiln_core::DType;
+use crate::DType;
 
 /// Where a block's quant bytes lie inside it: (offset, length); None for float types.
-fn quant_span(dtype: DType) -> Option<(usize, usize)> {
+pub fn quant_span(dtype: DType) -> Option<(usize, usize)> {
     match dtype {
         DType::Q8_0 => Some((2, 32)),
         DType::Q4_0 => Some((2, 16)),
@@ -19,7 +20,7 @@ fn quant_span(dtype: DType) -> Option<(usize, usize)> {
 
 /// The device bytes of a tensor whose file bytes are `bytes` (a whole number of blocks);
 /// None when the dtype is stored as is.
-pub(crate) fn split(dtype: DType, bytes: &[u8]) -> Option<Vec<u8>> {
+pub fn split(dtype: DType, bytes: &[u8]) -> Option<Vec<u8>> {
     let (q_off, q_len) = quant_span(dtype)?;
     let block = dtype.block_bytes();
     let blocks = bytes.len() / block;
@@ -36,7 +37,7 @@ pub(crate) fn split(dtype: DType, bytes: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// The inverse of [`split`]: file bytes from device bytes.
-pub(crate) fn join(dtype: DType, bytes: &[u8]) -> Option<Vec<u8>> {
+pub fn join(dtype: DType, bytes: &[u8]) -> Option<Vec<u8>> {
     let (q_off, q_len) = quant_span(dtype)?;
     let block = dtype.block_bytes();
     let blocks = bytes.len() / block;

@@ -1,0 +1,122 @@
+//! Rotary embeddings and causal attention over the KV cache.
+
+use crate::elementwise::count;
+use crate::kernels::{ATTENTION, ROPE};
+use crate::{f32_tensor, i32_tensor, WgpuBackend};
+use kiln_core::{AttentionParams, Error, Result, RopeLayout, Tensor};
+
+pub(crate) fn rope(
+    b: &WgpuBackend,
+    x: &mut Tensor,
+    pos: &Tensor,
+    inv_freq: &Tensor,
+    layout: RopeLayout,
+) -> Result<()> {
+    let &[tokens, heads, head_dim] = x.dims() else {
+        return Err(Error::shape(format!(
+            "rope takes [tokens, heads, head_dim], got {}",
+            x.shape()
+        )));
+    };
+    let half = inv_freq.shape().numel();
+    if 2 * half > head_dim {
+        return Err(Error::shape(format!(
+            "rope: {half} frequencies rotate {} dimensions, heads have {head_dim}",
+            2 * half
+        )));
+    }
+    let bindings = [
+        f32_tensor(x, "rope input")?,
+        i32_tensor(pos, tokens, "rope positions")?,
+        f32_tensor(inv_freq, "rope frequencies")?,
+    ];
+    let what = "rope";
+    let pairs = tokens * heads * half;
+    count(pairs, what)?;
+    let (groups, groups_x) = b.grid(pairs.div_ceil(256))?;
+    let kernel = b.kernel(&ROPE, &[])?;
+    b.stream.dispatch(
+        &kernel,
+        &bindings,
+        &[
+            count(tokens, what)?,
+            count(heads, what)?,
+            count(head_dim, what)?,
+            count(half, what)?,
+            u32::from(layout == RopeLayout::Neox),
+            groups_x,
+        ],
+        groups,
+    )
+}
+
+pub(crate) fn attention(
+    b: &WgpuBackend,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: &Tensor,
+    p: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
+    let &[n, heads, hd] = q.dims() else {
+        return Err(Error::shape(format!(
+            "attention q must be [n, heads, head_dim], got {}",
+            q.shape()
+        )));
+    };
+    let &[capacity, kv_heads, kv_hd] = k_cache.dims() else {
+        return Err(Error::shape(format!(
+            "k cache must be [capacity, kv_heads, head_dim], got {}",
+            k_cache.shape()
+        )));
+    };
+    if v_cache.dims() != k_cache.dims() || out.dims() != q.dims() || kv_hd != hd {
+        return Err(Error::shape(format!(
+            "attention: q {}, k {}, v {}, out {}",
+            q.shape(),
+            k_cache.shape(),
+            v_cache.shape(),
+            out.shape()
+        )));
+    }
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(Error::shape(format!(
+            "{heads} query heads cannot share {kv_heads} KV heads"
+        )));
+    }
+    if hd > 256 {
+        return Err(Error::shape(format!(
+            "attention on wgpu takes heads of at most 256 dimensions, got {hd}"
+        )));
+    }
+    if n == 0 || hd == 0 {
+        return Ok(());
+    }
+    let bindings = [
+        f32_tensor(q, "attention queries")?,
+        f32_tensor(k_cache, "k cache")?,
+        f32_tensor(v_cache, "v cache")?,
+        i32_tensor(pos, n, "attention positions")?,
+        f32_tensor(out, "attention output")?,
+    ];
+    let what = "attention";
+    let (groups, groups_x) = b.grid(n * heads)?;
+    let kernel = b.kernel(&ATTENTION, &[])?;
+    b.stream.dispatch(
+        &kernel,
+        &bindings,
+        &[
+            count(n, what)?,
+            count(heads, what)?,
+            count(kv_heads, what)?,
+            count(hd, what)?,
+            count(capacity, what)?,
+            p.scale.to_bits(),
+            p.softcap.unwrap_or(0.0).to_bits(),
+            count(p.window.unwrap_or(0).min(u32::MAX as usize), what)?,
+            groups_x,
+        ],
+        groups,
+    )
+}

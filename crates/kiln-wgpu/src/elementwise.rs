@@ -1,0 +1,170 @@
+//! Element-wise ops and row/column moves: one lane per element.
+
+use crate::kernels::{BINARY, FILL, GATED, SLICE_COLS, UNARY, WRITE_ROWS};
+use crate::{f32_tensor, i32_tensor, WgpuBackend};
+use kiln_core::{Error, Result, Tensor};
+
+/// Element count as the shaders' u32, or an error for tensors past 2^32 elements.
+pub(crate) fn count(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| {
+        Error::shape(format!(
+            "{what}: {n} elements are more than one wgpu dispatch addresses (2^32)"
+        ))
+    })
+}
+
+/// Dispatch an element-wise kernel over `n` elements; `params` after (n, op, a, len, cols,
+/// col0) as in the shaders' `EParams`.
+fn launch(
+    b: &WgpuBackend,
+    spec: &crate::kernels::KernelSpec,
+    bindings: &[crate::stream::Binding],
+    n: usize,
+    op: u32,
+    a: f32,
+    len: u32,
+    cols: u32,
+    col0: u32,
+    what: &str,
+) -> Result<()> {
+    let n32 = count(n, what)?;
+    let (groups, groups_x) = b.grid(n.div_ceil(256))?;
+    let kernel = b.kernel(spec, &[])?;
+    b.stream.dispatch(
+        &kernel,
+        bindings,
+        &[n32, op, a.to_bits(), len, cols, col0, groups_x],
+        groups,
+    )
+}
+
+pub(crate) fn fill(b: &WgpuBackend, t: &mut Tensor, value: f32) -> Result<()> {
+    let n = t.shape().numel();
+    let dst = f32_tensor(t, "fill")?;
+    launch(b, &FILL, &[dst], n, 0, value, 0, 0, 0, "fill")
+}
+
+pub(crate) fn binary(
+    b: &WgpuBackend,
+    acc: &mut Tensor,
+    x: &Tensor,
+    op: u32,
+    what: &str,
+) -> Result<()> {
+    let n = acc.shape().numel();
+    let len = x.shape().numel();
+    let broadcast_row = len == acc.shape().row_len() && acc.dims().last() == x.dims().last();
+    if !(x.dims() == acc.dims() || broadcast_row) || len == 0 && n > 0 {
+        return Err(Error::shape(format!(
+            "{what}: {} cannot be applied to {}",
+            x.shape(),
+            acc.shape()
+        )));
+    }
+    let (dst, src) = (f32_tensor(acc, what)?, f32_tensor(x, what)?);
+    launch(b, &BINARY, &[dst, src], n, op, 0.0, count(len.max(1), what)?, 0, 0, what)
+}
+
+pub(crate) fn unary(b: &WgpuBackend, x: &mut Tensor, op: u32, a: f32) -> Result<()> {
+    let n = x.shape().numel();
+    let dst = f32_tensor(x, "unary op")?;
+    launch(b, &UNARY, &[dst], n, op, a, 0, 0, 0, "unary op")
+}
+
+pub(crate) fn gated(
+    b: &WgpuBackend,
+    gate: &Tensor,
+    up: &Tensor,
+    out: &mut Tensor,
+    op: u32,
+) -> Result<()> {
+    if gate.dims() != up.dims() || out.dims() != gate.dims() {
+        return Err(Error::shape(format!(
+            "gated activation: gate {}, up {}, out {}",
+            gate.shape(),
+            up.shape(),
+            out.shape()
+        )));
+    }
+    let n = gate.shape().numel();
+    let bindings = [
+        f32_tensor(gate, "gate")?,
+        f32_tensor(up, "up")?,
+        f32_tensor(out, "gated output")?,
+    ];
+    launch(b, &GATED, &bindings, n, op, 0.0, 0, 0, 0, "gated activation")
+}
+
+pub(crate) fn write_rows(
+    b: &WgpuBackend,
+    src: &Tensor,
+    dst: &mut Tensor,
+    pos: &Tensor,
+) -> Result<()> {
+    let rows = src.dims().first().copied().unwrap_or(0);
+    let dst_rows = dst.dims().first().copied().unwrap_or(0);
+    let row = if rows == 0 { 0 } else { src.shape().numel() / rows };
+    if dst_rows == 0 || dst.shape().numel() / dst_rows != row || src.shape().numel() != rows * row
+    {
+        return Err(Error::shape(format!(
+            "write_rows: rows of {} do not fit rows of {}",
+            src.shape(),
+            dst.shape()
+        )));
+    }
+    let bindings = [
+        f32_tensor(src, "write_rows source")?,
+        f32_tensor(dst, "write_rows destination")?,
+        i32_tensor(pos, rows, "write_rows positions")?,
+    ];
+    let what = "write_rows";
+    launch(
+        b,
+        &WRITE_ROWS,
+        &bindings,
+        rows * row,
+        0,
+        0.0,
+        count(row.max(1), what)?,
+        count(dst_rows, what)?,
+        0,
+        what,
+    )
+}
+
+pub(crate) fn slice_cols(
+    b: &WgpuBackend,
+    src: &Tensor,
+    col0: usize,
+    dst: &mut Tensor,
+) -> Result<()> {
+    let (&[rows, src_cols], &[dst_rows, dst_cols]) = (src.dims(), dst.dims()) else {
+        return Err(Error::shape(format!(
+            "slice_cols takes 2-D tensors, got {} and {}",
+            src.shape(),
+            dst.shape()
+        )));
+    };
+    if rows != dst_rows || col0.checked_add(dst_cols).is_none_or(|end| end > src_cols) {
+        return Err(Error::shape(format!(
+            "slice_cols: columns {col0}..{} of {} into {}",
+            col0.saturating_add(dst_cols),
+            src.shape(),
+            dst.shape()
+        )));
+    }
+    let what = "slice_cols";
+    let bindings = [f32_tensor(src, what)?, f32_tensor(dst, what)?];
+    launch(
+        b,
+        &SLICE_COLS,
+        &bindings,
+        rows * dst_cols,
+        0,
+        0.0,
+        count(dst_cols.max(1), what)?,
+        count(src_cols, what)?,
+        count(col0, what)?,
+        what,
+    )
+}

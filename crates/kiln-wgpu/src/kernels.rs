@@ -1,0 +1,218 @@
+//! The compute pipelines: each kernel is an entry point of one of `src/shaders/*.wgsl`,
+//! assembled with the reduction helpers the device can run (subgroups or workgroup
+//! memory) and specialised by override constants (the weight type). Pipelines are made
+//! once, on first use, through the on-disk pipeline cache where the platform has one.
+
+use crate::device::Caps;
+use kiln_core::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// How a kernel touches one of its storage bindings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Access {
+    Read,
+    Write,
+}
+
+use Access::{Read, Write};
+
+/// One entry point: its shader file, name and storage bindings (group 0, in order).
+/// Every kernel also reads its parameters from a uniform at group 1, binding 0.
+pub(crate) struct KernelSpec {
+    pub file: &'static str,
+    pub entry: &'static str,
+    pub bindings: &'static [Access],
+}
+
+const fn spec(file: &'static str, entry: &'static str, bindings: &'static [Access]) -> KernelSpec {
+    KernelSpec {
+        file,
+        entry,
+        bindings,
+    }
+}
+
+pub(crate) const FILL: KernelSpec = spec("elementwise", "fill", &[Write]);
+pub(crate) const BINARY: KernelSpec = spec("elementwise", "binary", &[Write, Read]);
+pub(crate) const UNARY: KernelSpec = spec("elementwise", "unary", &[Write]);
+pub(crate) const GATED: KernelSpec = spec("gated", "gated", &[Read, Read, Write]);
+pub(crate) const WRITE_ROWS: KernelSpec = spec("rows", "write_rows", &[Read, Write, Read]);
+pub(crate) const SLICE_COLS: KernelSpec = spec("rows", "slice_cols", &[Read, Write]);
+pub(crate) const ROPE: KernelSpec = spec("rope", "rope", &[Write, Read, Read]);
+pub(crate) const RMS_NORM: KernelSpec = spec("norm", "rms_norm", &[Read, Read, Read, Write]);
+pub(crate) const LAYER_NORM: KernelSpec = spec("norm", "layer_norm", &[Read, Read, Read, Write]);
+pub(crate) const SOFTMAX: KernelSpec = spec("softmax", "softmax", &[Write]);
+pub(crate) const ARGMAX: KernelSpec = spec("argmax", "argmax", &[Read, Write]);
+pub(crate) const EMBEDDING: KernelSpec = spec("embedding", "embedding", &[Read, Read, Read, Write]);
+pub(crate) const MATVEC: KernelSpec = spec("matvec", "matvec", &[Read, Read, Read, Write]);
+pub(crate) const GEMM: KernelSpec = spec("gemm", "gemm", &[Read, Read, Read, Write]);
+pub(crate) const ATTENTION: KernelSpec =
+    spec("attention", "attention", &[Read, Read, Read, Read, Write]);
+
+fn source(file: &str) -> &'static str {
+    match file {
+        "elementwise" => include_str!("shaders/elementwise.wgsl"),
+        "gated" => include_str!("shaders/gated.wgsl"),
+        "rows" => include_str!("shaders/rows.wgsl"),
+        "softmax" => include_str!("shaders/softmax.wgsl"),
+        "argmax" => include_str!("shaders/argmax.wgsl"),
+        "rope" => include_str!("shaders/rope.wgsl"),
+        "norm" => include_str!("shaders/norm.wgsl"),
+        "embedding" => include_str!("shaders/embedding.wgsl"),
+        "matvec" => include_str!("shaders/matvec.wgsl"),
+        "gemm" => include_str!("shaders/gemm.wgsl"),
+        "attention" => include_str!("shaders/attention.wgsl"),
+        other => unreachable!("no shader file {other}"),
+    }
+}
+
+const COMMON: &str = include_str!("shaders/common.wgsl");
+const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
+const REDUCE_SUBGROUP: &str = include_str!("shaders/reduce_subgroup.wgsl");
+const REDUCE_WORKGROUP: &str = include_str!("shaders/reduce_workgroup.wgsl");
+
+/// A pipeline and the layout of its storage bindings.
+pub(crate) struct Kernel {
+    pub name: String,
+    pub pipeline: wgpu::ComputePipeline,
+    pub storage_layout: wgpu::BindGroupLayout,
+}
+
+pub(crate) struct Kernels {
+    caps: Caps,
+    params_layout: wgpu::BindGroupLayout,
+    modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
+    made: Mutex<HashMap<String, Arc<Kernel>>>,
+    cache: Option<wgpu::PipelineCache>,
+}
+
+impl Kernels {
+    pub fn new(device: &wgpu::Device, caps: Caps, cache: Option<wgpu::PipelineCache>) -> Self {
+        let params_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("kiln params"),
+            entries: &[wgpu::BindGroupLayoutEntry {
+                binding: 0,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    has_dynamic_offset: true,
+                    min_binding_size: wgpu::BufferSize::new(crate::stream::PARAMS_BYTES),
+                },
+                count: None,
+            }],
+        });
+        Kernels {
+            caps,
+            params_layout,
+            modules: Mutex::new(HashMap::new()),
+            made: Mutex::new(HashMap::new()),
+            cache,
+        }
+    }
+
+    pub fn params_layout(&self) -> &wgpu::BindGroupLayout {
+        &self.params_layout
+    }
+
+    pub fn pipeline_cache(&self) -> Option<&wgpu::PipelineCache> {
+        self.cache.as_ref()
+    }
+
+    /// The kernel `spec` with override constants `constants`, made on first use.
+    pub fn get(
+        &self,
+        device: &wgpu::Device,
+        spec: &KernelSpec,
+        constants: &[(&str, f64)],
+    ) -> Result<Arc<Kernel>> {
+        let mut name = format!("{}::{}", spec.file, spec.entry);
+        for (k, v) in constants {
+            name.push_str(&format!(" {k}={v}"));
+        }
+        if let Some(k) = self.made.lock().unwrap().get(&name) {
+            return Ok(k.clone());
+        }
+        let module = self.module(device, spec.file)?;
+        let entries: Vec<wgpu::BindGroupLayoutEntry> = spec
+            .bindings
+            .iter()
+            .enumerate()
+            .map(|(i, access)| wgpu::BindGroupLayoutEntry {
+                binding: i as u32,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Storage {
+                        read_only: *access == Read,
+                    },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            })
+            .collect();
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let storage_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some(&name),
+            entries: &entries,
+        });
+        let layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(&name),
+            bind_group_layouts: &[Some(&storage_layout), Some(&self.params_layout)],
+            immediate_size: 0,
+        });
+        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(&name),
+            layout: Some(&layout),
+            module: &module,
+            entry_point: Some(spec.entry),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants,
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: self.cache.as_ref(),
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(Error::Device(format!(
+                "wgpu: kernel {name} cannot be built on this adapter: {e}"
+            )));
+        }
+        let kernel = Arc::new(Kernel {
+            name: name.clone(),
+            pipeline,
+            storage_layout,
+        });
+        self.made.lock().unwrap().insert(name, kernel.clone());
+        Ok(kernel)
+    }
+
+    fn module(&self, device: &wgpu::Device, file: &'static str) -> Result<wgpu::ShaderModule> {
+        if let Some(m) = self.modules.lock().unwrap().get(file) {
+            return Ok(m.clone());
+        }
+        let reduce = if self.caps.subgroups {
+            REDUCE_SUBGROUP
+        } else {
+            REDUCE_WORKGROUP
+        };
+        // The kernels that read weights share their bindings and decoding.
+        let weights = if matches!(file, "matvec" | "gemm" | "embedding") {
+            WEIGHTS
+        } else {
+            ""
+        };
+        let text = format!("{reduce}\n{COMMON}\n{weights}\n{}", source(file));
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(file),
+            source: wgpu::ShaderSource::Wgsl(text.into()),
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(Error::Device(format!(
+                "wgpu: shader {file}.wgsl does not compile on this adapter: {e}"
+            )));
+        }
+        self.modules.lock().unwrap().insert(file, module.clone());
+        Ok(module)
+    }
+}

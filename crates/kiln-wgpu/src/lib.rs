@@ -1,0 +1,291 @@
+//! kiln's portable GPU backend: Vulkan, Metal and DX12 through wgpu.
+//!
+//! Weights stay on the device in their stored format (quantized ones split into quants and
+//! scales, `kiln_core::quant::gpu_layout`, so that WGSL reads them as words); every op is
+//! a WGSL compute shader from `src/shaders/`. Ops are recorded into one command encoder and
+//! submitted together when something is read back, so a decode step is one submission and
+//! only the sampled id comes back. Reductions use subgroups where the adapter has them and
+//! workgroup memory otherwise (`KILN_WGPU_NO_SUBGROUPS=1` forces the latter).
+
+mod attention;
+mod device;
+mod elementwise;
+mod kernels;
+mod matmul;
+mod memory;
+mod norm;
+mod stream;
+
+pub use device::{adapters, AdapterSummary};
+pub use memory::WgpuStorage;
+
+use device::Caps;
+use kernels::{KernelSpec, Kernels};
+use kiln_core::{
+    quant::gpu_layout, AttentionParams, Backend, DType, Device, Error, HostBytes, Result,
+    RopeLayout, Shape, Tensor,
+};
+use std::sync::Arc;
+use stream::{Binding, Stream};
+
+pub struct WgpuBackend {
+    index: usize,
+    summary: AdapterSummary,
+    caps: Caps,
+    kernels: Kernels,
+    stream: Stream,
+    _adapter: wgpu::Adapter,
+}
+
+impl WgpuBackend {
+    /// Adapter `index` of [`adapters`].
+    pub fn new(index: usize) -> Result<Self> {
+        let opened = device::open(index)?;
+        let kernels = Kernels::new(&opened.device, opened.caps, None);
+        let stream = Stream::new(
+            opened.device,
+            opened.queue,
+            kernels.params_layout(),
+            opened.caps.uniform_align,
+        );
+        Ok(WgpuBackend {
+            index,
+            summary: opened.summary,
+            caps: opened.caps,
+            kernels,
+            stream,
+            _adapter: opened.adapter,
+        })
+    }
+
+    pub fn summary(&self) -> &AdapterSummary {
+        &self.summary
+    }
+
+    /// Whether the reductions run on subgroups (false: workgroup memory).
+    pub fn uses_subgroups(&self) -> bool {
+        self.caps.subgroups
+    }
+
+    fn kernel(&self, spec: &KernelSpec, constants: &[(&str, f64)]) -> Result<Arc<kernels::Kernel>> {
+        self.kernels.get(self.stream.device(), spec, constants)
+    }
+
+    /// `groups` workgroups as a grid within the per-dimension limit, and its width (the
+    /// shaders' `groups_x`).
+    fn grid(&self, groups: usize) -> Result<((u32, u32, u32), u32)> {
+        let max = self.caps.max_groups.max(1) as usize;
+        let x = groups.clamp(1, max);
+        let y = groups.div_ceil(x);
+        if y > max {
+            return Err(Error::Device(format!(
+                "wgpu: {groups} workgroups are more than this adapter can launch"
+            )));
+        }
+        Ok(((x as u32, y as u32, 1), x as u32))
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<WgpuStorage> {
+        memory::alloc(&self.stream, self.index, bytes as u64, self.caps.max_buffer)
+    }
+}
+
+/// The backend's own storage of `t`, or an error naming `what` when it lives elsewhere.
+pub(crate) fn storage<'a>(t: &'a Tensor, what: &str) -> Result<&'a WgpuStorage> {
+    t.storage()
+        .as_any()
+        .downcast_ref::<WgpuStorage>()
+        .ok_or_else(|| Error::Device(format!("{what} is on {}, not on a wgpu device", t.device())))
+}
+
+pub(crate) fn f32_tensor<'a>(t: &'a Tensor, what: &str) -> Result<Binding<'a>> {
+    if t.dtype() != DType::F32 {
+        return Err(Error::shape(format!("{what} must be F32, got {}", t.dtype())));
+    }
+    Ok(storage(t, what)?.binding())
+}
+
+pub(crate) fn i32_tensor<'a>(t: &'a Tensor, len: usize, what: &str) -> Result<Binding<'a>> {
+    if t.dtype() != DType::I32 || t.shape().numel() < len {
+        return Err(Error::shape(format!(
+            "{what} must be I32 with at least {len} values, got {} {}",
+            t.dtype(),
+            t.shape()
+        )));
+    }
+    Ok(storage(t, what)?.binding())
+}
+
+/// The bytes of `shape` elements of `dtype`, or an error if rows are not whole blocks.
+fn data_bytes(dtype: DType, shape: &Shape) -> Result<usize> {
+    dtype
+        .row_bytes(shape.row_len())?
+        .checked_mul(shape.rows())
+        .ok_or_else(|| Error::shape(format!("{shape} of {dtype} does not fit in memory")))
+}
+
+impl Backend for WgpuBackend {
+    fn device(&self) -> Device {
+        Device::Wgpu(self.index)
+    }
+
+    fn describe(&self) -> String {
+        let s = &self.summary;
+        format!(
+            "wgpu:{} {} ({}, {})",
+            self.index,
+            s.name,
+            s.backend,
+            if self.caps.subgroups {
+                format!("subgroups {}-{}", s.subgroup_sizes.0, s.subgroup_sizes.1)
+            } else {
+                "workgroup reductions".to_string()
+            }
+        )
+    }
+
+    fn zeros(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
+        // wgpu zero-fills new buffers.
+        let bytes = data_bytes(dtype, &shape)?;
+        Ok(Tensor::from_storage(
+            Box::new(self.alloc(bytes)?),
+            dtype,
+            shape,
+        ))
+    }
+
+    fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor> {
+        let bytes = data_bytes(dtype, &shape)?;
+        if data.len() != bytes {
+            return Err(Error::shape(format!(
+                "{shape} of {dtype} is {bytes} bytes, got {}",
+                data.len()
+            )));
+        }
+        let s = self.alloc(bytes)?;
+        match gpu_layout::split(dtype, data.as_slice()) {
+            Some(split) => memory::write(&self.stream, &s, &split)?,
+            None => memory::write(&self.stream, &s, data.as_slice())?,
+        }
+        Ok(Tensor::from_storage(Box::new(s), dtype, shape))
+    }
+
+    fn download(&self, t: &Tensor) -> Result<Vec<u8>> {
+        let s = storage(t, "the tensor to read")?;
+        let out = memory::read(&self.stream, s, s.bytes)?;
+        Ok(gpu_layout::join(t.dtype(), &out).unwrap_or(out))
+    }
+
+    fn write(&self, t: &mut Tensor, data: &[u8]) -> Result<()> {
+        let s = storage(t, "the tensor to write")?;
+        if data.len() as u64 != s.bytes {
+            return Err(Error::shape(format!(
+                "writing {} bytes into {} of {} ({} bytes)",
+                data.len(),
+                t.shape(),
+                t.dtype(),
+                s.bytes
+            )));
+        }
+        match gpu_layout::split(t.dtype(), data) {
+            Some(split) => memory::write(&self.stream, s, &split),
+            None => memory::write(&self.stream, s, data),
+        }
+    }
+
+    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        elementwise::fill(self, t, value)
+    }
+
+    fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
+        matmul::matmul(self, x, w, out)
+    }
+
+    fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
+        matmul::embedding(self, table, ids, out)
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+        norm::rms_norm(self, x, weight, eps, out)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        norm::layer_norm(self, x, weight, bias, eps, out)
+    }
+
+    fn softmax(&self, x: &mut Tensor) -> Result<()> {
+        norm::softmax(self, x)
+    }
+
+    fn rope(
+        &self,
+        x: &mut Tensor,
+        pos: &Tensor,
+        inv_freq: &Tensor,
+        layout: RopeLayout,
+    ) -> Result<()> {
+        attention::rope(self, x, pos, inv_freq, layout)
+    }
+
+    fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        elementwise::binary(self, acc, x, 0, "add_assign")
+    }
+
+    fn mul_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        elementwise::binary(self, acc, x, 1, "mul_assign")
+    }
+
+    fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
+        elementwise::unary(self, x, 0, s)
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        elementwise::gated(self, gate, up, out, 0)
+    }
+
+    fn gelu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        elementwise::gated(self, gate, up, out, 1)
+    }
+
+    fn gelu(&self, x: &mut Tensor) -> Result<()> {
+        elementwise::unary(self, x, 1, 0.0)
+    }
+
+    fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        if !(cap > 0.0 && cap.is_finite()) {
+            return Err(Error::shape(format!("softcap must be positive, got {cap}")));
+        }
+        elementwise::unary(self, x, 2, cap)
+    }
+
+    fn write_rows(&self, src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()> {
+        elementwise::write_rows(self, src, dst, pos)
+    }
+
+    fn slice_cols(&self, src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()> {
+        elementwise::slice_cols(self, src, col0, dst)
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        pos: &Tensor,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        attention::attention(self, q, k_cache, v_cache, pos, params, out)
+    }
+
+    fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
+        norm::argmax(self, x, out)
+    }
+}

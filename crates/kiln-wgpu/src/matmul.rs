@@ -1,0 +1,207 @@
+//! Products with weights in their stored format, and embedding lookups.
+//!
+//! A weight is bound as two ranges of its buffer (quants, scales) per chunk of rows, each
+//! chunk within the adapter's largest binding (128 MiB on lavapipe): an 8B model's output
+//! matrix is several chunks there and one on a discrete GPU. Binding offsets are rounded
+//! down to the adapter's alignment and the shader steps over the difference.
+
+use crate::elementwise::count;
+use crate::kernels::{EMBEDDING, GEMM, MATVEC};
+use crate::stream::Binding;
+use crate::{f32_tensor, i32_tensor, storage, WgpuBackend};
+use kiln_core::quant::gpu_layout;
+use kiln_core::{DType, Error, Result, Tensor};
+
+/// Rows of x up to which one pass of the matrix-vector kernel reads the weights once.
+const MATVEC_MAX_ROWS: usize = 8;
+
+fn wtype(dtype: DType) -> Result<f64> {
+    Ok(match dtype {
+        DType::F32 => 0.0,
+        DType::F16 => 1.0,
+        DType::BF16 => 2.0,
+        DType::Q8_0 => 3.0,
+        DType::Q4_0 => 4.0,
+        DType::Q4_K => 5.0,
+        DType::Q6_K => 6.0,
+        DType::I32 => return Err(Error::shape("an I32 tensor is not a weight")),
+    })
+}
+
+/// One chunk of a weight's rows, bound.
+struct Chunk<'a> {
+    row0: usize,
+    rows: usize,
+    quants: Binding<'a>,
+    scales: Binding<'a>,
+    q_base: u32,
+    m_base: u32,
+}
+
+/// `w`'s rows in chunks that each fit one binding.
+fn chunks<'a>(b: &WgpuBackend, w: &'a Tensor) -> Result<Vec<Chunk<'a>>> {
+    let s = storage(w, "the weight")?;
+    let (m, k) = (w.shape().rows(), w.shape().row_len());
+    let dtype = w.dtype();
+    let (q_row, m_row) = match gpu_layout::quant_span(dtype) {
+        Some((_, q_len)) => {
+            let blocks = k / dtype.block_size();
+            (blocks * q_len, blocks * (dtype.block_bytes() - q_len))
+        }
+        None => (dtype.row_bytes(k).unwrap_or(0), 0),
+    };
+    let meta_start = m * q_row;
+    let align = b.caps.storage_align.max(4) as usize;
+    let max = b.caps.max_binding as usize;
+    // Whole-buffer bindings when it fits: the common case, and one bind group per weight.
+    if s.buffer.size() as usize <= max {
+        let whole = s.binding();
+        return Ok(vec![Chunk {
+            row0: 0,
+            rows: m,
+            quants: whole,
+            scales: whole,
+            q_base: 0,
+            m_base: count(meta_start, "weight")?,
+        }]);
+    }
+    // Chunks of an even number of rows (so that 2-byte rows start on a word), with room
+    // for the alignment slack.
+    let per_chunk = (max.saturating_sub(2 * align) / q_row.max(1)) & !7;
+    if per_chunk == 0 {
+        return Err(Error::Device(format!(
+            "a row of {k} {dtype} values is larger than this adapter's largest binding ({max} bytes)"
+        )));
+    }
+    let bind = |start: usize, len: usize| -> (Binding<'a>, u32) {
+        let at = start - start % align;
+        let end = (start + len).div_ceil(4) * 4;
+        (
+            Binding {
+                buffer: &s.buffer,
+                id: s.id,
+                offset: at as u64,
+                size: (end - at).max(4) as u64,
+            },
+            (start - at) as u32,
+        )
+    };
+    let mut out = Vec::new();
+    let mut row0 = 0;
+    while row0 < m {
+        let rows = per_chunk.min(m - row0);
+        let (quants, q_skip) = bind(row0 * q_row, rows * q_row);
+        let (scales, m_skip) = if m_row == 0 {
+            (quants, 0)
+        } else {
+            bind(meta_start + row0 * m_row, rows * m_row)
+        };
+        out.push(Chunk {
+            row0,
+            rows,
+            quants,
+            scales,
+            q_base: q_skip / 4,
+            m_base: m_skip,
+        });
+        row0 += rows;
+    }
+    Ok(out)
+}
+
+pub(crate) fn matmul(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
+    let (n, k) = (x.shape().rows(), x.shape().row_len());
+    let (m, wk) = (w.shape().rows(), w.shape().row_len());
+    if wk != k || out.shape().rows() != n || out.shape().row_len() != m {
+        return Err(Error::shape(format!(
+            "matmul: x {} · w {}ᵀ into {}",
+            x.shape(),
+            w.shape(),
+            out.shape()
+        )));
+    }
+    let what = "matmul";
+    count(n * k, what)?;
+    count(n * m, what)?;
+    let constants = [("WTYPE", wtype(w.dtype())?)];
+    let xb = f32_tensor(x, "matmul input")?;
+    let ob = f32_tensor(out, "matmul output")?;
+    // Several passes of up to 8 rows when a batch is small; the tiled kernel past that.
+    let small = n <= MATVEC_MAX_ROWS;
+    let kernel = b.kernel(if small { &MATVEC } else { &GEMM }, &constants)?;
+    let rows_per_group = if b.caps.subgroups {
+        (256 / b.caps.subgroup_max).max(1) as usize
+    } else {
+        8
+    };
+    for c in chunks(b, w)? {
+        let (groups, groups_x) = if small {
+            b.grid(c.rows.div_ceil(rows_per_group))?
+        } else {
+            let gx = c.rows.div_ceil(64);
+            let gy = n.div_ceil(64);
+            if gx > b.caps.max_groups as usize || gy > b.caps.max_groups as usize {
+                return Err(Error::Device(format!(
+                    "matmul of {n}×{k} by {m}×{k} needs more workgroups than this adapter launches"
+                )));
+            }
+            ((gx as u32, gy as u32, 1), gx as u32)
+        };
+        let params = [
+            count(k, what)?,
+            count(c.rows, what)?,
+            count(n, what)?,
+            c.q_base,
+            c.m_base,
+            count(c.row0, what)?,
+            count(m, what)?,
+            rows_per_group as u32,
+            groups_x,
+        ];
+        b.stream
+            .dispatch(&kernel, &[xb, c.quants, c.scales, ob], &params, groups)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn embedding(
+    b: &WgpuBackend,
+    table: &Tensor,
+    ids: &Tensor,
+    out: &mut Tensor,
+) -> Result<()> {
+    let (rows, k) = (table.shape().rows(), table.shape().row_len());
+    let n = ids.shape().numel();
+    if out.shape().rows() != n || out.shape().row_len() != k {
+        return Err(Error::shape(format!(
+            "embedding: {n} ids of a {} table into {}",
+            table.shape(),
+            out.shape()
+        )));
+    }
+    let what = "embedding";
+    let elements = count(n * k, what)?;
+    let constants = [("WTYPE", wtype(table.dtype())?)];
+    let kernel = b.kernel(&EMBEDDING, &constants)?;
+    let idb = i32_tensor(ids, n, "embedding ids")?;
+    let ob = f32_tensor(out, "embedding output")?;
+    let (groups, groups_x) = b.grid((n * k).div_ceil(256))?;
+    for c in chunks(b, table)? {
+        let mut params = [0u32; 10];
+        params[..9].copy_from_slice(&[
+            count(k, what)?,
+            count(c.rows, what)?,
+            count(n, what)?,
+            c.q_base,
+            c.m_base,
+            count(c.row0, what)?,
+            elements,
+            0,
+            groups_x,
+        ]);
+        params[9] = count(rows, what)?;
+        b.stream
+            .dispatch(&kernel, &[idb, c.quants, c.scales, ob], &params, groups)?;
+    }
+    Ok(())
+}

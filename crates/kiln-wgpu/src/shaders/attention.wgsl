@@ -1,0 +1,103 @@
+// Causal attention, one workgroup per (query, head): keys in tiles of WG, one lane per key
+// for the scores, an online softmax across tiles, one lane per output dimension for the
+// weighted sum of values (head_dim ≤ WG).
+
+struct AParams {
+    n: u32,
+    heads: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    capacity: u32,
+    scale: f32,
+    softcap: f32, // 0: none
+    window: u32,  // 0: none
+    groups_x: u32,
+    p9: u32, p10: u32, p11: u32, p12: u32, p13: u32, p14: u32, p15: u32,
+}
+@group(1) @binding(0) var<uniform> ap: AParams;
+
+@group(0) @binding(0) var<storage, read> q: array<f32>;
+@group(0) @binding(1) var<storage, read> k_cache: array<f32>;
+@group(0) @binding(2) var<storage, read> v_cache: array<f32>;
+@group(0) @binding(3) var<storage, read> pos: array<i32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+
+// A finite "minus infinity": WGSL leaves arithmetic on infinities undefined.
+const LOWEST: f32 = -3.4028235e38;
+var<workgroup> q_row: array<f32, 256>;
+var<workgroup> probs: array<f32, 256>;
+
+@compute @workgroup_size(WG)
+fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
+    let task = group_index(wg, ap.groups_x);
+    if task >= ap.n * ap.heads {
+        return;
+    }
+    let i = task / ap.heads;
+    let h = task % ap.heads;
+    let g = h / (ap.heads / ap.kv_heads);
+    let hd = ap.head_dim;
+    let stride = ap.kv_heads * hd;
+    let d = lane.idx;
+    let o = task * hd;
+    let p = pos[i];
+    if p < 0 || u32(p) >= ap.capacity {
+        // Outside the cache: reported by the host where it can be; zeros here.
+        if d < hd {
+            out[o + d] = 0.0;
+        }
+        return;
+    }
+    let last = u32(p);
+    var first = 0u;
+    if ap.window > 0u && last + 1u > ap.window {
+        first = last + 1u - ap.window;
+    }
+    if d < hd {
+        q_row[d] = q[o + d];
+    }
+    workgroupBarrier();
+    var m = LOWEST;
+    var l = 0.0;
+    var acc = 0.0;
+    for (var t0 = first; t0 <= last; t0 += WG) {
+        let j = t0 + lane.idx;
+        let valid = j <= last;
+        var s = LOWEST;
+        if valid {
+            let kb = j * stride + g * hd;
+            var dot = 0.0;
+            for (var c = 0u; c < hd; c++) {
+                dot += q_row[c] * k_cache[kb + c];
+            }
+            s = dot * ap.scale;
+            if ap.softcap > 0.0 {
+                s = ap.softcap * tanh_stable(s / ap.softcap);
+            }
+        }
+        let m_new = max(m, wg_max(s, lane));
+        var e = 0.0;
+        if valid {
+            e = exp(s - m_new);
+        }
+        probs[lane.idx] = e;
+        var corr = 0.0;
+        if m > LOWEST {
+            corr = exp(m - m_new);
+        }
+        l = l * corr + wg_sum(e, lane);
+        m = m_new;
+        if d < hd {
+            acc *= corr;
+            let count = min(WG, last + 1u - t0);
+            let vb = t0 * stride + g * hd + d;
+            for (var jj = 0u; jj < count; jj++) {
+                acc += probs[jj] * v_cache[vb + jj * stride];
+            }
+        }
+        workgroupBarrier();
+    }
+    if d < hd {
+        out[o + d] = acc / l;
+    }
+}

@@ -1,0 +1,144 @@
+// Reading weights in their stored format. The tensor is bound twice: `wq` from its quant
+// region (float types: its values), `wm` from its scale region, each at an offset that the
+// adapter's alignment allowed; `wp.q_base` (words) and `wp.m_base` (bytes) step over the
+// rest. Rows are relative to the bound chunk. Quantized layouts: kiln_core::quant::gpu_layout.
+
+override WTYPE: u32 = 0u; // 0 F32, 1 F16, 2 BF16, 3 Q8_0, 4 Q4_0, 5 Q4_K, 6 Q6_K
+
+@group(0) @binding(1) var<storage, read> wq: array<u32>;
+@group(0) @binding(2) var<storage, read> wm: array<u32>;
+
+struct WParams {
+    k: u32,          // row length of the weight
+    m: u32,          // weight rows in this chunk
+    n: u32,          // rows of x (or ids)
+    q_base: u32,     // words of `wq` before this chunk's first row
+    m_base: u32,     // bytes of `wm` before this chunk's first row's scales
+    row0: u32,       // the chunk's first row in the whole weight
+    out_stride: u32, // elements per output row
+    rows_per_group: u32,
+    groups_x: u32,
+    p9: u32, p10: u32, p11: u32, p12: u32, p13: u32, p14: u32, p15: u32,
+}
+@group(1) @binding(0) var<uniform> wp: WParams;
+
+fn meta_byte(i: u32) -> u32 {
+    let b = wp.m_base + i;
+    return (wm[b >> 2u] >> ((b & 3u) * 8u)) & 0xFFu;
+}
+
+fn meta_half(i: u32) -> f32 {
+    let b = wp.m_base + i;
+    return unpack2x16float(wm[b >> 2u] >> ((b & 2u) * 8u)).x;
+}
+
+fn qword(i: u32) -> u32 {
+    return wq[wp.q_base + i];
+}
+
+fn nibbles(w: u32, shift: u32) -> vec4<f32> {
+    return vec4<f32>(
+        f32((w >> shift) & 15u),
+        f32((w >> (shift + 8u)) & 15u),
+        f32((w >> (shift + 16u)) & 15u),
+        f32((w >> (shift + 24u)) & 15u),
+    );
+}
+
+// Q4_K's 6-bit scale and min of sub-block s (ggml's get_scale_min_k4); `sb`: the byte
+// offset of the block's 12 scale bytes in `wm`.
+fn q4k_scale_min(s: u32, sb: u32) -> vec2<f32> {
+    if s < 4u {
+        return vec2<f32>(f32(meta_byte(sb + s) & 63u), f32(meta_byte(sb + s + 4u) & 63u));
+    }
+    let a = meta_byte(sb + s + 4u);
+    return vec2<f32>(
+        f32((a & 15u) | ((meta_byte(sb + s - 4u) >> 6u) << 4u)),
+        f32((a >> 4u) | ((meta_byte(sb + s) >> 6u) << 4u)),
+    );
+}
+
+// Elements 4·qd .. 4·qd+3 of row r (k a multiple of 4).
+fn quad(r: u32, qd: u32) -> vec4<f32> {
+    let k = wp.k;
+    switch WTYPE {
+        case 0u: {
+            let i = r * k + 4u * qd;
+            return vec4<f32>(bitcast<f32>(qword(i)), bitcast<f32>(qword(i + 1u)),
+                             bitcast<f32>(qword(i + 2u)), bitcast<f32>(qword(i + 3u)));
+        }
+        case 1u: {
+            let i = (r * k + 4u * qd) / 2u;
+            return vec4<f32>(unpack2x16float(qword(i)), unpack2x16float(qword(i + 1u)));
+        }
+        case 2u: {
+            let i = (r * k + 4u * qd) / 2u;
+            let a = qword(i);
+            let b = qword(i + 1u);
+            return vec4<f32>(bitcast<f32>(a << 16u), bitcast<f32>(a & 0xFFFF0000u),
+                             bitcast<f32>(b << 16u), bitcast<f32>(b & 0xFFFF0000u));
+        }
+        case 3u: {
+            let blk = r * (k / 32u) + qd / 8u;
+            let q = unpack4xI8(qword(blk * 8u + qd % 8u));
+            return vec4<f32>(q) * meta_half(blk * 2u);
+        }
+        case 4u: {
+            let blk = r * (k / 32u) + qd / 8u;
+            let j = qd % 8u;
+            let w = qword(blk * 4u + j % 4u);
+            return (nibbles(w, (j / 4u) * 4u) - 8.0) * meta_half(blk * 2u);
+        }
+        case 5u: {
+            let blk = r * (k / 256u) + qd / 64u;
+            let sub = (qd / 8u) % 8u;
+            let j = qd % 8u;
+            let w = qword(blk * 32u + (sub / 2u) * 8u + j);
+            let mb = blk * 16u;
+            let sm = q4k_scale_min(sub, mb + 4u);
+            let d = meta_half(mb) * sm.x;
+            let mn = meta_half(mb + 2u) * sm.y;
+            return d * nibbles(w, (sub % 2u) * 4u) - mn;
+        }
+        default: {
+            let blk = r * (k / 256u) + qd / 64u;
+            let c = (qd / 8u) % 8u;
+            let j = qd % 8u;
+            let h = c / 4u;
+            let quarter = c % 4u;
+            let lo = qword(blk * 48u + 16u * h + 8u * (quarter & 1u) + j);
+            let hi = qword(blk * 48u + 32u + 8u * h + j);
+            let ls = (quarter / 2u) * 4u;
+            let hs = 2u * quarter;
+            var q: vec4<f32>;
+            for (var t = 0u; t < 4u; t++) {
+                let v = ((lo >> (8u * t + ls)) & 15u) | (((hi >> (8u * t + hs)) & 3u) << 4u);
+                q[t] = f32(i32(v) - 32);
+            }
+            let mb = blk * 18u;
+            let sc = f32(bitcast<i32>(meta_byte(mb + 8u * h + j / 4u + 2u * quarter) << 24u) >> 24u);
+            return q * (meta_half(mb + 16u) * sc);
+        }
+    }
+}
+
+// Element c of row r, for any k (float types) or k a multiple of the block.
+fn weight_at(r: u32, c: u32) -> f32 {
+    switch WTYPE {
+        case 0u: {
+            return bitcast<f32>(qword(r * wp.k + c));
+        }
+        case 1u: {
+            let i = r * wp.k + c;
+            return unpack2x16float(qword(i / 2u))[i % 2u];
+        }
+        case 2u: {
+            let i = r * wp.k + c;
+            let w = qword(i / 2u);
+            return bitcast<f32>(select(w << 16u, w & 0xFFFF0000u, (i % 2u) == 1u));
+        }
+        default: {
+            return quad(r, c / 4u)[c % 4u];
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! Recording ops into one command encoder and submitting them together: a decode step is
+//! one submission, and nothing waits for the GPU until something is read back.
+//!
+//! Each dispatch's parameters go into one uniform arena at its own 256-byte slot (bound
+//! with a dynamic offset), written once per submission; bind groups of storage buffers
+//! are made once per (kernel, buffers) and kept, since a model reuses the same buffers
+//! every step.
+
+use crate::kernels::Kernel;
+use kiln_core::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Bytes of one dispatch's parameters: 16 words.
+pub(crate) const PARAMS_BYTES: u64 = 64;
+/// Dispatches per submission before the arena is flushed.
+const PARAMS_SLOTS: u64 = 4096;
+
+/// A range of a storage buffer bound to a kernel.
+#[derive(Clone, Copy)]
+pub(crate) struct Binding<'a> {
+    pub buffer: &'a wgpu::Buffer,
+    /// The buffer's kiln id (see `WgpuStorage`), so that cached bind groups can be found
+    /// and dropped with it.
+    pub id: u64,
+    pub offset: u64,
+    pub size: u64,
+}
+
+type BindKey = (String, Vec<(u64, u64, u64)>);
+
+struct Recording {
+    encoder: Option<wgpu::CommandEncoder>,
+    pass: Option<wgpu::ComputePass<'static>>,
+    params: Vec<u8>,
+    dispatches: u64,
+}
+
+pub(crate) struct Stream {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    slot: u64,
+    params_buffer: wgpu::Buffer,
+    params_group: wgpu::BindGroup,
+    rec: Mutex<Recording>,
+    bind_groups: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
+    /// Ids of buffers dropped since the last submission: their bind groups go then.
+    dropped: Arc<Mutex<Vec<u64>>>,
+    /// Errors wgpu reported outside an error scope (validation, out of memory, a lost
+    /// device): the next submission or read returns them.
+    errors: Arc<Mutex<Vec<String>>>,
+}
+
+impl Stream {
+    pub fn new(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        params_layout: &wgpu::BindGroupLayout,
+        uniform_align: u64,
+    ) -> Self {
+        let slot = PARAMS_BYTES.max(uniform_align);
+        let params_buffer = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kiln params"),
+            size: slot * PARAMS_SLOTS,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let params_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("kiln params"),
+            layout: params_layout,
+            entries: &[wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &params_buffer,
+                    offset: 0,
+                    size: wgpu::BufferSize::new(PARAMS_BYTES),
+                }),
+            }],
+        });
+        let errors: Arc<Mutex<Vec<String>>> = Arc::default();
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            sink.lock().unwrap().push(e.to_string());
+        }));
+        let lost = errors.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            lost.lock()
+                .unwrap()
+                .push(format!("the device was lost ({reason:?}): {message}"));
+        });
+        Stream {
+            device,
+            queue,
+            slot,
+            params_buffer,
+            params_group,
+            rec: Mutex::new(Recording {
+                encoder: None,
+                pass: None,
+                params: Vec::new(),
+                dispatches: 0,
+            }),
+            bind_groups: Mutex::new(HashMap::new()),
+            dropped: Arc::default(),
+            errors,
+        }
+    }
+
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+
+    /// Where dropped buffers leave their ids.
+    pub fn dropped(&self) -> Arc<Mutex<Vec<u64>>> {
+        self.dropped.clone()
+    }
+
+    /// Any error wgpu reported since the last check, as a kiln error.
+    pub fn check(&self) -> Result<()> {
+        let mut errors = self.errors.lock().unwrap();
+        if errors.is_empty() {
+            return Ok(());
+        }
+        let all = errors.drain(..).collect::<Vec<_>>().join("; ");
+        Err(Error::Device(format!("wgpu: {all}")))
+    }
+
+    /// Queue one dispatch of `kernel` over `groups` workgroups.
+    pub fn dispatch(
+        &self,
+        kernel: &Kernel,
+        bindings: &[Binding],
+        params: &[u32],
+        groups: (u32, u32, u32),
+    ) -> Result<()> {
+        debug_assert!(params.len() * 4 <= PARAMS_BYTES as usize);
+        if groups.0 == 0 || groups.1 == 0 || groups.2 == 0 {
+            return Ok(());
+        }
+        let key: BindKey = (
+            kernel.name.clone(),
+            bindings.iter().map(|b| (b.id, b.offset, b.size)).collect(),
+        );
+        let group = {
+            let mut cache = self.bind_groups.lock().unwrap();
+            cache
+                .entry(key)
+                .or_insert_with(|| {
+                    let entries: Vec<wgpu::BindGroupEntry> = bindings
+                        .iter()
+                        .enumerate()
+                        .map(|(i, b)| wgpu::BindGroupEntry {
+                            binding: i as u32,
+                            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                buffer: b.buffer,
+                                offset: b.offset,
+                                size: wgpu::BufferSize::new(b.size),
+                            }),
+                        })
+                        .collect();
+                    self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some(&kernel.name),
+                        layout: &kernel.storage_layout,
+                        entries: &entries,
+                    })
+                })
+                .clone()
+        };
+        let mut rec = self.rec.lock().unwrap();
+        if rec.dispatches == PARAMS_SLOTS {
+            drop(rec);
+            self.flush()?;
+            rec = self.rec.lock().unwrap();
+        }
+        let offset = rec.dispatches * self.slot;
+        rec.params.resize(offset as usize, 0);
+        rec.params
+            .extend(params.iter().flat_map(|w| w.to_le_bytes()));
+        rec.params.resize((offset + PARAMS_BYTES) as usize, 0);
+        rec.dispatches += 1;
+        if rec.pass.is_none() {
+            let encoder = rec.encoder.get_or_insert_with(|| {
+                self.device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None })
+            });
+            let pass = encoder
+                .begin_compute_pass(&wgpu::ComputePassDescriptor::default())
+                .forget_lifetime();
+            rec.pass = Some(pass);
+        }
+        let pass = rec.pass.as_mut().unwrap();
+        pass.set_pipeline(&kernel.pipeline);
+        pass.set_bind_group(0, &group, &[]);
+        pass.set_bind_group(1, &self.params_group, &[offset as u32]);
+        pass.dispatch_workgroups(groups.0, groups.1, groups.2);
+        Ok(())
+    }
+
+    /// Record something on the encoder outside a compute pass (a copy), in order with
+    /// the dispatches before and after it.
+    pub fn encode(&self, f: impl FnOnce(&mut wgpu::CommandEncoder)) {
+        let mut rec = self.rec.lock().unwrap();
+        rec.pass = None;
+        let encoder = rec.encoder.get_or_insert_with(|| {
+            self.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None })
+        });
+        f(encoder);
+    }
+
+    /// Whether nothing is recorded (so a queue write lands in order).
+    pub fn is_idle(&self) -> bool {
+        self.rec.lock().unwrap().encoder.is_none()
+    }
+
+    /// Submit what is recorded (parameters first).
+    pub fn flush(&self) -> Result<()> {
+        let mut rec = self.rec.lock().unwrap();
+        rec.pass = None;
+        if let Some(encoder) = rec.encoder.take() {
+            if !rec.params.is_empty() {
+                self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
+            }
+            self.queue.submit([encoder.finish()]);
+        }
+        rec.params.clear();
+        rec.dispatches = 0;
+        drop(rec);
+        let dropped: Vec<u64> = std::mem::take(&mut *self.dropped.lock().unwrap());
+        if !dropped.is_empty() {
+            self.bind_groups
+                .lock()
+                .unwrap()
+                .retain(|(_, ids), _| !ids.iter().any(|(id, _, _)| dropped.contains(id)));
+        }
+        self.check()
+    }
+
+    /// Submit and wait until the GPU has finished everything.
+    pub fn finish(&self) -> Result<()> {
+        self.flush()?;
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::Device(format!("wgpu: waiting for the GPU: {e}")))?;
+        self.check()
+    }
+}
