@@ -33,5 +33,12 @@ pub fn run() -> Result<()> {
         }
         Err(e) => println!("cuda: unavailable ({e})"),
     }
+    let adapters = kiln_wgpu::adapters();
+    if adapters.is_empty() {
+        println!("wgpu: no Vulkan, Metal or DX12 adapter");
+    }
+    for a in adapters {
+        println!("{a}");
+    }
     Ok(())
 }

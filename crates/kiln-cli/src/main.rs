@@ -87,7 +87,7 @@ struct BenchArgs {
     reps: u16,
     #[arg(short = 't', long)]
     threads: Option<usize>,
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    #[arg(long, default_value_t = DeviceChoice::Auto)]
     device: DeviceChoice,
     /// Output: md (a table) or json (an array of rows).
     #[arg(short = 'o', long, default_value = "md")]

@@ -4,6 +4,7 @@ use crate::console::{CliResult, Failure};
 use kiln_core::{Backend, Error, Result};
 use kiln_cpu::CpuBackend;
 use kiln_cuda::CudaBackend;
+use kiln_wgpu::WgpuBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_io::{detect_format, FileFormat};
 use kiln_models::memory::{self, MemoryPlan};
@@ -13,13 +14,50 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// `--device`: where the model runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceChoice {
-    /// The first GPU when one is usable, else the CPU.
+    /// An NVIDIA GPU through CUDA when one is usable, else a GPU through wgpu (not a CPU
+    /// rasterizer), else the CPU.
     Auto,
     Cpu,
-    /// The first NVIDIA GPU; an error when there is none.
-    Cuda,
+    /// An NVIDIA GPU by CUDA ordinal (`cuda` is `cuda:0`); an error when there is none.
+    Cuda(usize),
+    /// A wgpu adapter by its index in `kiln devices` (`wgpu` is `wgpu:0`).
+    Wgpu(usize),
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let (kind, index) = match s.split_once(':') {
+            Some((k, i)) => {
+                let i = i
+                    .parse::<usize>()
+                    .map_err(|_| format!("`{i}` is not a device number"))?;
+                (k, i)
+            }
+            None => (s, 0),
+        };
+        match (kind, s.contains(':')) {
+            ("auto", false) => Ok(DeviceChoice::Auto),
+            ("cpu", false) => Ok(DeviceChoice::Cpu),
+            ("cuda", _) => Ok(DeviceChoice::Cuda(index)),
+            ("wgpu", _) => Ok(DeviceChoice::Wgpu(index)),
+            _ => Err("one of auto, cpu, cuda, cuda:N, wgpu, wgpu:N (see `kiln devices`)".into()),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceChoice::Auto => f.write_str("auto"),
+            DeviceChoice::Cpu => f.write_str("cpu"),
+            DeviceChoice::Cuda(i) => write!(f, "cuda:{i}"),
+            DeviceChoice::Wgpu(i) => write!(f, "wgpu:{i}"),
+        }
+    }
 }
 
 /// Threads beyond this many per core only add stacks and hand-offs.
@@ -42,18 +80,30 @@ pub fn backend(device: DeviceChoice, threads: Option<usize>) -> CliResult<Arc<dy
     check_threads(threads)?;
     Ok(match device {
         DeviceChoice::Cpu => Arc::new(CpuBackend::new(threads)?),
-        DeviceChoice::Cuda => Arc::new(CudaBackend::new(0)?),
+        DeviceChoice::Cuda(i) => Arc::new(CudaBackend::new(i)?),
+        DeviceChoice::Wgpu(i) => Arc::new(WgpuBackend::new(i)?),
         DeviceChoice::Auto => match CudaBackend::new(0) {
             Ok(cuda) => Arc::new(cuda),
             Err(e) => {
                 // Expected on machines without a GPU; worth a word when one is there.
                 if kiln_cuda::is_available() {
-                    tracing::warn!("the GPU cannot be used ({e}); running on the CPU");
+                    tracing::warn!("the NVIDIA GPU cannot be used ({e})");
                 }
-                Arc::new(CpuBackend::new(threads)?)
+                auto_without_cuda(threads)?
             }
         },
     })
+}
+
+/// The first wgpu adapter that is a GPU of its own, else the CPU.
+fn auto_without_cuda(threads: Option<usize>) -> Result<Arc<dyn Backend>> {
+    if let Some(a) = kiln_wgpu::adapters().into_iter().find(|a| a.is_gpu()) {
+        match WgpuBackend::new(a.index) {
+            Ok(b) => return Ok(Arc::new(b)),
+            Err(e) => tracing::warn!("{} cannot be used ({e}); running on the CPU", a.name),
+        }
+    }
+    Ok(Arc::new(CpuBackend::new(threads)?))
 }
 
 /// kiln's default model (models/README.md): a small LLaMA trained on license texts,

@@ -24,7 +24,7 @@ pub struct PerplexityArgs {
     /// even tokenized.
     #[arg(long)]
     pub chunks: Option<usize>,
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    #[arg(long, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
     #[arg(short = 't', long)]
     pub threads: Option<usize>,

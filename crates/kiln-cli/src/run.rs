@@ -42,7 +42,7 @@ pub struct RunArgs {
     /// Context size in tokens (default: the model's, at most 4096; 0: the model's).
     #[arg(short = 'c', long = "ctx-size", value_parser = model_file::context_arg, allow_hyphen_values = true)]
     pub ctx_size: Option<usize>,
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    #[arg(long, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
