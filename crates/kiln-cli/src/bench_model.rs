@@ -53,6 +53,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
         )));
     }
     let backend = model_file::backend(b.device, b.threads)?;
+    let profiled = backend.clone();
     let device = backend.describe();
     let (mut model, name, ty) = match (&b.model, &b.synthetic) {
         (Some(path), None) => {
@@ -167,6 +168,19 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
                 "| {} | {} | {} | {} | {:.2} ± {:.2} |\n",
                 r.model, r.ty, r.device, r.test, r.mean, r.stddev
             );
+        }
+        // Kernel times of every run above, warm-ups included (`-p 0` for decode alone).
+        if let Some(kernels) = profiled.kernel_profile() {
+            out += "\n| kernel | calls | total ms | µs per call |\n|---|---:|---:|---:|\n";
+            for k in kernels {
+                out += &format!(
+                    "| {} | {} | {:.2} | {:.2} |\n",
+                    k.name,
+                    k.calls,
+                    k.total_ms,
+                    1e3 * k.total_ms / k.calls.max(1) as f64
+                );
+            }
         }
         out
     })

@@ -241,6 +241,12 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// GPU time per kernel so far, where the backend measures it (wgpu with
+    /// `KILN_WGPU_PROFILE=1`); largest total first.
+    fn kernel_profile(&self) -> Option<Vec<KernelTime>> {
+        None
+    }
+
     /// `out[r]` = the index of the largest value of row `r` of `x` (the first, on ties);
     /// `x` F32 `[rows, cols]`, `out` I32 `[rows]`. Greedy decoding reads back only this.
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()>;
@@ -268,6 +274,14 @@ pub trait Backend: Send + Sync {
         step()?;
         Ok(None)
     }
+}
+
+/// One kernel's share of a profile (see [`Backend::kernel_profile`]).
+#[derive(Clone, Debug)]
+pub struct KernelTime {
+    pub name: String,
+    pub calls: u64,
+    pub total_ms: f64,
 }
 
 /// A recorded sequence of ops (see [`Backend::capture`]).

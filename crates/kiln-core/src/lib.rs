@@ -7,6 +7,7 @@
 
 pub mod backend;
 pub mod device;
+pub mod disk_cache;
 pub mod dtype;
 pub mod error;
 pub mod quant;
@@ -14,7 +15,7 @@ pub mod sampling;
 pub mod shape;
 pub mod tensor;
 
-pub use backend::{to_device, AttentionParams, Backend, Replay, RmsNorm, RopeLayout};
+pub use backend::{to_device, AttentionParams, Backend, KernelTime, Replay, RmsNorm, RopeLayout};
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -37,16 +37,7 @@ fn program_source() -> String {
     src
 }
 
-/// FNV-1a: stable across Rust versions (unlike std's hasher), which a disk key needs.
-fn fnv1a(bytes: &[u8], mut h: u64) -> u64 {
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+use kiln_core::disk_cache::{fnv1a, FNV_OFFSET};
 
 pub(crate) fn nvrtc_version() -> Result<(i32, i32)> {
     let (mut major, mut minor): (c_int, c_int) = (0, 0);
@@ -54,16 +45,6 @@ pub(crate) fn nvrtc_version() -> Result<(i32, i32)> {
         .result()
         .map_err(|e| Error::Device(format!("NVRTC version: {e:?}")))?;
     Ok((major, minor))
-}
-
-fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("KILN_CACHE_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(base.join("kiln"))
 }
 
 /// Where the compiled kernels for this source, GPU and toolchain live.
@@ -78,7 +59,7 @@ pub(crate) fn cache_path(arch: (i32, i32), driver: i32) -> Result<Option<PathBuf
         .as_bytes(),
         h,
     );
-    Ok(cache_dir().map(|d| {
+    Ok(kiln_core::disk_cache::dir().map(|d| {
         d.join("cuda")
             .join(format!("kernels-sm{}{}-{h:016x}.cubin", arch.0, arch.1))
     }))

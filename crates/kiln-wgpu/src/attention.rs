@@ -1,7 +1,7 @@
 //! Rotary embeddings and causal attention over the KV cache.
 
 use crate::elementwise::count;
-use crate::kernels::{ATTENTION, ROPE};
+use crate::kernels::{ATTENTION, ROPE, ROPE_WRITE_KV};
 use crate::{f32_tensor, i32_tensor, WgpuBackend};
 use kiln_core::{AttentionParams, Error, Result, RopeLayout, Tensor};
 
@@ -115,6 +115,93 @@ pub(crate) fn attention(
             p.scale.to_bits(),
             p.softcap.unwrap_or(0.0).to_bits(),
             count(p.window.unwrap_or(0).min(u32::MAX as usize), what)?,
+            groups_x,
+        ],
+        groups,
+    )
+}
+
+/// Rotate q and k in place and write k and v into the caches, in one dispatch.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_write_kv(
+    b: &WgpuBackend,
+    q: &mut Tensor,
+    k: &mut Tensor,
+    v: &Tensor,
+    pos: &Tensor,
+    rope: Option<(&Tensor, RopeLayout)>,
+    k_cache: &mut Tensor,
+    v_cache: &mut Tensor,
+) -> Result<()> {
+    let (&[tokens, heads, hd], &[kt, kv_heads, khd]) = (q.dims(), k.dims()) else {
+        return Err(Error::shape(format!(
+            "rope_write_kv: q {} and k {} must be [tokens, heads, head_dim]",
+            q.shape(),
+            k.shape()
+        )));
+    };
+    let &[capacity, ..] = k_cache.dims() else {
+        return Err(Error::shape("rope_write_kv: an empty cache shape"));
+    };
+    if kt != tokens
+        || khd != hd
+        || v.dims() != k.dims()
+        || k_cache.dims() != [capacity, kv_heads, hd]
+        || v_cache.dims() != k_cache.dims()
+    {
+        return Err(Error::shape(format!(
+            "rope_write_kv: q {}, k {}, v {}, caches {} and {}",
+            q.shape(),
+            k.shape(),
+            v.shape(),
+            k_cache.shape(),
+            v_cache.shape()
+        )));
+    }
+    let (half, neox) = match rope {
+        Some((f, layout)) => {
+            let half = f.shape().numel();
+            if 2 * half > hd {
+                return Err(Error::shape(format!(
+                    "rope: {half} frequencies rotate {} dimensions, heads have {hd}",
+                    2 * half
+                )));
+            }
+            (half, layout == RopeLayout::Neox)
+        }
+        None => (0, false),
+    };
+    let what = "rope_write_kv";
+    let kb = f32_tensor(k, "keys")?;
+    // Without rotation the frequencies are never read; v stands in for the binding.
+    let freqs = match rope {
+        Some((f, _)) => f32_tensor(f, "rope frequencies")?,
+        None => f32_tensor(v, "values")?,
+    };
+    let bindings = [
+        f32_tensor(q, "queries")?,
+        kb,
+        f32_tensor(v, "values")?,
+        i32_tensor(pos, tokens, "positions")?,
+        freqs,
+        f32_tensor(k_cache, "k cache")?,
+        f32_tensor(v_cache, "v cache")?,
+    ];
+    let total = tokens * (heads + kv_heads) * hd;
+    count(total, what)?;
+    let (groups, groups_x) = b.grid(total.div_ceil(256))?;
+    let kernel = b.kernel(&ROPE_WRITE_KV, &[])?;
+    b.stream.dispatch(
+        &kernel,
+        &bindings,
+        &[
+            count(tokens, what)?,
+            count(heads, what)?,
+            count(kv_heads, what)?,
+            count(hd, what)?,
+            count(half, what)?,
+            u32::from(neox),
+            count(capacity, what)?,
             groups_x,
         ],
         groups,

@@ -125,9 +125,20 @@ pub fn adapters() -> Vec<AdapterSummary> {
         .collect()
 }
 
-/// Whether the fallbacks are forced (`KILN_WGPU_NO_SUBGROUPS=1`, `KILN_WGPU_NO_F16=1`).
-fn forced_off(var: &str) -> bool {
-    std::env::var_os(var).is_some_and(|v| v == "1")
+/// Which of the adapter's optional features kiln may use; turning one off forces the
+/// portable path (what an adapter without it runs).
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    pub subgroups: bool,
+}
+
+impl Options {
+    /// Everything the adapter has, less what `KILN_WGPU_NO_SUBGROUPS=1` turns off.
+    pub fn from_env() -> Self {
+        Options {
+            subgroups: std::env::var_os("KILN_WGPU_NO_SUBGROUPS").is_none_or(|v| v != "1"),
+        }
+    }
 }
 
 /// What the shaders may use on an opened device.
@@ -137,7 +148,6 @@ pub(crate) struct Caps {
     /// The largest subgroup the adapter may run, so that a workgroup of 256 has at least
     /// `256 / max` subgroups.
     pub subgroup_max: u32,
-    pub shader_f16: bool,
     pub timestamps: bool,
     pub max_binding: u64,
     pub max_buffer: u64,
@@ -156,7 +166,7 @@ pub(crate) struct Opened {
 
 /// Open adapter `index` with what kiln needs (storage buffers as large as the adapter
 /// allows) and what it can use (subgroups, f16, timestamps, pipeline cache).
-pub(crate) fn open(index: usize) -> Result<Opened> {
+pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
     let instance = instance();
     let mut all = list(&instance);
     if index >= all.len() {
@@ -178,14 +188,10 @@ pub(crate) fn open(index: usize) -> Result<Opened> {
     // A subgroup size outside WGSL's 4..=128 would break the reductions' assumptions.
     let subgroup_sizes_ok = (4..=128).contains(&summary.subgroup_sizes.0)
         && (4..=128).contains(&summary.subgroup_sizes.1);
-    let subgroups = summary.subgroups && subgroup_sizes_ok && !forced_off("KILN_WGPU_NO_SUBGROUPS");
-    let shader_f16 = summary.shader_f16 && !forced_off("KILN_WGPU_NO_F16");
+    let subgroups = summary.subgroups && subgroup_sizes_ok && options.subgroups;
     let mut wanted = wgpu::Features::empty();
     if subgroups {
         wanted |= wgpu::Features::SUBGROUP;
-    }
-    if shader_f16 {
-        wanted |= wgpu::Features::SHADER_F16;
     }
     for optional in [
         wgpu::Features::TIMESTAMP_QUERY,
@@ -212,7 +218,6 @@ pub(crate) fn open(index: usize) -> Result<Opened> {
     let caps = Caps {
         subgroups,
         subgroup_max: summary.subgroup_sizes.1.max(4),
-        shader_f16,
         timestamps: wanted.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
         max_binding: limits.max_storage_buffer_binding_size,
         max_buffer: limits.max_buffer_size,

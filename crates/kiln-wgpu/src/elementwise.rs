@@ -62,7 +62,18 @@ pub(crate) fn binary(
         )));
     }
     let (dst, src) = (f32_tensor(acc, what)?, f32_tensor(x, what)?);
-    launch(b, &BINARY, &[dst, src], n, op, 0.0, count(len.max(1), what)?, 0, 0, what)
+    launch(
+        b,
+        &BINARY,
+        &[dst, src],
+        n,
+        op,
+        0.0,
+        count(len.max(1), what)?,
+        0,
+        0,
+        what,
+    )
 }
 
 pub(crate) fn unary(b: &WgpuBackend, x: &mut Tensor, op: u32, a: f32) -> Result<()> {
@@ -92,7 +103,18 @@ pub(crate) fn gated(
         f32_tensor(up, "up")?,
         f32_tensor(out, "gated output")?,
     ];
-    launch(b, &GATED, &bindings, n, op, 0.0, 0, 0, 0, "gated activation")
+    launch(
+        b,
+        &GATED,
+        &bindings,
+        n,
+        op,
+        0.0,
+        0,
+        0,
+        0,
+        "gated activation",
+    )
 }
 
 pub(crate) fn write_rows(
@@ -103,9 +125,12 @@ pub(crate) fn write_rows(
 ) -> Result<()> {
     let rows = src.dims().first().copied().unwrap_or(0);
     let dst_rows = dst.dims().first().copied().unwrap_or(0);
-    let row = if rows == 0 { 0 } else { src.shape().numel() / rows };
-    if dst_rows == 0 || dst.shape().numel() / dst_rows != row || src.shape().numel() != rows * row
-    {
+    let row = if rows == 0 {
+        0
+    } else {
+        src.shape().numel() / rows
+    };
+    if dst_rows == 0 || dst.shape().numel() / dst_rows != row || src.shape().numel() != rows * row {
         return Err(Error::shape(format!(
             "write_rows: rows of {} do not fit rows of {}",
             src.shape(),

@@ -4,6 +4,7 @@
 //! once, on first use, through the on-disk pipeline cache where the platform has one.
 
 use crate::device::Caps;
+use crate::pipeline_cache::PipelineCache;
 use kiln_core::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -46,6 +47,12 @@ pub(crate) const SOFTMAX: KernelSpec = spec("softmax", "softmax", &[Write]);
 pub(crate) const ARGMAX: KernelSpec = spec("argmax", "argmax", &[Read, Write]);
 pub(crate) const EMBEDDING: KernelSpec = spec("embedding", "embedding", &[Read, Read, Read, Write]);
 pub(crate) const MATVEC: KernelSpec = spec("matvec", "matvec", &[Read, Read, Read, Write]);
+pub(crate) const MATVEC1: KernelSpec = spec("matvec", "matvec1", &[Read, Read, Read, Write]);
+pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
+    "rope_kv",
+    "rope_write_kv",
+    &[Write, Write, Read, Read, Read, Write, Write],
+);
 pub(crate) const GEMM: KernelSpec = spec("gemm", "gemm", &[Read, Read, Read, Write]);
 pub(crate) const ATTENTION: KernelSpec =
     spec("attention", "attention", &[Read, Read, Read, Read, Write]);
@@ -58,6 +65,7 @@ fn source(file: &str) -> &'static str {
         "softmax" => include_str!("shaders/softmax.wgsl"),
         "argmax" => include_str!("shaders/argmax.wgsl"),
         "rope" => include_str!("shaders/rope.wgsl"),
+        "rope_kv" => include_str!("shaders/rope_kv.wgsl"),
         "norm" => include_str!("shaders/norm.wgsl"),
         "embedding" => include_str!("shaders/embedding.wgsl"),
         "matvec" => include_str!("shaders/matvec.wgsl"),
@@ -66,6 +74,26 @@ fn source(file: &str) -> &'static str {
         other => unreachable!("no shader file {other}"),
     }
 }
+
+/// Every shader file, for the pipeline cache's key.
+pub(crate) const ALL_SOURCES: &[&str] = &[
+    COMMON,
+    WEIGHTS,
+    REDUCE_SUBGROUP,
+    REDUCE_WORKGROUP,
+    include_str!("shaders/elementwise.wgsl"),
+    include_str!("shaders/gated.wgsl"),
+    include_str!("shaders/rows.wgsl"),
+    include_str!("shaders/rope.wgsl"),
+    include_str!("shaders/rope_kv.wgsl"),
+    include_str!("shaders/norm.wgsl"),
+    include_str!("shaders/softmax.wgsl"),
+    include_str!("shaders/argmax.wgsl"),
+    include_str!("shaders/embedding.wgsl"),
+    include_str!("shaders/matvec.wgsl"),
+    include_str!("shaders/gemm.wgsl"),
+    include_str!("shaders/attention.wgsl"),
+];
 
 const COMMON: &str = include_str!("shaders/common.wgsl");
 const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
@@ -84,11 +112,13 @@ pub(crate) struct Kernels {
     params_layout: wgpu::BindGroupLayout,
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
     made: Mutex<HashMap<String, Arc<Kernel>>>,
-    cache: Option<wgpu::PipelineCache>,
+    cache: Option<PipelineCache>,
+    /// Pipelines built since the cache was loaded: the cache is saved when there are any.
+    built: std::sync::atomic::AtomicUsize,
 }
 
 impl Kernels {
-    pub fn new(device: &wgpu::Device, caps: Caps, cache: Option<wgpu::PipelineCache>) -> Self {
+    pub fn new(device: &wgpu::Device, caps: Caps, cache: Option<PipelineCache>) -> Self {
         let params_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some("kiln params"),
             entries: &[wgpu::BindGroupLayoutEntry {
@@ -108,6 +138,7 @@ impl Kernels {
             modules: Mutex::new(HashMap::new()),
             made: Mutex::new(HashMap::new()),
             cache,
+            built: Default::default(),
         }
     }
 
@@ -115,8 +146,13 @@ impl Kernels {
         &self.params_layout
     }
 
-    pub fn pipeline_cache(&self) -> Option<&wgpu::PipelineCache> {
-        self.cache.as_ref()
+    /// Save the pipeline cache if pipelines were built since it was loaded.
+    pub fn save_cache(&self) {
+        if self.built.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            if let Some(c) = &self.cache {
+                c.save();
+            }
+        }
     }
 
     /// The kernel `spec` with override constants `constants`, made on first use.
@@ -170,13 +206,15 @@ impl Kernels {
                 constants,
                 zero_initialize_workgroup_memory: false,
             },
-            cache: self.cache.as_ref(),
+            cache: self.cache.as_ref().map(|c| &c.cache),
         });
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(Error::Device(format!(
                 "wgpu: kernel {name} cannot be built on this adapter: {e}"
             )));
         }
+        self.built
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let kernel = Arc::new(Kernel {
             name: name.clone(),
             pipeline,

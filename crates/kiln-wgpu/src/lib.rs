@@ -14,16 +14,18 @@ mod kernels;
 mod matmul;
 mod memory;
 mod norm;
+mod pipeline_cache;
+mod profile;
 mod stream;
 
-pub use device::{adapters, AdapterSummary};
+pub use device::{adapters, AdapterSummary, Options};
 pub use memory::WgpuStorage;
 
 use device::Caps;
 use kernels::{KernelSpec, Kernels};
 use kiln_core::{
-    quant::gpu_layout, AttentionParams, Backend, DType, Device, Error, HostBytes, Result,
-    RopeLayout, Shape, Tensor,
+    quant::gpu_layout, AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime,
+    Result, RopeLayout, Shape, Tensor,
 };
 use std::sync::Arc;
 use stream::{Binding, Stream};
@@ -38,15 +40,30 @@ pub struct WgpuBackend {
 }
 
 impl WgpuBackend {
-    /// Adapter `index` of [`adapters`].
+    /// Adapter `index` of [`adapters`], with the options the environment gives.
     pub fn new(index: usize) -> Result<Self> {
-        let opened = device::open(index)?;
-        let kernels = Kernels::new(&opened.device, opened.caps, None);
+        Self::with_options(index, Options::from_env())
+    }
+
+    pub fn with_options(index: usize, options: Options) -> Result<Self> {
+        let opened = device::open(index, options)?;
+        let info = opened.adapter.get_info();
+        let mut sources = kernels::ALL_SOURCES.to_vec();
+        sources.push(&info.driver);
+        sources.push(&info.driver_info);
+        let cache = pipeline_cache::open(
+            &opened.device,
+            &info,
+            opened.device.features(),
+            pipeline_cache::source_hash(&sources),
+        );
+        let kernels = Kernels::new(&opened.device, opened.caps, cache);
         let stream = Stream::new(
             opened.device,
             opened.queue,
             kernels.params_layout(),
             opened.caps.uniform_align,
+            opened.caps.timestamps,
         );
         Ok(WgpuBackend {
             index,
@@ -90,6 +107,12 @@ impl WgpuBackend {
     }
 }
 
+impl Drop for WgpuBackend {
+    fn drop(&mut self) {
+        self.kernels.save_cache();
+    }
+}
+
 /// The backend's own storage of `t`, or an error naming `what` when it lives elsewhere.
 pub(crate) fn storage<'a>(t: &'a Tensor, what: &str) -> Result<&'a WgpuStorage> {
     t.storage()
@@ -100,7 +123,10 @@ pub(crate) fn storage<'a>(t: &'a Tensor, what: &str) -> Result<&'a WgpuStorage> 
 
 pub(crate) fn f32_tensor<'a>(t: &'a Tensor, what: &str) -> Result<Binding<'a>> {
     if t.dtype() != DType::F32 {
-        return Err(Error::shape(format!("{what} must be F32, got {}", t.dtype())));
+        return Err(Error::shape(format!(
+            "{what} must be F32, got {}",
+            t.dtype()
+        )));
     }
     Ok(storage(t, what)?.binding())
 }
@@ -198,7 +224,30 @@ impl Backend for WgpuBackend {
     }
 
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
-        matmul::matmul(self, x, w, out)
+        matmul::matmul(self, x, w, out, false)
+    }
+
+    fn matmul_add(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        acc: &mut Tensor,
+        _tmp: &mut Tensor,
+    ) -> Result<()> {
+        matmul::matmul(self, x, w, acc, true)
+    }
+
+    fn rope_write_kv(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        pos: &Tensor,
+        rope: Option<(&Tensor, RopeLayout)>,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+    ) -> Result<()> {
+        attention::rope_write_kv(self, q, k, v, pos, rope, k_cache, v_cache)
     }
 
     fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
@@ -287,5 +336,17 @@ impl Backend for WgpuBackend {
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
         norm::argmax(self, x, out)
+    }
+
+    fn kernel_profile(&self) -> Option<Vec<KernelTime>> {
+        self.stream.profile().map(|rows| {
+            rows.into_iter()
+                .map(|(name, calls, total_ms)| KernelTime {
+                    name,
+                    calls,
+                    total_ms,
+                })
+                .collect()
+        })
     }
 }

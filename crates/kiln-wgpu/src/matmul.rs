@@ -6,7 +6,7 @@
 //! down to the adapter's alignment and the shader steps over the difference.
 
 use crate::elementwise::count;
-use crate::kernels::{EMBEDDING, GEMM, MATVEC};
+use crate::kernels::{EMBEDDING, GEMM, MATVEC, MATVEC1};
 use crate::stream::Binding;
 use crate::{f32_tensor, i32_tensor, storage, WgpuBackend};
 use kiln_core::quant::gpu_layout;
@@ -109,7 +109,14 @@ fn chunks<'a>(b: &WgpuBackend, w: &'a Tensor) -> Result<Vec<Chunk<'a>>> {
     Ok(out)
 }
 
-pub(crate) fn matmul(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
+/// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate`.
+pub(crate) fn matmul(
+    b: &WgpuBackend,
+    x: &Tensor,
+    w: &Tensor,
+    out: &mut Tensor,
+    accumulate: bool,
+) -> Result<()> {
     let (n, k) = (x.shape().rows(), x.shape().row_len());
     let (m, wk) = (w.shape().rows(), w.shape().row_len());
     if wk != k || out.shape().rows() != n || out.shape().row_len() != m {
@@ -126,9 +133,15 @@ pub(crate) fn matmul(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &mut Tensor) 
     let constants = [("WTYPE", wtype(w.dtype())?)];
     let xb = f32_tensor(x, "matmul input")?;
     let ob = f32_tensor(out, "matmul output")?;
-    // Several passes of up to 8 rows when a batch is small; the tiled kernel past that.
+    // One row: a lane per block; up to 8 rows: weights read once for all; the tiled
+    // kernel past that.
     let small = n <= MATVEC_MAX_ROWS;
-    let kernel = b.kernel(if small { &MATVEC } else { &GEMM }, &constants)?;
+    let spec = match n {
+        1 if k % 32 == 0 => &MATVEC1,
+        _ if small => &MATVEC,
+        _ => &GEMM,
+    };
+    let kernel = b.kernel(spec, &constants)?;
     let rows_per_group = if b.caps.subgroups {
         (256 / b.caps.subgroup_max).max(1) as usize
     } else {
@@ -138,8 +151,8 @@ pub(crate) fn matmul(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &mut Tensor) 
         let (groups, groups_x) = if small {
             b.grid(c.rows.div_ceil(rows_per_group))?
         } else {
-            let gx = c.rows.div_ceil(64);
-            let gy = n.div_ceil(64);
+            let gx = c.rows.div_ceil(128);
+            let gy = n.div_ceil(128);
             if gx > b.caps.max_groups as usize || gy > b.caps.max_groups as usize {
                 return Err(Error::Device(format!(
                     "matmul of {n}×{k} by {m}×{k} needs more workgroups than this adapter launches"
@@ -157,6 +170,8 @@ pub(crate) fn matmul(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &mut Tensor) 
             count(m, what)?,
             rows_per_group as u32,
             groups_x,
+            0,
+            u32::from(accumulate),
         ];
         b.stream
             .dispatch(&kernel, &[xb, c.quants, c.scales, ob], &params, groups)?;

@@ -22,7 +22,11 @@ pub struct WgpuStorage {
 
 impl fmt::Debug for WgpuStorage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "WgpuStorage({} bytes on wgpu:{})", self.bytes, self.device)
+        write!(
+            f,
+            "WgpuStorage({} bytes on wgpu:{})",
+            self.bytes, self.device
+        )
     }
 }
 

@@ -19,7 +19,12 @@ fn launch(
     b.stream.dispatch(
         &kernel,
         bindings,
-        &[count(cols, "row")?, eps.to_bits(), count(rows, "rows")?, groups_x],
+        &[
+            count(cols, "row")?,
+            eps.to_bits(),
+            count(rows, "rows")?,
+            groups_x,
+        ],
         groups,
     )
 }
@@ -45,8 +50,20 @@ pub(crate) fn rms_norm(
 ) -> Result<()> {
     check_norm(x, weight, out, "rms_norm")?;
     let w = f32_tensor(weight, "rms_norm weight")?;
-    let bindings = [f32_tensor(x, "rms_norm input")?, w, w, f32_tensor(out, "rms_norm output")?];
-    launch(b, &RMS_NORM, &bindings, x.shape().rows(), x.shape().row_len(), eps)
+    let bindings = [
+        f32_tensor(x, "rms_norm input")?,
+        w,
+        w,
+        f32_tensor(out, "rms_norm output")?,
+    ];
+    launch(
+        b,
+        &RMS_NORM,
+        &bindings,
+        x.shape().rows(),
+        x.shape().row_len(),
+        eps,
+    )
 }
 
 pub(crate) fn layer_norm(
@@ -65,7 +82,14 @@ pub(crate) fn layer_norm(
         f32_tensor(bias, "layer_norm bias")?,
         f32_tensor(out, "layer_norm output")?,
     ];
-    launch(b, &LAYER_NORM, &bindings, x.shape().rows(), x.shape().row_len(), eps)
+    launch(
+        b,
+        &LAYER_NORM,
+        &bindings,
+        x.shape().rows(),
+        x.shape().row_len(),
+        eps,
+    )
 }
 
 pub(crate) fn softmax(b: &WgpuBackend, x: &mut Tensor) -> Result<()> {

@@ -7,6 +7,7 @@
 //! every step.
 
 use crate::kernels::Kernel;
+use crate::profile::Profiler;
 use kiln_core::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -49,6 +50,7 @@ pub(crate) struct Stream {
     /// Errors wgpu reported outside an error scope (validation, out of memory, a lost
     /// device): the next submission or read returns them.
     errors: Arc<Mutex<Vec<String>>>,
+    profiler: Option<Mutex<Profiler>>,
 }
 
 impl Stream {
@@ -57,6 +59,7 @@ impl Stream {
         queue: wgpu::Queue,
         params_layout: &wgpu::BindGroupLayout,
         uniform_align: u64,
+        timestamps: bool,
     ) -> Self {
         let slot = PARAMS_BYTES.max(uniform_align);
         let params_buffer = device.create_buffer(&wgpu::BufferDescriptor {
@@ -88,7 +91,11 @@ impl Stream {
                 .unwrap()
                 .push(format!("the device was lost ({reason:?}): {message}"));
         });
+        let profiler = (timestamps
+            && std::env::var_os("KILN_WGPU_PROFILE").is_some_and(|v| v == "1"))
+        .then(|| Mutex::new(Profiler::new(&device, &queue)));
         Stream {
+            profiler,
             device,
             queue,
             slot,
@@ -171,7 +178,11 @@ impl Stream {
                 .clone()
         };
         let mut rec = self.rec.lock().unwrap();
-        if rec.dispatches == PARAMS_SLOTS {
+        let profile_full = self
+            .profiler
+            .as_ref()
+            .is_some_and(|p| p.lock().unwrap().full());
+        if rec.dispatches == PARAMS_SLOTS || profile_full {
             drop(rec);
             self.flush()?;
             rec = self.rec.lock().unwrap();
@@ -196,7 +207,17 @@ impl Stream {
         pass.set_pipeline(&kernel.pipeline);
         pass.set_bind_group(0, &group, &[]);
         pass.set_bind_group(1, &self.params_group, &[offset as u32]);
-        pass.dispatch_workgroups(groups.0, groups.1, groups.2);
+        match &self.profiler {
+            Some(p) => {
+                let mut p = p.lock().unwrap();
+                let i = p.names.len() as u32;
+                pass.write_timestamp(&p.queries, 2 * i);
+                pass.dispatch_workgroups(groups.0, groups.1, groups.2);
+                pass.write_timestamp(&p.queries, 2 * i + 1);
+                p.names.push(kernel.name.clone());
+            }
+            None => pass.dispatch_workgroups(groups.0, groups.1, groups.2),
+        }
         Ok(())
     }
 
@@ -221,11 +242,17 @@ impl Stream {
     pub fn flush(&self) -> Result<()> {
         let mut rec = self.rec.lock().unwrap();
         rec.pass = None;
-        if let Some(encoder) = rec.encoder.take() {
+        if let Some(mut encoder) = rec.encoder.take() {
             if !rec.params.is_empty() {
                 self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
             }
+            if let Some(p) = &self.profiler {
+                p.lock().unwrap().resolve(&mut encoder);
+            }
             self.queue.submit([encoder.finish()]);
+            if let Some(p) = &self.profiler {
+                p.lock().unwrap().collect(&self.device);
+            }
         }
         rec.params.clear();
         rec.dispatches = 0;
@@ -238,6 +265,12 @@ impl Stream {
                 .retain(|(_, ids), _| !ids.iter().any(|(id, _, _)| dropped.contains(id)));
         }
         self.check()
+    }
+
+    /// Per-kernel GPU time so far when profiling (`KILN_WGPU_PROFILE=1`): (kernel,
+    /// dispatches, total ms), largest first.
+    pub fn profile(&self) -> Option<Vec<(String, u64, f64)>> {
+        self.profiler.as_ref().map(|p| p.lock().unwrap().report())
     }
 
     /// Submit and wait until the GPU has finished everything.

@@ -2,15 +2,25 @@
 
 use kiln_core::{quant, AttentionParams, Backend, DType, HostBytes, RopeLayout, Shape, Tensor};
 use kiln_cpu::CpuBackend;
-use kiln_wgpu::WgpuBackend;
+use kiln_wgpu::{Options, WgpuBackend};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-fn backends() -> (WgpuBackend, CpuBackend) {
-    (
-        WgpuBackend::new(0).expect("a wgpu adapter (lavapipe in CI)"),
-        CpuBackend::new(Some(2)).unwrap(),
-    )
+/// The first adapter with subgroups (where it has them) and on the portable reductions;
+/// none when this machine has no adapter and `KILN_REQUIRE_WGPU=1` is not set.
+fn devices() -> Vec<WgpuBackend> {
+    if kiln_wgpu::adapters().is_empty() {
+        assert!(
+            std::env::var_os("KILN_REQUIRE_WGPU").is_none(),
+            "no wgpu adapter (install mesa-vulkan-drivers for lavapipe)"
+        );
+        eprintln!("SKIPPED: no wgpu adapter (install mesa-vulkan-drivers for lavapipe)");
+        return Vec::new();
+    }
+    [true, false]
+        .into_iter()
+        .map(|subgroups| WgpuBackend::with_options(0, Options { subgroups }).unwrap())
+        .collect()
 }
 
 fn random(n: usize, rng: &mut StdRng, scale: f32) -> Vec<f32> {
@@ -19,14 +29,22 @@ fn random(n: usize, rng: &mut StdRng, scale: f32) -> Vec<f32> {
 
 fn upload(b: &dyn Backend, dtype: DType, dims: &[usize], values: &[f32]) -> Tensor {
     let bytes = quant::quantize(dtype, values).unwrap();
-    b.upload(dtype, Shape::new(dims.to_vec()).unwrap(), HostBytes::from_vec(bytes))
-        .unwrap()
+    b.upload(
+        dtype,
+        Shape::new(dims.to_vec()).unwrap(),
+        HostBytes::from_vec(bytes),
+    )
+    .unwrap()
 }
 
 fn ints(b: &dyn Backend, v: &[i32]) -> Tensor {
     let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    b.upload(DType::I32, Shape::new(vec![v.len()]).unwrap(), HostBytes::from_vec(bytes))
-        .unwrap()
+    b.upload(
+        DType::I32,
+        Shape::new(vec![v.len()]).unwrap(),
+        HostBytes::from_vec(bytes),
+    )
+    .unwrap()
 }
 
 fn read(b: &dyn Backend, t: &Tensor) -> Vec<f32> {
@@ -40,28 +58,41 @@ fn read(b: &dyn Backend, t: &Tensor) -> Vec<f32> {
 fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what} [{i}]: wgpu {g}, cpu {w}");
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what} [{i}]: wgpu {g}, cpu {w}"
+        );
     }
 }
 
 #[test]
 fn matmul_and_embedding_every_dtype() {
-    let (g, c) = backends();
+    for g in devices() {
+        matmul_and_embedding_on(&g);
+    }
+}
+
+fn matmul_and_embedding_on(g: &WgpuBackend) {
+    let c = CpuBackend::new(Some(2)).unwrap();
     let mut rng = StdRng::seed_from_u64(7);
     for dtype in DType::ALL {
         let bs = dtype.block_size();
         let k = if bs == 1 { 37 } else { bs * 3 };
-        for &(n, m) in &[(1usize, 45usize), (3, 17), (70, 33)] {
+        for &(n, m) in &[(1usize, 45usize), (3, 17), (70, 33), (130, 131)] {
             let wv = random(m * k, &mut rng, 1.0);
             let xv = random(n * k, &mut rng, 1.0);
             let mut outs = Vec::new();
-            for b in [&g as &dyn Backend, &c] {
+            for b in [g as &dyn Backend, &c] {
                 let w = upload(b, dtype, &[m, k], &wv);
                 let x = upload(b, DType::F32, &[n, k], &xv);
-                let mut o = b.zeros(DType::F32, Shape::new(vec![n, m]).unwrap()).unwrap();
+                let mut o = b
+                    .zeros(DType::F32, Shape::new(vec![n, m]).unwrap())
+                    .unwrap();
                 b.matmul(&x, &w, &mut o).unwrap();
                 let ids = ints(b, &[0, (m - 1) as i32, 5, 2, 16]);
-                let mut e = b.zeros(DType::F32, Shape::new(vec![5, k]).unwrap()).unwrap();
+                let mut e = b
+                    .zeros(DType::F32, Shape::new(vec![5, k]).unwrap())
+                    .unwrap();
                 b.embedding(&w, &ids, &mut e).unwrap();
                 outs.push((read(b, &o), read(b, &e)));
             }
@@ -85,15 +116,25 @@ fn matmul_and_embedding_every_dtype() {
                 }
             }
             close(&outs[0].1, &outs[1].1, 1e-6, &format!("embedding {dtype}"));
-            let back = g.download(&upload(&g, dtype, &[m, k], &wv)).unwrap();
-            assert_eq!(back, quant::quantize(dtype, &wv).unwrap(), "{dtype} round trip");
+            let back = g.download(&upload(g, dtype, &[m, k], &wv)).unwrap();
+            assert_eq!(
+                back,
+                quant::quantize(dtype, &wv).unwrap(),
+                "{dtype} round trip"
+            );
         }
     }
 }
 
 #[test]
 fn norms_elementwise_rope_attention() {
-    let (g, c) = backends();
+    for g in devices() {
+        norms_elementwise_rope_attention_on(&g);
+    }
+}
+
+fn norms_elementwise_rope_attention_on(g: &WgpuBackend) {
+    let c = CpuBackend::new(Some(2)).unwrap();
     let mut rng = StdRng::seed_from_u64(9);
     let (rows, cols) = (5, 301);
     let xv = random(rows * cols, &mut rng, 2.0);
@@ -105,12 +146,14 @@ fn norms_elementwise_rope_attention() {
     let vv = random(cap * kvh * hd, &mut rng, 1.0);
     let freqs: Vec<f32> = (0..24).map(|i| 10000f32.powf(-(i as f32) / 24.0)).collect();
     let mut results: Vec<Vec<Vec<f32>>> = Vec::new();
-    for b in [&g as &dyn Backend, &c] {
+    for b in [g as &dyn Backend, &c] {
         let mut r = Vec::new();
         let x = upload(b, DType::F32, &[rows, cols], &xv);
         let y = upload(b, DType::F32, &[rows, cols], &yv);
         let w = upload(b, DType::F32, &[cols], &wv);
-        let mut o = b.zeros(DType::F32, Shape::new(vec![rows, cols]).unwrap()).unwrap();
+        let mut o = b
+            .zeros(DType::F32, Shape::new(vec![rows, cols]).unwrap())
+            .unwrap();
         b.rms_norm(&x, &w, 1e-5, &mut o).unwrap();
         r.push(read(b, &o));
         b.layer_norm(&x, &w, &w, 1e-5, &mut o).unwrap();
@@ -128,12 +171,22 @@ fn norms_elementwise_rope_attention() {
         b.gelu(&mut o).unwrap();
         b.softcap(&mut o, 1.5).unwrap();
         r.push(read(b, &o));
-        let mut sl = b.zeros(DType::F32, Shape::new(vec![rows, 17]).unwrap()).unwrap();
+        let mut sl = b
+            .zeros(DType::F32, Shape::new(vec![rows, 17]).unwrap())
+            .unwrap();
         b.slice_cols(&x, 100, &mut sl).unwrap();
         r.push(read(b, &sl));
-        let mut am = b.zeros(DType::I32, Shape::new(vec![rows]).unwrap()).unwrap();
+        let mut am = b
+            .zeros(DType::I32, Shape::new(vec![rows]).unwrap())
+            .unwrap();
         b.argmax(&x, &mut am).unwrap();
-        r.push(b.download(&am).unwrap().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f32).collect());
+        r.push(
+            b.download(&am)
+                .unwrap()
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f32)
+                .collect(),
+        );
         for layout in [RopeLayout::Interleaved, RopeLayout::Neox] {
             let mut q = upload(b, DType::F32, &[n, heads, hd], &qv);
             let pos = ints(b, &[3, 17, 3000]);
@@ -142,8 +195,12 @@ fn norms_elementwise_rope_attention() {
             r.push(read(b, &q));
         }
         let q = upload(b, DType::F32, &[n, heads, hd], &qv);
-        let mut kc = b.zeros(DType::F32, Shape::new(vec![cap, kvh, hd]).unwrap()).unwrap();
-        let mut vc = b.zeros(DType::F32, Shape::new(vec![cap, kvh, hd]).unwrap()).unwrap();
+        let mut kc = b
+            .zeros(DType::F32, Shape::new(vec![cap, kvh, hd]).unwrap())
+            .unwrap();
+        let mut vc = b
+            .zeros(DType::F32, Shape::new(vec![cap, kvh, hd]).unwrap())
+            .unwrap();
         let ks = upload(b, DType::F32, &[cap, kvh, hd], &kv);
         let vs = upload(b, DType::F32, &[cap, kvh, hd], &vv);
         let all: Vec<i32> = (0..cap as i32).collect();
@@ -152,17 +209,191 @@ fn norms_elementwise_rope_attention() {
         b.write_rows(&vs, &mut vc, &allp).unwrap();
         let pos = ints(b, &[0, 20, 39]);
         for params in [
-            AttentionParams { scale: 0.125, softcap: None, window: None },
-            AttentionParams { scale: 0.125, softcap: Some(5.0), window: Some(7) },
+            AttentionParams {
+                scale: 0.125,
+                softcap: None,
+                window: None,
+            },
+            AttentionParams {
+                scale: 0.125,
+                softcap: Some(5.0),
+                window: Some(7),
+            },
         ] {
-            let mut out = b.zeros(DType::F32, Shape::new(vec![n, heads, hd]).unwrap()).unwrap();
+            let mut out = b
+                .zeros(DType::F32, Shape::new(vec![n, heads, hd]).unwrap())
+                .unwrap();
             b.attention(&q, &kc, &vc, &pos, &params, &mut out).unwrap();
             r.push(read(b, &out));
         }
         results.push(r);
     }
-    let names = ["rms", "layer", "softmax", "binary", "silu", "gelu/softcap", "slice", "argmax", "rope-i", "rope-n", "attn", "attn-window"];
+    let names = [
+        "rms",
+        "layer",
+        "softmax",
+        "binary",
+        "silu",
+        "gelu/softcap",
+        "slice",
+        "argmax",
+        "rope-i",
+        "rope-n",
+        "attn",
+        "attn-window",
+    ];
     for (i, name) in names.iter().enumerate() {
         close(&results[0][i], &results[1][i], 2e-5, name);
+    }
+}
+
+/// Weights larger than one binding (128 MiB on lavapipe) are bound in chunks of rows:
+/// the rows on either side of each chunk boundary, and embedding lookups there, must match.
+#[test]
+fn weights_past_the_binding_limit_are_bound_in_chunks() {
+    let Some(g) = devices().into_iter().next() else {
+        return;
+    };
+    let max = g.summary().max_binding as usize;
+    let mut rng = StdRng::seed_from_u64(11);
+    for (dtype, k) in [(DType::F32, 1024usize), (DType::Q8_0, 4096)] {
+        let row_bytes = dtype.row_bytes(k).unwrap();
+        let m = max / row_bytes + 300;
+        if m * row_bytes > g.summary().max_buffer as usize {
+            eprintln!("SKIPPED: {dtype} weight of {m} rows exceeds this adapter's largest buffer");
+            continue;
+        }
+        let wv = random(m * k, &mut rng, 1.0);
+        let stored = quant::quantize(dtype, &wv).unwrap();
+        let wd = quant::dequantize_to_vec(dtype, &stored, m * k).unwrap();
+        let w = g
+            .upload(
+                dtype,
+                Shape::new(vec![m, k]).unwrap(),
+                HostBytes::from_vec(stored),
+            )
+            .unwrap();
+        let xv = random(2 * k, &mut rng, 1.0);
+        let x = upload(&g, DType::F32, &[2, k], &xv);
+        let mut out = g
+            .zeros(DType::F32, Shape::new(vec![2, m]).unwrap())
+            .unwrap();
+        g.matmul(&x, &w, &mut out).unwrap();
+        let got = read(&g, &out);
+        let ids: Vec<i32> = vec![0, (m / 2) as i32, (m - 1) as i32, (max / row_bytes) as i32];
+        let idt = ints(&g, &ids);
+        let mut e = g
+            .zeros(DType::F32, Shape::new(vec![ids.len(), k]).unwrap())
+            .unwrap();
+        g.embedding(&w, &idt, &mut e).unwrap();
+        let emb = read(&g, &e);
+        for (i, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            assert_eq!(
+                &emb[i * k..(i + 1) * k],
+                &wd[id * k..(id + 1) * k],
+                "{dtype} embedding row {id}"
+            );
+        }
+        // Every row is checked: a chunk that starts in the wrong place shifts them all.
+        for t in 0..2 {
+            for r in (0..m).step_by(97).chain(m - 400..m) {
+                let (mut dot, mut mag) = (0f64, 0f64);
+                for j in 0..k {
+                    let p = wd[r * k + j] as f64 * xv[t * k + j] as f64;
+                    dot += p;
+                    mag += p.abs();
+                }
+                let v = got[t * m + r] as f64;
+                assert!(
+                    (v - dot).abs() <= 1e-5 * mag + 1e-6,
+                    "{dtype} [{t},{r}]: {v} vs {dot}"
+                );
+            }
+        }
+    }
+}
+
+/// The fused ops the wgpu backend overrides against the CPU's plain sequences.
+#[test]
+fn fused_ops_match_the_plain_sequences() {
+    for g in devices() {
+        let c = CpuBackend::new(Some(2)).unwrap();
+        let mut rng = StdRng::seed_from_u64(13);
+        for dtype in [DType::F16, DType::Q4_0, DType::Q6_K] {
+            for n in [1usize, 5, 130] {
+                let (m, k) = (70usize, 512usize);
+                let wv = random(m * k, &mut rng, 1.0);
+                let xv = random(n * k, &mut rng, 1.0);
+                let av = random(n * m, &mut rng, 1.0);
+                let w = upload(&g, dtype, &[m, k], &wv);
+                let x = upload(&g, DType::F32, &[n, k], &xv);
+                let mut acc = upload(&g, DType::F32, &[n, m], &av);
+                let mut tmp = g
+                    .zeros(DType::F32, Shape::new(vec![n, m]).unwrap())
+                    .unwrap();
+                g.matmul_add(&x, &w, &mut acc, &mut tmp).unwrap();
+                let got = read(&g, &acc);
+                let wd =
+                    quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &wv).unwrap(), m * k)
+                        .unwrap();
+                for t in 0..n {
+                    for r in 0..m {
+                        let (mut dot, mut mag) = (av[t * m + r] as f64, av[t * m + r].abs() as f64);
+                        for j in 0..k {
+                            let p = wd[r * k + j] as f64 * xv[t * k + j] as f64;
+                            dot += p;
+                            mag += p.abs();
+                        }
+                        let v = got[t * m + r] as f64;
+                        assert!(
+                            (v - dot).abs() <= 1e-5 * mag + 1e-6,
+                            "matmul_add {dtype} n={n} [{t},{r}]: {v} vs {dot}"
+                        );
+                    }
+                }
+            }
+        }
+        for (hd, rot) in [(64usize, Some(32usize)), (80, Some(16)), (64, None)] {
+            let (n, heads, kvh, cap) = (3usize, 4usize, 2usize, 9usize);
+            let qv = random(n * heads * hd, &mut rng, 1.0);
+            let kv = random(n * kvh * hd, &mut rng, 1.0);
+            let vv = random(n * kvh * hd, &mut rng, 1.0);
+            for layout in [RopeLayout::Interleaved, RopeLayout::Neox] {
+                let mut got = Vec::new();
+                for b in [&g as &dyn Backend, &c] {
+                    let mut q = upload(b, DType::F32, &[n, heads, hd], &qv);
+                    let mut k = upload(b, DType::F32, &[n, kvh, hd], &kv);
+                    let v = upload(b, DType::F32, &[n, kvh, hd], &vv);
+                    let pos = ints(b, &[2, 5, 8]);
+                    let freqs: Vec<f32> = (0..rot.unwrap_or(1))
+                        .map(|i| 0.9f32.powi(i as i32))
+                        .collect();
+                    let f = upload(b, DType::F32, &[freqs.len()], &freqs);
+                    let shape = Shape::new(vec![cap, kvh, hd]).unwrap();
+                    let mut kc = b.zeros(DType::F32, shape.clone()).unwrap();
+                    let mut vc = b.zeros(DType::F32, shape).unwrap();
+                    b.rope_write_kv(
+                        &mut q,
+                        &mut k,
+                        &v,
+                        &pos,
+                        rot.map(|_| (&f, layout)),
+                        &mut kc,
+                        &mut vc,
+                    )
+                    .unwrap();
+                    got.push([read(b, &q), read(b, &k), read(b, &kc), read(b, &vc)]);
+                }
+                for (i, what) in ["q", "k", "k cache", "v cache"].iter().enumerate() {
+                    close(
+                        &got[0][i],
+                        &got[1][i],
+                        2e-6,
+                        &format!("rope_write_kv {what} hd={hd} {layout:?}"),
+                    );
+                }
+            }
+        }
     }
 }

@@ -7,6 +7,79 @@
 
 const MAX_N: u32 = 8u;
 
+// wp.p10 = 1: add to the output (a projection feeding the residual stream).
+fn store(i: u32, v: f32) {
+    if wp.p10 == 1u {
+        out[i] += v;
+    } else {
+        out[i] = v;
+    }
+}
+
+fn x4(o: u32) -> vec4<f32> {
+    return vec4<f32>(x[o], x[o + 1u], x[o + 2u], x[o + 3u]);
+}
+
+// x[u·32 .. +32] · row r's elements there (k a multiple of 32): a lane reads a whole block
+// of quants in neighbouring words, and each scale once.
+fn unit_dot(r: u32, u: u32) -> f32 {
+    let xo = u * 32u;
+    var s = 0.0;
+    switch WTYPE {
+        case 1u: {
+            let wb = (r * wp.k + xo) / 2u;
+            for (var j = 0u; j < 8u; j++) {
+                let w = vec4<f32>(unpack2x16float(qword(wb + 2u * j)), unpack2x16float(qword(wb + 2u * j + 1u)));
+                s += dot(w, x4(xo + 4u * j));
+            }
+            return s;
+        }
+        case 3u: {
+            let blk = r * (wp.k / 32u) + u;
+            for (var j = 0u; j < 8u; j++) {
+                s += dot(vec4<f32>(unpack4xI8(qword(blk * 8u + j))), x4(xo + 4u * j));
+            }
+            return s * meta_half(blk * 2u);
+        }
+        case 4u: {
+            let blk = r * (wp.k / 32u) + u;
+            for (var j = 0u; j < 4u; j++) {
+                let w = qword(blk * 4u + j);
+                s += dot(nibbles(w, 0u) - 8.0, x4(xo + 4u * j));
+                s += dot(nibbles(w, 4u) - 8.0, x4(xo + 16u + 4u * j));
+            }
+            return s * meta_half(blk * 2u);
+        }
+        default: {
+            for (var j = 0u; j < 8u; j++) {
+                s += dot(quad(r, u * 8u + j), x4(xo + 4u * j));
+            }
+            return s;
+        }
+    }
+}
+
+// One row of x (decode), k a multiple of 32: a lane per 32-element unit, one accumulator.
+@compute @workgroup_size(WG)
+fn matvec1(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
+    let units = wp.k / 32u;
+    let base = group_index(wg, wp.groups_x) * wp.rows_per_group;
+    for (var i = 0u; i < wp.rows_per_group; i += row_slots(lane)) {
+        let r = base + i + row_slot(lane);
+        let live = r < wp.m && (i + row_slot(lane)) < wp.rows_per_group;
+        var acc = 0.0;
+        if live {
+            for (var u = row_lane(lane); u < units; u += row_width(lane)) {
+                acc += unit_dot(r, u);
+            }
+        }
+        let s = row_sum(acc, lane);
+        if live && row_lane(lane) == 0u {
+            store(wp.row0 + r, s);
+        }
+    }
+}
+
 @compute @workgroup_size(WG)
 fn matvec(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
     let k = wp.k;
@@ -39,7 +112,7 @@ fn matvec(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
         for (var t = 0u; t < n; t++) {
             let s = row_sum(acc[t], lane);
             if live && row_lane(lane) == 0u {
-                out[t * wp.out_stride + wp.row0 + r] = s;
+                store(t * wp.out_stride + wp.row0 + r, s);
             }
         }
     }
