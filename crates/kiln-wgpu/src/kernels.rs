@@ -46,8 +46,10 @@ pub(crate) const LAYER_NORM: KernelSpec = spec("norm", "layer_norm", &[Read, Rea
 pub(crate) const SOFTMAX: KernelSpec = spec("softmax", "softmax", &[Write]);
 pub(crate) const ARGMAX: KernelSpec = spec("argmax", "argmax", &[Read, Write]);
 pub(crate) const EMBEDDING: KernelSpec = spec("embedding", "embedding", &[Read, Read, Read, Write]);
-pub(crate) const MATVEC: KernelSpec = spec("matvec", "matvec", &[Read, Read, Read, Write]);
-pub(crate) const MATVEC1: KernelSpec = spec("matvec", "matvec1", &[Read, Read, Read, Write]);
+/// x, weight quants, weight scales, out, aux (the gate), norm weight, normed row.
+const MATVEC_BINDINGS: &[Access] = &[Read, Read, Read, Write, Read, Read, Write];
+pub(crate) const MATVEC: KernelSpec = spec("matvec", "matvec", MATVEC_BINDINGS);
+pub(crate) const MATVEC1: KernelSpec = spec("matvec", "matvec1", MATVEC_BINDINGS);
 pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
     "rope_kv",
     "rope_write_kv",
@@ -113,6 +115,8 @@ pub(crate) struct Kernels {
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
     made: Mutex<HashMap<String, Arc<Kernel>>>,
     cache: Option<PipelineCache>,
+    /// Whether wgpu's bounds checks are compiled into the shaders.
+    bounds_checks: bool,
     /// Pipelines built since the cache was loaded: the cache is saved when there are any.
     built: std::sync::atomic::AtomicUsize,
 }
@@ -138,6 +142,7 @@ impl Kernels {
             modules: Mutex::new(HashMap::new()),
             made: Mutex::new(HashMap::new()),
             cache,
+            bounds_checks: std::env::var_os("KILN_WGPU_BOUNDS_CHECKS").is_some_and(|v| v == "1"),
             built: Default::default(),
         }
     }
@@ -241,10 +246,22 @@ impl Kernels {
         };
         let text = format!("{reduce}\n{COMMON}\n{weights}\n{}", source(file));
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        let desc = wgpu::ShaderModuleDescriptor {
             label: Some(file),
             source: wgpu::ShaderSource::Wgsl(text.into()),
-        });
+        };
+        let module = if self.bounds_checks {
+            device.create_shader_module(desc)
+        } else {
+            // SAFETY: every index a kernel forms is within the buffers the host bound for
+            // it: shapes are checked before each dispatch and the shaders guard the edges
+            // of their grids. The checks wgpu would add (a clamp on every load) cost the
+            // decode kernels most of their speed on an H200; KILN_WGPU_BOUNDS_CHECKS=1
+            // puts them back to debug a kernel.
+            unsafe {
+                device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+            }
+        };
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(Error::Device(format!(
                 "wgpu: shader {file}.wgsl does not compile on this adapter: {e}"

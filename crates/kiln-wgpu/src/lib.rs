@@ -25,9 +25,10 @@ use device::Caps;
 use kernels::{KernelSpec, Kernels};
 use kiln_core::{
     quant::gpu_layout, AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime,
-    Result, RopeLayout, Shape, Tensor,
+    Result, RmsNorm, RopeLayout, Shape, Tensor,
 };
 use std::sync::Arc;
+use matmul::{Epilogue, NormFirst};
 use stream::{Binding, Stream};
 
 pub struct WgpuBackend {
@@ -224,7 +225,7 @@ impl Backend for WgpuBackend {
     }
 
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
-        matmul::matmul(self, x, w, out, false)
+        matmul::matmul(self, x, w, out, Epilogue::Store, None)
     }
 
     fn matmul_add(
@@ -234,7 +235,93 @@ impl Backend for WgpuBackend {
         acc: &mut Tensor,
         _tmp: &mut Tensor,
     ) -> Result<()> {
-        matmul::matmul(self, x, w, acc, true)
+        matmul::matmul(self, x, w, acc, Epilogue::Add, None)
+    }
+
+    fn rms_norm_matmul_many(
+        &self,
+        norm: &RmsNorm,
+        normed: &mut Tensor,
+        ws: &[&Tensor],
+        outs: &mut [&mut Tensor],
+    ) -> Result<()> {
+        if ws.len() != outs.len() {
+            return Err(Error::shape("rms_norm_matmul_many: as many outputs as weights"));
+        }
+        if !matmul::fusable(norm.x) {
+            self.rms_norm(norm.x, norm.weight, norm.eps, normed)?;
+            return self.matmul_many(normed, ws, outs);
+        }
+        // Each product normalises its own copy of the row; the first also writes it.
+        for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+            let first = NormFirst {
+                weight: norm.weight,
+                eps: norm.eps,
+                normed: (i == 0).then_some(&*normed),
+            };
+            matmul::matmul(self, norm.x, w, out, Epilogue::Store, Some(&first))?;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_gated_ffn(
+        &self,
+        norm: &RmsNorm,
+        normed: &mut Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        gelu: bool,
+        out: &mut Tensor,
+        tmp_gate: &mut Tensor,
+        tmp_up: &mut Tensor,
+    ) -> Result<()> {
+        if !matmul::fusable(norm.x) {
+            self.rms_norm(norm.x, norm.weight, norm.eps, normed)?;
+            return self.gated_ffn(normed, gate, up, gelu, out, tmp_gate, tmp_up);
+        }
+        let with_normed = NormFirst {
+            weight: norm.weight,
+            eps: norm.eps,
+            normed: Some(&*normed),
+        };
+        matmul::matmul(self, norm.x, gate, tmp_gate, Epilogue::Store, Some(&with_normed))?;
+        let norm_only = NormFirst {
+            normed: None,
+            ..with_normed
+        };
+        let epilogue = Epilogue::Gated {
+            gate: tmp_gate,
+            gelu,
+        };
+        matmul::matmul(self, norm.x, up, out, epilogue, Some(&norm_only))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gated_ffn(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        gelu: bool,
+        out: &mut Tensor,
+        tmp_gate: &mut Tensor,
+        tmp_up: &mut Tensor,
+    ) -> Result<()> {
+        self.matmul(x, gate, tmp_gate)?;
+        if matmul::fusable(x) {
+            let epilogue = Epilogue::Gated {
+                gate: tmp_gate,
+                gelu,
+            };
+            return matmul::matmul(self, x, up, out, epilogue, None);
+        }
+        self.matmul(x, up, tmp_up)?;
+        if gelu {
+            self.gelu_mul(tmp_gate, tmp_up, out)
+        } else {
+            self.silu_mul(tmp_gate, tmp_up, out)
+        }
     }
 
     fn rope_write_kv(

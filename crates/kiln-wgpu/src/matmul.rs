@@ -109,13 +109,39 @@ fn chunks<'a>(b: &WgpuBackend, w: &'a Tensor) -> Result<Vec<Chunk<'a>>> {
     Ok(out)
 }
 
-/// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate`.
+/// What a product's result becomes.
+#[derive(Clone, Copy)]
+pub(crate) enum Epilogue<'a> {
+    /// `out = x · wᵀ`
+    Store,
+    /// `out += x · wᵀ`
+    Add,
+    /// `out = act(gate) · (x · wᵀ)`, SiLU or (when `gelu`) GELU: the gated feed-forward,
+    /// one row of x only.
+    Gated { gate: &'a Tensor, gelu: bool },
+}
+
+/// An RMS norm fused in front of a one-row product: x is read as rms_norm(x)·weight, and
+/// `normed` (when given) receives that row.
+pub(crate) struct NormFirst<'a> {
+    pub weight: &'a Tensor,
+    pub eps: f32,
+    pub normed: Option<&'a Tensor>,
+}
+
+/// Whether the one-row kernel, which alone takes the fused forms, runs for this product.
+pub(crate) fn fusable(x: &Tensor) -> bool {
+    x.shape().rows() == 1 && x.shape().row_len() % 32 == 0
+}
+
+/// `out = x · wᵀ` (or as `epilogue` says), with `norm` in front when given.
 pub(crate) fn matmul(
     b: &WgpuBackend,
     x: &Tensor,
     w: &Tensor,
     out: &mut Tensor,
-    accumulate: bool,
+    epilogue: Epilogue,
+    norm: Option<&NormFirst>,
 ) -> Result<()> {
     let (n, k) = (x.shape().rows(), x.shape().row_len());
     let (m, wk) = (w.shape().rows(), w.shape().row_len());
@@ -131,8 +157,42 @@ pub(crate) fn matmul(
     count(n * k, what)?;
     count(n * m, what)?;
     let constants = [("WTYPE", wtype(w.dtype())?)];
+    if (matches!(epilogue, Epilogue::Gated { .. }) || norm.is_some()) && !fusable(x) {
+        return Err(Error::shape("fused products take one row of x, k a multiple of 32"));
+    }
     let xb = f32_tensor(x, "matmul input")?;
     let ob = f32_tensor(out, "matmul output")?;
+    let (mode, aux) = match epilogue {
+        Epilogue::Store => (0, xb),
+        Epilogue::Add => (1, xb),
+        Epilogue::Gated { gate, gelu } => {
+            if gate.dims() != out.dims() {
+                return Err(Error::shape(format!(
+                    "gated product: gate {} for output {}",
+                    gate.shape(),
+                    out.shape()
+                )));
+            }
+            (2 + u32::from(gelu), f32_tensor(gate, "gate")?)
+        }
+    };
+    let (norm_w, normed, eps, write_normed) = match norm {
+        Some(nf) => {
+            if nf.weight.shape().numel() != k || nf.normed.is_some_and(|t| t.dims() != x.dims()) {
+                return Err(Error::shape(format!(
+                    "rms_norm in front of a product: weight {} for rows of {k}",
+                    nf.weight.shape()
+                )));
+            }
+            let normed = match nf.normed {
+                Some(t) => f32_tensor(t, "normed row")?,
+                None => ob,
+            };
+            (f32_tensor(nf.weight, "norm weight")?, normed, nf.eps, nf.normed.is_some())
+        }
+        // Unused bindings stand in with tensors already bound the same way.
+        None => (xb, ob, 0.0, false),
+    };
     // One row: a lane per block; up to 8 rows: weights read once for all; the tiled
     // kernel past that.
     let small = n <= MATVEC_MAX_ROWS;
@@ -171,10 +231,14 @@ pub(crate) fn matmul(
             rows_per_group as u32,
             groups_x,
             0,
-            u32::from(accumulate),
+            mode,
+            u32::from(norm.is_some()),
+            eps.to_bits(),
+            u32::from(write_normed),
         ];
-        b.stream
-            .dispatch(&kernel, &[xb, c.quants, c.scales, ob], &params, groups)?;
+        let bindings = [xb, c.quants, c.scales, ob, aux, norm_w, normed];
+        let used = if small { &bindings[..] } else { &bindings[..4] };
+        b.stream.dispatch(&kernel, used, &params, groups)?;
     }
     Ok(())
 }

@@ -354,6 +354,46 @@ fn fused_ops_match_the_plain_sequences() {
                 }
             }
         }
+        // The norm and the gated activation fused into one-row products, against the same
+        // device's plain sequence.
+        for dtype in [DType::F32, DType::Q8_0, DType::Q4_K] {
+            let (m, k) = (100usize, 512usize);
+            let shape = |r: usize, c: usize| Shape::new(vec![r, c]).unwrap();
+            let (wg, wu) = (random(m * k, &mut rng, 1.0), random(m * k, &mut rng, 1.0));
+            let (xv, nv) = (random(k, &mut rng, 2.0), random(k, &mut rng, 1.0));
+            let gate = upload(&g, dtype, &[m, k], &wg);
+            let up = upload(&g, dtype, &[m, k], &wu);
+            let x = upload(&g, DType::F32, &[1, k], &xv);
+            let nw = upload(&g, DType::F32, &[k], &nv);
+            let norm = kiln_core::RmsNorm { x: &x, weight: &nw, eps: 1e-5 };
+            for gelu in [false, true] {
+                let mut normed = g.zeros(DType::F32, shape(1, k)).unwrap();
+                let mut out = g.zeros(DType::F32, shape(1, m)).unwrap();
+                let mut tg = g.zeros(DType::F32, shape(1, m)).unwrap();
+                let mut tu = g.zeros(DType::F32, shape(1, m)).unwrap();
+                g.rms_norm_gated_ffn(&norm, &mut normed, &gate, &up, gelu, &mut out, &mut tg, &mut tu)
+                    .unwrap();
+                let (fused_out, fused_normed) = (read(&g, &out), read(&g, &normed));
+                g.rms_norm(&x, &nw, 1e-5, &mut normed).unwrap();
+                g.matmul(&normed, &gate, &mut tg).unwrap();
+                g.matmul(&normed, &up, &mut tu).unwrap();
+                if gelu {
+                    g.gelu_mul(&tg, &tu, &mut out).unwrap();
+                } else {
+                    g.silu_mul(&tg, &tu, &mut out).unwrap();
+                }
+                close(&fused_normed, &read(&g, &normed), 1e-6, &format!("normed {dtype}"));
+                close(&fused_out, &read(&g, &out), 1e-5, &format!("rms_norm_gated_ffn {dtype} gelu={gelu}"));
+                let mut q = g.zeros(DType::F32, shape(1, m)).unwrap();
+                let mut kk = g.zeros(DType::F32, shape(1, m)).unwrap();
+                let mut normed2 = g.zeros(DType::F32, shape(1, k)).unwrap();
+                g.rms_norm_matmul_many(&norm, &mut normed2, &[&gate, &up], &mut [&mut q, &mut kk])
+                    .unwrap();
+                close(&read(&g, &normed2), &read(&g, &normed), 1e-6, "normed (many)");
+                close(&read(&g, &q), &read(&g, &tg), 1e-5, &format!("rms_norm_matmul_many {dtype} [0]"));
+                close(&read(&g, &kk), &read(&g, &tu), 1e-5, &format!("rms_norm_matmul_many {dtype} [1]"));
+            }
+        }
         for (hd, rot) in [(64usize, Some(32usize)), (80, Some(16)), (64, None)] {
             let (n, heads, kvh, cap) = (3usize, 4usize, 2usize, 9usize);
             let qv = random(n * heads * hd, &mut rng, 1.0);
