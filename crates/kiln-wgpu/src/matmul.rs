@@ -131,7 +131,7 @@ pub(crate) struct NormFirst<'a> {
 
 /// Whether the one-row kernel, which alone takes the fused forms, runs for this product.
 pub(crate) fn fusable(x: &Tensor) -> bool {
-    x.shape().rows() == 1 && x.shape().row_len() % 32 == 0
+    x.shape().rows() == 1 && x.shape().row_len() % 4 == 0
 }
 
 /// `out = x · wᵀ` (or as `epilogue` says), with `norm` in front when given.
@@ -158,7 +158,7 @@ pub(crate) fn matmul(
     count(n * m, what)?;
     let constants = [("WTYPE", wtype(w.dtype())?)];
     if (matches!(epilogue, Epilogue::Gated { .. }) || norm.is_some()) && !fusable(x) {
-        return Err(Error::shape("fused products take one row of x, k a multiple of 32"));
+        return Err(Error::shape("fused products take one row of x, k a multiple of 4"));
     }
     let xb = f32_tensor(x, "matmul input")?;
     let ob = f32_tensor(out, "matmul output")?;
@@ -197,7 +197,7 @@ pub(crate) fn matmul(
     // kernel past that.
     let small = n <= MATVEC_MAX_ROWS;
     let spec = match n {
-        1 if k % 32 == 0 => &MATVEC1,
+        1 if k % 4 == 0 => &MATVEC1,
         _ if small => &MATVEC,
         _ => &GEMM,
     };
