@@ -4,12 +4,12 @@ use crate::console::{CliResult, Failure};
 use kiln_core::{Backend, Error, Result};
 use kiln_cpu::CpuBackend;
 use kiln_cuda::CudaBackend;
-use kiln_wgpu::WgpuBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_io::{detect_format, FileFormat};
 use kiln_models::memory::{self, MemoryPlan};
 use kiln_models::{Checkpoint, Model, ModelConfig};
 use kiln_tokenizer::Tokenizer;
+use kiln_wgpu::WgpuBackend;
 use std::path::Path;
 use std::sync::Arc;
 

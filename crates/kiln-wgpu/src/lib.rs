@@ -27,8 +27,8 @@ use kiln_core::{
     quant::gpu_layout, AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime,
     Result, RmsNorm, RopeLayout, Shape, Tensor,
 };
-use std::sync::Arc;
 use matmul::{Epilogue, NormFirst};
+use std::sync::Arc;
 use stream::{Binding, Stream};
 
 pub struct WgpuBackend {
@@ -104,7 +104,13 @@ impl WgpuBackend {
     }
 
     fn alloc(&self, bytes: usize) -> Result<WgpuStorage> {
-        memory::alloc(&self.stream, self.index, bytes as u64, self.caps.max_buffer)
+        memory::alloc(
+            &self.stream,
+            self.index,
+            &self.summary.name,
+            bytes as u64,
+            self.caps.max_buffer,
+        )
     }
 }
 
@@ -246,7 +252,9 @@ impl Backend for WgpuBackend {
         outs: &mut [&mut Tensor],
     ) -> Result<()> {
         if ws.len() != outs.len() {
-            return Err(Error::shape("rms_norm_matmul_many: as many outputs as weights"));
+            return Err(Error::shape(
+                "rms_norm_matmul_many: as many outputs as weights",
+            ));
         }
         if !matmul::fusable(norm.x) {
             self.rms_norm(norm.x, norm.weight, norm.eps, normed)?;
@@ -285,7 +293,14 @@ impl Backend for WgpuBackend {
             eps: norm.eps,
             normed: Some(&*normed),
         };
-        matmul::matmul(self, norm.x, gate, tmp_gate, Epilogue::Store, Some(&with_normed))?;
+        matmul::matmul(
+            self,
+            norm.x,
+            gate,
+            tmp_gate,
+            Epilogue::Store,
+            Some(&with_normed),
+        )?;
         let norm_only = NormFirst {
             normed: None,
             ..with_normed

@@ -67,17 +67,19 @@ pub(crate) fn padded(bytes: u64) -> u64 {
     bytes.div_ceil(4).max(1) * 4
 }
 
+/// A zeroed buffer of `bytes` on adapter `device` (named `adapter` in errors).
 pub(crate) fn alloc(
     stream: &Stream,
     device: usize,
+    adapter: &str,
     bytes: u64,
     max_buffer: u64,
 ) -> Result<WgpuStorage> {
     let size = padded(bytes);
     if size > max_buffer {
         return Err(Error::Device(format!(
-            "a tensor of {bytes} bytes is larger than this wgpu adapter's largest buffer \
-             ({max_buffer} bytes): use a smaller model or a more compact weight type"
+            "a tensor of {bytes} bytes is larger than the largest buffer of wgpu:{device} \
+             ({adapter}: {max_buffer} bytes): use a smaller model or a more compact weight type"
         )));
     }
     let scope = stream
@@ -93,7 +95,7 @@ pub(crate) fn alloc(
     });
     if let Some(e) = pollster::block_on(scope.pop()) {
         return Err(Error::Device(format!(
-            "out of GPU memory on wgpu:{device}: allocating {bytes} bytes: {e}"
+            "out of GPU memory on wgpu:{device} ({adapter}): allocating {bytes} bytes: {e}"
         )));
     }
     Ok(WgpuStorage {
