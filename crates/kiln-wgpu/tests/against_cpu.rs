@@ -365,14 +365,27 @@ fn fused_ops_match_the_plain_sequences() {
             let up = upload(&g, dtype, &[m, k], &wu);
             let x = upload(&g, DType::F32, &[1, k], &xv);
             let nw = upload(&g, DType::F32, &[k], &nv);
-            let norm = kiln_core::RmsNorm { x: &x, weight: &nw, eps: 1e-5 };
+            let norm = kiln_core::RmsNorm {
+                x: &x,
+                weight: &nw,
+                eps: 1e-5,
+            };
             for gelu in [false, true] {
                 let mut normed = g.zeros(DType::F32, shape(1, k)).unwrap();
                 let mut out = g.zeros(DType::F32, shape(1, m)).unwrap();
                 let mut tg = g.zeros(DType::F32, shape(1, m)).unwrap();
                 let mut tu = g.zeros(DType::F32, shape(1, m)).unwrap();
-                g.rms_norm_gated_ffn(&norm, &mut normed, &gate, &up, gelu, &mut out, &mut tg, &mut tu)
-                    .unwrap();
+                g.rms_norm_gated_ffn(
+                    &norm,
+                    &mut normed,
+                    &gate,
+                    &up,
+                    gelu,
+                    &mut out,
+                    &mut tg,
+                    &mut tu,
+                )
+                .unwrap();
                 let (fused_out, fused_normed) = (read(&g, &out), read(&g, &normed));
                 g.rms_norm(&x, &nw, 1e-5, &mut normed).unwrap();
                 g.matmul(&normed, &gate, &mut tg).unwrap();
@@ -382,16 +395,41 @@ fn fused_ops_match_the_plain_sequences() {
                 } else {
                     g.silu_mul(&tg, &tu, &mut out).unwrap();
                 }
-                close(&fused_normed, &read(&g, &normed), 1e-6, &format!("normed {dtype}"));
-                close(&fused_out, &read(&g, &out), 1e-5, &format!("rms_norm_gated_ffn {dtype} gelu={gelu}"));
+                close(
+                    &fused_normed,
+                    &read(&g, &normed),
+                    1e-6,
+                    &format!("normed {dtype}"),
+                );
+                close(
+                    &fused_out,
+                    &read(&g, &out),
+                    1e-5,
+                    &format!("rms_norm_gated_ffn {dtype} gelu={gelu}"),
+                );
                 let mut q = g.zeros(DType::F32, shape(1, m)).unwrap();
                 let mut kk = g.zeros(DType::F32, shape(1, m)).unwrap();
                 let mut normed2 = g.zeros(DType::F32, shape(1, k)).unwrap();
                 g.rms_norm_matmul_many(&norm, &mut normed2, &[&gate, &up], &mut [&mut q, &mut kk])
                     .unwrap();
-                close(&read(&g, &normed2), &read(&g, &normed), 1e-6, "normed (many)");
-                close(&read(&g, &q), &read(&g, &tg), 1e-5, &format!("rms_norm_matmul_many {dtype} [0]"));
-                close(&read(&g, &kk), &read(&g, &tu), 1e-5, &format!("rms_norm_matmul_many {dtype} [1]"));
+                close(
+                    &read(&g, &normed2),
+                    &read(&g, &normed),
+                    1e-6,
+                    "normed (many)",
+                );
+                close(
+                    &read(&g, &q),
+                    &read(&g, &tg),
+                    1e-5,
+                    &format!("rms_norm_matmul_many {dtype} [0]"),
+                );
+                close(
+                    &read(&g, &kk),
+                    &read(&g, &tu),
+                    1e-5,
+                    &format!("rms_norm_matmul_many {dtype} [1]"),
+                );
             }
         }
         for (hd, rot) in [(64usize, Some(32usize)), (80, Some(16)), (64, None)] {
@@ -436,4 +474,52 @@ fn fused_ops_match_the_plain_sequences() {
             }
         }
     }
+}
+
+/// A missing adapter, a tensor past the adapter's largest buffer, a tensor of another
+/// device and shapes that do not fit: errors that say so, never a panic.
+#[test]
+fn bad_devices_and_inputs_are_errors() {
+    let err = WgpuBackend::new(usize::MAX)
+        .err()
+        .expect("no such adapter")
+        .to_string();
+    assert!(err.contains("no wgpu adapter"), "{err}");
+    let Some(g) = devices().into_iter().next() else {
+        return;
+    };
+    let too_big = g.summary().max_buffer as usize / 4 + 1;
+    let err = g
+        .zeros(DType::F32, Shape::new(vec![too_big]).unwrap())
+        .err()
+        .expect("past the largest buffer")
+        .to_string();
+    assert!(
+        err.contains("largest buffer") && err.contains("wgpu:0"),
+        "{err}"
+    );
+    let c = CpuBackend::new(Some(1)).unwrap();
+    let on_cpu = upload(&c, DType::F32, &[2, 4], &[0.0; 8]);
+    let w = upload(&g, DType::F32, &[3, 4], &[0.0; 12]);
+    let mut out = g
+        .zeros(DType::F32, Shape::new(vec![2, 3]).unwrap())
+        .unwrap();
+    let err = g
+        .matmul(&on_cpu, &w, &mut out)
+        .err()
+        .expect("a CPU tensor")
+        .to_string();
+    assert!(err.contains("not on a wgpu device"), "{err}");
+    let x = upload(&g, DType::F32, &[2, 5], &[0.0; 10]);
+    assert!(g.matmul(&x, &w, &mut out).is_err(), "k of 5 against 4");
+    let mut small = g
+        .zeros(DType::F32, Shape::new(vec![2, 2]).unwrap())
+        .unwrap();
+    assert!(g.add_assign(&mut small, &w).is_err());
+    let wrong = g.upload(
+        DType::Q8_0,
+        Shape::new(vec![1, 32]).unwrap(),
+        HostBytes::from_vec(vec![0; 33]),
+    );
+    assert!(wrong.is_err(), "33 bytes for a 34-byte block");
 }
