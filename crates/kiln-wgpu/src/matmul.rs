@@ -158,7 +158,9 @@ pub(crate) fn matmul(
     count(n * m, what)?;
     let constants = [("WTYPE", wtype(w.dtype())?)];
     if (matches!(epilogue, Epilogue::Gated { .. }) || norm.is_some()) && !fusable(x) {
-        return Err(Error::shape("fused products take one row of x, k a multiple of 4"));
+        return Err(Error::shape(
+            "fused products take one row of x, k a multiple of 4",
+        ));
     }
     let xb = f32_tensor(x, "matmul input")?;
     let ob = f32_tensor(out, "matmul output")?;
@@ -188,7 +190,12 @@ pub(crate) fn matmul(
                 Some(t) => f32_tensor(t, "normed row")?,
                 None => ob,
             };
-            (f32_tensor(nf.weight, "norm weight")?, normed, nf.eps, nf.normed.is_some())
+            (
+                f32_tensor(nf.weight, "norm weight")?,
+                normed,
+                nf.eps,
+                nf.normed.is_some(),
+            )
         }
         // Unused bindings stand in with tensors already bound the same way.
         None => (xb, ob, 0.0, false),
