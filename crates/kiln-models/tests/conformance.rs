@@ -143,6 +143,29 @@ fn every_fixture_matches_transformers_on_cuda() {
     every_fixture_matches_transformers_on(Arc::new(kiln_cuda::CudaBackend::new(0).unwrap()));
 }
 
+/// The first wgpu adapter (lavapipe in CI), on subgroups or on the portable reductions;
+/// none, with a notice, where there is no adapter and `KILN_REQUIRE_WGPU=1` is not set.
+/// (Each model check runs one of the two: on lavapipe both would take CI ten minutes.)
+fn wgpu_backend(subgroups: bool) -> Option<Arc<dyn Backend>> {
+    if kiln_wgpu::adapters().is_empty() {
+        assert!(
+            std::env::var_os("KILN_REQUIRE_WGPU").is_none(),
+            "no wgpu adapter (install mesa-vulkan-drivers for lavapipe)"
+        );
+        eprintln!("SKIPPED: no wgpu adapter (install mesa-vulkan-drivers for lavapipe)");
+        return None;
+    }
+    let b = kiln_wgpu::WgpuBackend::with_options(0, kiln_wgpu::Options { subgroups });
+    Some(Arc::new(b.unwrap()))
+}
+
+#[test]
+fn every_fixture_matches_transformers_on_wgpu() {
+    if let Some(b) = wgpu_backend(true) {
+        every_fixture_matches_transformers_on(b);
+    }
+}
+
 fn every_fixture_matches_transformers_on(backend: Arc<dyn Backend>) {
     let dir = fixtures_dir();
     let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -220,6 +243,13 @@ fn quantized_files_match_llama_cpp_perplexity_on_cuda() {
     quantized_files_match_llama_cpp_perplexity_on(Arc::new(
         kiln_cuda::CudaBackend::new(0).unwrap(),
     ));
+}
+
+#[test]
+fn quantized_files_match_llama_cpp_perplexity_on_wgpu_without_subgroups() {
+    if let Some(b) = wgpu_backend(false) {
+        quantized_files_match_llama_cpp_perplexity_on(b);
+    }
 }
 
 fn quantized_files_match_llama_cpp_perplexity_on(backend: Arc<dyn Backend>) {
