@@ -56,6 +56,7 @@ pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
     &[Write, Write, Read, Read, Read, Write, Write],
 );
 pub(crate) const GEMM: KernelSpec = spec("gemm", "gemm", &[Read, Read, Read, Write]);
+pub(crate) const SAMPLE: KernelSpec = spec("sample", "sample", &[Write, Read, Write]);
 pub(crate) const ATTENTION: KernelSpec =
     spec("attention", "attention", &[Read, Read, Read, Read, Write]);
 
@@ -73,6 +74,7 @@ fn source(file: &str) -> &'static str {
         "matvec" => include_str!("shaders/matvec.wgsl"),
         "gemm" => include_str!("shaders/gemm.wgsl"),
         "attention" => include_str!("shaders/attention.wgsl"),
+        "sample" => include_str!("shaders/sample.wgsl"),
         other => unreachable!("no shader file {other}"),
     }
 }
@@ -95,6 +97,7 @@ pub(crate) const ALL_SOURCES: &[&str] = &[
     include_str!("shaders/matvec.wgsl"),
     include_str!("shaders/gemm.wgsl"),
     include_str!("shaders/attention.wgsl"),
+    include_str!("shaders/sample.wgsl"),
 ];
 
 const COMMON: &str = include_str!("shaders/common.wgsl");

@@ -16,6 +16,7 @@ mod memory;
 mod norm;
 mod pipeline_cache;
 mod profile;
+mod sample;
 mod stream;
 
 pub use device::{adapters, AdapterSummary, Options};
@@ -25,7 +26,7 @@ use device::Caps;
 use kernels::{KernelSpec, Kernels};
 use kiln_core::{
     quant::gpu_layout, AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime,
-    Result, RmsNorm, RopeLayout, Shape, Tensor,
+    Result, RmsNorm, RopeLayout, SampleParams, Shape, Tensor,
 };
 use matmul::{Epilogue, NormFirst};
 use std::sync::Arc;
@@ -37,6 +38,8 @@ pub struct WgpuBackend {
     caps: Caps,
     kernels: Kernels,
     stream: Stream,
+    /// The penalized ids of the last draw, kept and grown.
+    penalized: std::sync::Mutex<Option<WgpuStorage>>,
     _adapter: wgpu::Adapter,
 }
 
@@ -72,6 +75,7 @@ impl WgpuBackend {
             caps: opened.caps,
             kernels,
             stream,
+            penalized: Default::default(),
             _adapter: opened.adapter,
         })
     }
@@ -438,6 +442,19 @@ impl Backend for WgpuBackend {
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
         norm::argmax(self, x, out)
+    }
+
+    fn sample(
+        &self,
+        logits: &mut Tensor,
+        penalized: &[u32],
+        params: &SampleParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        if sample::sample(self, logits, penalized, params, out)? {
+            return Ok(());
+        }
+        kiln_core::backend::sample_on_host(self, logits, penalized, params, out)
     }
 
     fn kernel_profile(&self) -> Option<Vec<KernelTime>> {
