@@ -62,7 +62,18 @@ fn matvec1(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
         let live = r < wp.m && (i + row_slot(lane)) < wp.rows_per_group;
         var acc = 0.0;
         if live {
-            for (var qd = row_lane(lane); qd < quads; qd += row_width(lane)) {
+            // Four quads in flight a lane: their loads are independent, and a lane with
+            // one load outstanding leaves HBM mostly idle.
+            let w = row_width(lane);
+            var qd = row_lane(lane);
+            for (; qd + 3u * w < quads; qd += 4u * w) {
+                let a = dot(quad(r, qd), x4(4u * qd));
+                let b = dot(quad(r, qd + w), x4(4u * (qd + w)));
+                let c = dot(quad(r, qd + 2u * w), x4(4u * (qd + 2u * w)));
+                let d = dot(quad(r, qd + 3u * w), x4(4u * (qd + 3u * w)));
+                acc += (a + b) + (c + d);
+            }
+            for (; qd < quads; qd += w) {
                 acc += dot(quad(r, qd), x4(4u * qd));
             }
         }
