@@ -219,7 +219,7 @@ pub(crate) fn matmul(
             b.grid(c.rows.div_ceil(rows_per_group))?
         } else {
             let gx = c.rows.div_ceil(128);
-            let gy = n.div_ceil(128);
+            let gy = n.div_ceil(64);
             if gx > b.caps.max_groups as usize || gy > b.caps.max_groups as usize {
                 return Err(Error::Device(format!(
                     "matmul of {n}×{k} by {m}×{k} needs more workgroups than this adapter launches"
