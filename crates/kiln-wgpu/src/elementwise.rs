@@ -13,27 +13,33 @@ pub(crate) fn count(n: usize, what: &str) -> Result<u32> {
     })
 }
 
-/// Dispatch an element-wise kernel over `n` elements; `params` after (n, op, a, len, cols,
-/// col0) as in the shaders' `EParams`.
-fn launch(
-    b: &WgpuBackend,
-    spec: &crate::kernels::KernelSpec,
-    bindings: &[crate::stream::Binding],
+/// The shaders' `EParams`, less the grid: what an element-wise kernel is told.
+#[derive(Default)]
+struct Elementwise {
+    /// Elements to write.
     n: usize,
     op: u32,
     a: f32,
     len: u32,
     cols: u32,
     col0: u32,
+}
+
+/// Dispatch an element-wise kernel over `p.n` elements.
+fn launch(
+    b: &WgpuBackend,
+    spec: &crate::kernels::KernelSpec,
+    bindings: &[crate::stream::Binding],
+    p: Elementwise,
     what: &str,
 ) -> Result<()> {
-    let n32 = count(n, what)?;
-    let (groups, groups_x) = b.grid(n.div_ceil(256))?;
+    let n32 = count(p.n, what)?;
+    let (groups, groups_x) = b.grid(p.n.div_ceil(256))?;
     let kernel = b.kernel(spec, &[])?;
     b.stream.dispatch(
         &kernel,
         bindings,
-        &[n32, op, a.to_bits(), len, cols, col0, groups_x],
+        &[n32, p.op, p.a.to_bits(), p.len, p.cols, p.col0, groups_x],
         groups,
     )
 }
@@ -41,7 +47,12 @@ fn launch(
 pub(crate) fn fill(b: &WgpuBackend, t: &mut Tensor, value: f32) -> Result<()> {
     let n = t.shape().numel();
     let dst = f32_tensor(t, "fill")?;
-    launch(b, &FILL, &[dst], n, 0, value, 0, 0, 0, "fill")
+    let p = Elementwise {
+        n,
+        a: value,
+        ..Default::default()
+    };
+    launch(b, &FILL, &[dst], p, "fill")
 }
 
 pub(crate) fn binary(
@@ -62,24 +73,25 @@ pub(crate) fn binary(
         )));
     }
     let (dst, src) = (f32_tensor(acc, what)?, f32_tensor(x, what)?);
-    launch(
-        b,
-        &BINARY,
-        &[dst, src],
+    let p = Elementwise {
         n,
         op,
-        0.0,
-        count(len.max(1), what)?,
-        0,
-        0,
-        what,
-    )
+        len: count(len.max(1), what)?,
+        ..Default::default()
+    };
+    launch(b, &BINARY, &[dst, src], p, what)
 }
 
 pub(crate) fn unary(b: &WgpuBackend, x: &mut Tensor, op: u32, a: f32) -> Result<()> {
     let n = x.shape().numel();
     let dst = f32_tensor(x, "unary op")?;
-    launch(b, &UNARY, &[dst], n, op, a, 0, 0, 0, "unary op")
+    let p = Elementwise {
+        n,
+        op,
+        a,
+        ..Default::default()
+    };
+    launch(b, &UNARY, &[dst], p, "unary op")
 }
 
 pub(crate) fn gated(
@@ -103,18 +115,12 @@ pub(crate) fn gated(
         f32_tensor(up, "up")?,
         f32_tensor(out, "gated output")?,
     ];
-    launch(
-        b,
-        &GATED,
-        &bindings,
+    let p = Elementwise {
         n,
         op,
-        0.0,
-        0,
-        0,
-        0,
-        "gated activation",
-    )
+        ..Default::default()
+    };
+    launch(b, &GATED, &bindings, p, "gated activation")
 }
 
 pub(crate) fn write_rows(
@@ -125,11 +131,7 @@ pub(crate) fn write_rows(
 ) -> Result<()> {
     let rows = src.dims().first().copied().unwrap_or(0);
     let dst_rows = dst.dims().first().copied().unwrap_or(0);
-    let row = if rows == 0 {
-        0
-    } else {
-        src.shape().numel() / rows
-    };
+    let row = src.shape().numel().checked_div(rows).unwrap_or(0);
     if dst_rows == 0 || dst.shape().numel() / dst_rows != row || src.shape().numel() != rows * row {
         return Err(Error::shape(format!(
             "write_rows: rows of {} do not fit rows of {}",
@@ -143,18 +145,13 @@ pub(crate) fn write_rows(
         i32_tensor(pos, rows, "write_rows positions")?,
     ];
     let what = "write_rows";
-    launch(
-        b,
-        &WRITE_ROWS,
-        &bindings,
-        rows * row,
-        0,
-        0.0,
-        count(row.max(1), what)?,
-        count(dst_rows, what)?,
-        0,
-        what,
-    )
+    let p = Elementwise {
+        n: rows * row,
+        len: count(row.max(1), what)?,
+        cols: count(dst_rows, what)?,
+        ..Default::default()
+    };
+    launch(b, &WRITE_ROWS, &bindings, p, what)
 }
 
 pub(crate) fn slice_cols(
@@ -180,16 +177,12 @@ pub(crate) fn slice_cols(
     }
     let what = "slice_cols";
     let bindings = [f32_tensor(src, what)?, f32_tensor(dst, what)?];
-    launch(
-        b,
-        &SLICE_COLS,
-        &bindings,
-        rows * dst_cols,
-        0,
-        0.0,
-        count(dst_cols.max(1), what)?,
-        count(src_cols, what)?,
-        count(col0, what)?,
-        what,
-    )
+    let p = Elementwise {
+        n: rows * dst_cols,
+        len: count(dst_cols.max(1), what)?,
+        cols: count(src_cols, what)?,
+        col0: count(col0, what)?,
+        ..Default::default()
+    };
+    launch(b, &SLICE_COLS, &bindings, p, what)
 }

@@ -131,7 +131,7 @@ pub(crate) struct NormFirst<'a> {
 
 /// Whether the one-row kernel, which alone takes the fused forms, runs for this product.
 pub(crate) fn fusable(x: &Tensor) -> bool {
-    x.shape().rows() == 1 && x.shape().row_len() % 4 == 0
+    x.shape().rows() == 1 && x.shape().row_len().is_multiple_of(4)
 }
 
 /// `out = x · wᵀ` (or as `epilogue` says), with `norm` in front when given.
@@ -204,7 +204,7 @@ pub(crate) fn matmul(
     // kernel past that.
     let small = n <= MATVEC_MAX_ROWS;
     let spec = match n {
-        1 if k % 4 == 0 => &MATVEC1,
+        1 if k.is_multiple_of(4) => &MATVEC1,
         _ if small => &MATVEC,
         _ => &GEMM,
     };

@@ -491,8 +491,7 @@ fn bad_devices_and_inputs_are_errors() {
     let too_big = g.summary().max_buffer as usize / 4 + 1;
     let err = g
         .zeros(DType::F32, Shape::new(vec![too_big]).unwrap())
-        .err()
-        .expect("past the largest buffer")
+        .expect_err("past the largest buffer")
         .to_string();
     assert!(
         err.contains("largest buffer") && err.contains("wgpu:0"),
@@ -506,8 +505,7 @@ fn bad_devices_and_inputs_are_errors() {
         .unwrap();
     let err = g
         .matmul(&on_cpu, &w, &mut out)
-        .err()
-        .expect("a CPU tensor")
+        .expect_err("a CPU tensor")
         .to_string();
     assert!(err.contains("not on a wgpu device"), "{err}");
     let x = upload(&g, DType::F32, &[2, 5], &[0.0; 10]);

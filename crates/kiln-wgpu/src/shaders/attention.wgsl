@@ -1,6 +1,7 @@
 // Causal attention, one workgroup per (query, head): keys in tiles of WG, one lane per key
-// for the scores, an online softmax across tiles, one lane per output dimension for the
-// weighted sum of values (head_dim ≤ WG).
+// for the scores, an online softmax across tiles, and the weighted sum of values split over
+// WG / head_dim groups of lanes (a lane per dimension, each group a share of the tile's
+// keys), summed at the end: with one group, 64-dimension heads left 3/4 of the lanes idle.
 
 struct AParams {
     n: u32,
@@ -26,6 +27,7 @@ struct AParams {
 const LOWEST: f32 = -3.4028235e38;
 var<workgroup> q_row: array<f32, 256>;
 var<workgroup> probs: array<f32, 256>;
+var<workgroup> partial: array<f32, 256>;
 
 @compute @workgroup_size(WG)
 fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
@@ -38,13 +40,15 @@ fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
     let g = h / (ap.heads / ap.kv_heads);
     let hd = ap.head_dim;
     let stride = ap.kv_heads * hd;
-    let d = lane.idx;
+    let groups = max(WG / hd, 1u);
+    let d = lane.idx % hd;
+    let grp = lane.idx / hd;
     let o = task * hd;
     let p = pos[i];
     if p < 0 || u32(p) >= ap.capacity {
         // Outside the cache: reported by the host where it can be; zeros here.
-        if d < hd {
-            out[o + d] = 0.0;
+        if lane.idx < hd {
+            out[o + lane.idx] = 0.0;
         }
         return;
     }
@@ -53,8 +57,8 @@ fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
     if ap.window > 0u && last + 1u > ap.window {
         first = last + 1u - ap.window;
     }
-    if d < hd {
-        q_row[d] = q[o + d];
+    if lane.idx < hd {
+        q_row[lane.idx] = q[o + lane.idx];
     }
     workgroupBarrier();
     var m = LOWEST;
@@ -87,17 +91,23 @@ fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
         }
         l = l * corr + wg_sum(e, lane);
         m = m_new;
-        if d < hd {
+        if grp < groups {
             acc *= corr;
             let count = min(WG, last + 1u - t0);
             let vb = t0 * stride + g * hd + d;
-            for (var jj = 0u; jj < count; jj++) {
+            for (var jj = grp; jj < count; jj += groups) {
                 acc += probs[jj] * v_cache[vb + jj * stride];
             }
         }
         workgroupBarrier();
     }
-    if d < hd {
-        out[o + d] = acc / l;
+    partial[lane.idx] = acc;
+    workgroupBarrier();
+    if lane.idx < hd {
+        var sum = 0.0;
+        for (var i = 0u; i < groups; i++) {
+            sum += partial[i * hd + lane.idx];
+        }
+        out[o + lane.idx] = sum / l;
     }
 }
