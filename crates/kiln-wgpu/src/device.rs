@@ -125,6 +125,18 @@ pub fn adapters() -> Vec<AdapterSummary> {
         .collect()
 }
 
+/// For test suites: whether there is an adapter to test on. Without one they skip with a
+/// notice, unless `KILN_REQUIRE_WGPU=1` (CI, the GPU machine) makes that a failure.
+pub fn adapter_for_tests() -> bool {
+    if !adapters().is_empty() {
+        return true;
+    }
+    let hint = "no wgpu adapter (install mesa-vulkan-drivers for lavapipe)";
+    assert!(std::env::var_os("KILN_REQUIRE_WGPU").is_none(), "{hint}");
+    eprintln!("SKIPPED: {hint}");
+    false
+}
+
 /// Which of the adapter's optional features kiln may use; turning one off forces the
 /// portable path (what an adapter without it runs).
 #[derive(Clone, Copy, Debug)]

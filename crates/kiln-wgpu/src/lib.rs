@@ -19,7 +19,7 @@ mod profile;
 mod sample;
 mod stream;
 
-pub use device::{adapters, AdapterSummary, Options};
+pub use device::{adapter_for_tests, adapters, AdapterSummary, Options};
 pub use memory::WgpuStorage;
 
 use device::Caps;

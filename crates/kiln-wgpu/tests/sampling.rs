@@ -7,15 +7,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 fn device() -> Option<WgpuBackend> {
-    if kiln_wgpu::adapters().is_empty() {
-        assert!(
-            std::env::var_os("KILN_REQUIRE_WGPU").is_none(),
-            "no wgpu adapter (install mesa-vulkan-drivers for lavapipe)"
-        );
-        eprintln!("SKIPPED: no wgpu adapter");
-        return None;
-    }
-    Some(WgpuBackend::new(0).unwrap())
+    kiln_wgpu::adapter_for_tests().then(|| WgpuBackend::new(0).unwrap())
 }
 
 fn pick_on(g: &WgpuBackend, rows: &[f32], vocab: usize, pen: &[u32], p: &SampleParams) -> u32 {
