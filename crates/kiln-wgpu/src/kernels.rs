@@ -50,6 +50,12 @@ pub(crate) const EMBEDDING: KernelSpec = spec("embedding", "embedding", &[Read, 
 const MATVEC_BINDINGS: &[Access] = &[Read, Read, Read, Write, Read, Read, Write];
 pub(crate) const MATVEC: KernelSpec = spec("matvec", "matvec", MATVEC_BINDINGS);
 pub(crate) const MATVEC1: KernelSpec = spec("matvec", "matvec1", MATVEC_BINDINGS);
+/// x rounded to int8, weight quants, weight scales, out, aux (the gate).
+pub(crate) const MATVEC1_Q8: KernelSpec =
+    spec("matvec_q8", "matvec1_q8", &[Read, Read, Read, Write, Read]);
+/// x, norm weight, normed row, x rounded to int8.
+pub(crate) const QUANTIZE_ROW: KernelSpec =
+    spec("quantize_row", "quantize_row", &[Read, Read, Write, Write]);
 pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
     "rope_kv",
     "rope_write_kv",
@@ -72,6 +78,8 @@ fn source(file: &str) -> &'static str {
         "norm" => include_str!("shaders/norm.wgsl"),
         "embedding" => include_str!("shaders/embedding.wgsl"),
         "matvec" => include_str!("shaders/matvec.wgsl"),
+        "matvec_q8" => include_str!("shaders/matvec_q8.wgsl"),
+        "quantize_row" => include_str!("shaders/quantize_row.wgsl"),
         "gemm" => include_str!("shaders/gemm.wgsl"),
         "attention" => include_str!("shaders/attention.wgsl"),
         "sample" => include_str!("shaders/sample.wgsl"),
@@ -82,7 +90,10 @@ fn source(file: &str) -> &'static str {
 /// Every shader file, for the pipeline cache's key.
 pub(crate) const ALL_SOURCES: &[&str] = &[
     COMMON,
+    WPARAMS,
     WEIGHTS,
+    EPILOGUE,
+    MATVEC_IO,
     REDUCE_SUBGROUP,
     REDUCE_WORKGROUP,
     include_str!("shaders/elementwise.wgsl"),
@@ -95,13 +106,18 @@ pub(crate) const ALL_SOURCES: &[&str] = &[
     include_str!("shaders/argmax.wgsl"),
     include_str!("shaders/embedding.wgsl"),
     include_str!("shaders/matvec.wgsl"),
+    include_str!("shaders/matvec_q8.wgsl"),
+    include_str!("shaders/quantize_row.wgsl"),
     include_str!("shaders/gemm.wgsl"),
     include_str!("shaders/attention.wgsl"),
     include_str!("shaders/sample.wgsl"),
 ];
 
 const COMMON: &str = include_str!("shaders/common.wgsl");
+const WPARAMS: &str = include_str!("shaders/wparams.wgsl");
 const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
+const EPILOGUE: &str = include_str!("shaders/epilogue.wgsl");
+const MATVEC_IO: &str = include_str!("shaders/matvec_io.wgsl");
 const REDUCE_SUBGROUP: &str = include_str!("shaders/reduce_subgroup.wgsl");
 const REDUCE_WORKGROUP: &str = include_str!("shaders/reduce_workgroup.wgsl");
 
@@ -241,13 +257,20 @@ impl Kernels {
         } else {
             REDUCE_WORKGROUP
         };
-        // The kernels that read weights share their bindings and decoding.
-        let weights = if matches!(file, "matvec" | "gemm" | "embedding") {
-            WEIGHTS
-        } else {
-            ""
+        // The kernels that read weights share their parameters and scales, and those that
+        // read them a word at a time the decoding; the matrix-vector kernels share what a
+        // result becomes, the float ones x and the fused norm.
+        let shared: &[&str] = match file {
+            "matvec" => &[WPARAMS, WEIGHTS, EPILOGUE, MATVEC_IO],
+            "matvec_q8" => &[WPARAMS, EPILOGUE],
+            "gemm" | "embedding" => &[WPARAMS, WEIGHTS],
+            _ => &[],
         };
-        let text = format!("{reduce}\n{COMMON}\n{weights}\n{}", source(file));
+        let text = format!(
+            "{reduce}\n{COMMON}\n{}\n{}",
+            shared.join("\n"),
+            source(file)
+        );
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(file),

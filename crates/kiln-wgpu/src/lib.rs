@@ -16,6 +16,7 @@ mod memory;
 mod norm;
 mod pipeline_cache;
 mod profile;
+mod row_q8;
 mod sample;
 mod stream;
 
@@ -40,6 +41,8 @@ pub struct WgpuBackend {
     stream: Stream,
     /// The penalized ids of the last draw, kept and grown.
     penalized: std::sync::Mutex<Option<WgpuStorage>>,
+    /// Decode's row of x rounded to int8 (`row_q8`), kept and grown.
+    row_q8: std::sync::Mutex<Option<WgpuStorage>>,
     _adapter: wgpu::Adapter,
 }
 
@@ -76,6 +79,7 @@ impl WgpuBackend {
             kernels,
             stream,
             penalized: Default::default(),
+            row_q8: Default::default(),
             _adapter: opened.adapter,
         })
     }
@@ -105,6 +109,27 @@ impl WgpuBackend {
             )));
         }
         Ok(((x as u32, y as u32, 1), x as u32))
+    }
+
+    /// Whether every product of the one row `x` by `ws` takes the int8 path, so that the
+    /// row is rounded once for all.
+    fn all_take_row_q8(&self, x: &Tensor, ws: &[&Tensor]) -> Result<bool> {
+        for w in ws {
+            if !row_q8::takes(self, x, w)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Rows a matrix-vector workgroup of 256 lanes takes: a row slot each, a subgroup (of
+    /// the largest size the adapter may pick) or 32 lanes on the portable reductions.
+    fn matvec_row_slots(&self) -> usize {
+        if self.caps.subgroups {
+            (256 / self.caps.subgroup_max).max(1) as usize
+        } else {
+            8
+        }
     }
 
     fn alloc(&self, bytes: usize) -> Result<WgpuStorage> {
@@ -248,6 +273,23 @@ impl Backend for WgpuBackend {
         matmul::matmul(self, x, w, acc, Epilogue::Add, None)
     }
 
+    fn matmul_many(&self, x: &Tensor, ws: &[&Tensor], outs: &mut [&mut Tensor]) -> Result<()> {
+        if ws.len() != outs.len() {
+            return Err(Error::shape("matmul_many: as many outputs as weights"));
+        }
+        if self.all_take_row_q8(x, ws)? {
+            let row = row_q8::quantize_row(self, x, None)?;
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                row_q8::matvec_q8(self, &row, w, out, Epilogue::Store)?;
+            }
+            return Ok(());
+        }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(x, w, out)?;
+        }
+        Ok(())
+    }
+
     fn rms_norm_matmul_many(
         &self,
         norm: &RmsNorm,
@@ -263,6 +305,19 @@ impl Backend for WgpuBackend {
         if !matmul::fusable(norm.x) {
             self.rms_norm(norm.x, norm.weight, norm.eps, normed)?;
             return self.matmul_many(normed, ws, outs);
+        }
+        let with_normed = NormFirst {
+            weight: norm.weight,
+            eps: norm.eps,
+            normed: Some(&*normed),
+        };
+        if self.all_take_row_q8(norm.x, ws)? {
+            // One rounding of the normed row for every product.
+            let row = row_q8::quantize_row(self, norm.x, Some(&with_normed))?;
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                row_q8::matvec_q8(self, &row, w, out, Epilogue::Store)?;
+            }
+            return Ok(());
         }
         // Each product normalises its own copy of the row; the first also writes it.
         for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
@@ -297,6 +352,15 @@ impl Backend for WgpuBackend {
             eps: norm.eps,
             normed: Some(&*normed),
         };
+        if self.all_take_row_q8(norm.x, &[gate, up])? {
+            let row = row_q8::quantize_row(self, norm.x, Some(&with_normed))?;
+            row_q8::matvec_q8(self, &row, gate, tmp_gate, Epilogue::Store)?;
+            let epilogue = Epilogue::Gated {
+                gate: tmp_gate,
+                gelu,
+            };
+            return row_q8::matvec_q8(self, &row, up, out, epilogue);
+        }
         matmul::matmul(
             self,
             norm.x,

@@ -7,6 +7,7 @@
 
 use crate::elementwise::count;
 use crate::kernels::{EMBEDDING, GEMM, MATVEC, MATVEC1};
+use crate::row_q8;
 use crate::stream::Binding;
 use crate::{f32_tensor, i32_tensor, storage, WgpuBackend};
 use kiln_core::quant::gpu_layout;
@@ -15,7 +16,7 @@ use kiln_core::{DType, Error, Result, Tensor};
 /// Rows of x up to which one pass of the matrix-vector kernel reads the weights once.
 const MATVEC_MAX_ROWS: usize = 8;
 
-fn wtype(dtype: DType) -> Result<f64> {
+pub(crate) fn wtype(dtype: DType) -> Result<f64> {
     Ok(match dtype {
         DType::F32 => 0.0,
         DType::F16 => 1.0,
@@ -29,17 +30,17 @@ fn wtype(dtype: DType) -> Result<f64> {
 }
 
 /// One chunk of a weight's rows, bound.
-struct Chunk<'a> {
-    row0: usize,
-    rows: usize,
-    quants: Binding<'a>,
-    scales: Binding<'a>,
-    q_base: u32,
-    m_base: u32,
+pub(crate) struct Chunk<'a> {
+    pub row0: usize,
+    pub rows: usize,
+    pub quants: Binding<'a>,
+    pub scales: Binding<'a>,
+    pub q_base: u32,
+    pub m_base: u32,
 }
 
 /// `w`'s rows in chunks that each fit one binding.
-fn chunks<'a>(b: &WgpuBackend, w: &'a Tensor) -> Result<Vec<Chunk<'a>>> {
+pub(crate) fn chunks<'a>(b: &WgpuBackend, w: &'a Tensor) -> Result<Vec<Chunk<'a>>> {
     let s = storage(w, "the weight")?;
     let (m, k) = (w.shape().rows(), w.shape().row_len());
     let dtype = w.dtype();
@@ -153,6 +154,10 @@ pub(crate) fn matmul(
             out.shape()
         )));
     }
+    if row_q8::takes(b, x, w)? {
+        let row = row_q8::quantize_row(b, x, norm)?;
+        return row_q8::matvec_q8(b, &row, w, out, epilogue);
+    }
     let what = "matmul";
     count(n * k, what)?;
     count(n * m, what)?;
@@ -209,11 +214,7 @@ pub(crate) fn matmul(
         _ => &GEMM,
     };
     let kernel = b.kernel(spec, &constants)?;
-    let rows_per_group = if b.caps.subgroups {
-        (256 / b.caps.subgroup_max).max(1) as usize
-    } else {
-        8
-    };
+    let rows_per_group = b.matvec_row_slots();
     for c in chunks(b, w)? {
         let (groups, groups_x) = if small {
             b.grid(c.rows.div_ceil(rows_per_group))?

@@ -214,7 +214,9 @@ impl Stream {
                 pass.write_timestamp(&p.queries, 2 * i);
                 pass.dispatch_workgroups(groups.0, groups.1, groups.2);
                 pass.write_timestamp(&p.queries, 2 * i + 1);
-                p.names.push(kernel.name.clone());
+                // The grid tells one shape of a kernel from another in the report.
+                p.names
+                    .push(format!("{} [{}×{}]", kernel.name, groups.0, groups.1));
             }
             None => pass.dispatch_workgroups(groups.0, groups.1, groups.2),
         }

@@ -60,6 +60,30 @@ fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     }
 }
 
+/// `w · x` in f64 and the error a correct kernel may make. One row of x by quantized
+/// weights (`int8`) is first rounded per 32 values as the kernel does (scale amax/127,
+/// round half to even) and the product taken with those values; the slack allows f32
+/// rounding of the sum and three values rounded the other way (the shader's 1/scale may
+/// be off by an ulp), far below one 32-value block's share of the sum.
+fn reference_dot(w: &[f32], x: &[f32], int8: bool) -> (f64, f64) {
+    let (mut dot, mut mag, mut flip) = (0f64, 0f64, 0f64);
+    for (j, (&wj, &xj)) in w.iter().zip(x).enumerate() {
+        let xv = if int8 {
+            let unit = &x[j / 32 * 32..][..32];
+            let d = unit.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            flip = flip.max((wj as f64 * d as f64).abs());
+            (xj * inv).round_ties_even() as f64 * d as f64
+        } else {
+            xj as f64
+        };
+        let p = wj as f64 * xv;
+        dot += p;
+        mag += p.abs();
+    }
+    (dot, 1e-5 * mag + 3.0 * flip + 1e-6)
+}
+
 #[test]
 fn matmul_and_embedding_every_dtype() {
     for g in devices() {
@@ -91,21 +115,16 @@ fn matmul_and_embedding_on(g: &WgpuBackend) {
                 b.embedding(&w, &ids, &mut e).unwrap();
                 outs.push((read(b, &o), read(b, &e)));
             }
-            // wgpu keeps activations in f32: against the stored weights in f64, within f32
-            // rounding of the sum (the CPU rounds activations to int8 for quantized types).
+            // Against the stored weights in f64 (see reference_dot).
             let wd = quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &wv).unwrap(), m * k)
                 .unwrap();
             for t in 0..n {
                 for r in 0..m {
-                    let (mut dot, mut mag) = (0f64, 0f64);
-                    for j in 0..k {
-                        let p = wd[r * k + j] as f64 * xv[t * k + j] as f64;
-                        dot += p;
-                        mag += p.abs();
-                    }
+                    let (dot, tol) =
+                        reference_dot(&wd[r * k..][..k], &xv[t * k..][..k], n == 1 && bs > 1);
                     let got = outs[0].0[t * m + r] as f64;
                     assert!(
-                        (got - dot).abs() <= 1e-5 * mag + 1e-6,
+                        (got - dot).abs() <= tol,
                         "matmul {dtype} n={n} m={m} [{t},{r}]: wgpu {got}, f64 {dot}"
                     );
                 }
@@ -293,17 +312,9 @@ fn weights_past_the_binding_limit_are_bound_in_chunks() {
         // Every row is checked: a chunk that starts in the wrong place shifts them all.
         for t in 0..2 {
             for r in (0..m).step_by(97).chain(m - 400..m) {
-                let (mut dot, mut mag) = (0f64, 0f64);
-                for j in 0..k {
-                    let p = wd[r * k + j] as f64 * xv[t * k + j] as f64;
-                    dot += p;
-                    mag += p.abs();
-                }
+                let (dot, tol) = reference_dot(&wd[r * k..][..k], &xv[t * k..][..k], false);
                 let v = got[t * m + r] as f64;
-                assert!(
-                    (v - dot).abs() <= 1e-5 * mag + 1e-6,
-                    "{dtype} [{t},{r}]: {v} vs {dot}"
-                );
+                assert!((v - dot).abs() <= tol, "{dtype} [{t},{r}]: {v} vs {dot}");
             }
         }
     }
@@ -334,16 +345,14 @@ fn fused_ops_match_the_plain_sequences() {
                         .unwrap();
                 for t in 0..n {
                     for r in 0..m {
-                        let (mut dot, mut mag) = (av[t * m + r] as f64, av[t * m + r].abs() as f64);
-                        for j in 0..k {
-                            let p = wd[r * k + j] as f64 * xv[t * k + j] as f64;
-                            dot += p;
-                            mag += p.abs();
-                        }
+                        let int8 = n == 1 && dtype.block_size() > 1;
+                        let (dot, tol) = reference_dot(&wd[r * k..][..k], &xv[t * k..][..k], int8);
+                        let a = av[t * m + r] as f64;
                         let v = got[t * m + r] as f64;
                         assert!(
-                            (v - dot).abs() <= 1e-5 * mag + 1e-6,
-                            "matmul_add {dtype} n={n} [{t},{r}]: {v} vs {dot}"
+                            (v - a - dot).abs() <= tol + 1e-5 * a.abs(),
+                            "matmul_add {dtype} n={n} [{t},{r}]: {v} vs {}",
+                            a + dot
                         );
                     }
                 }
@@ -515,4 +524,62 @@ fn bad_devices_and_inputs_are_errors() {
         HostBytes::from_vec(vec![0; 33]),
     );
     assert!(wrong.is_err(), "33 bytes for a 34-byte block");
+}
+
+/// One row of x by quantized weights at model widths: x goes through workgroup memory in
+/// tiles of 8192 values, so 14,336 (llama3-8b's feed-forward) ends on a partial tile.
+#[test]
+fn one_row_products_at_model_widths() {
+    for g in devices() {
+        let mut rng = StdRng::seed_from_u64(17);
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+            for k in [2048usize, 14336] {
+                let m = 37;
+                let wv = random(m * k, &mut rng, 1.0);
+                let xv = random(k, &mut rng, 1.0);
+                let w = upload(&g, dtype, &[m, k], &wv);
+                let x = upload(&g, DType::F32, &[1, k], &xv);
+                let mut o = g
+                    .zeros(DType::F32, Shape::new(vec![1, m]).unwrap())
+                    .unwrap();
+                g.matmul(&x, &w, &mut o).unwrap();
+                let got = read(&g, &o);
+                let wd =
+                    quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &wv).unwrap(), m * k)
+                        .unwrap();
+                for r in 0..m {
+                    let (dot, tol) = reference_dot(&wd[r * k..][..k], &xv, true);
+                    assert!(
+                        (got[r] as f64 - dot).abs() <= tol,
+                        "{dtype} k={k} row {r}: wgpu {}, f64 {dot}",
+                        got[r]
+                    );
+                }
+                // The norm in front: every workgroup of the rounding finds it alone.
+                let nw = upload(&g, DType::F32, &[k], &random(k, &mut rng, 1.0));
+                let norm = kiln_core::RmsNorm {
+                    x: &x,
+                    weight: &nw,
+                    eps: 1e-5,
+                };
+                let shape = Shape::new(vec![1, k]).unwrap();
+                let mut normed = g.zeros(DType::F32, shape.clone()).unwrap();
+                let mut fused = g
+                    .zeros(DType::F32, Shape::new(vec![1, m]).unwrap())
+                    .unwrap();
+                g.rms_norm_matmul_many(&norm, &mut normed, &[&w], &mut [&mut fused])
+                    .unwrap();
+                let mut plain = g.zeros(DType::F32, shape).unwrap();
+                g.rms_norm(&x, &nw, 1e-5, &mut plain).unwrap();
+                close(&read(&g, &normed), &read(&g, &plain), 1e-5, "normed row");
+                g.matmul(&plain, &w, &mut o).unwrap();
+                close(
+                    &read(&g, &fused),
+                    &read(&g, &o),
+                    1e-3,
+                    &format!("{dtype} k={k} fused"),
+                );
+            }
+        }
+    }
 }

@@ -2,40 +2,7 @@
 // the weight per subgroup (or per 32 lanes without subgroups); each lane strides over the
 // row four elements at a time, so neighbouring lanes read neighbouring words.
 
-@group(0) @binding(0) var<storage, read> x: array<f32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
-@group(0) @binding(4) var<storage, read> aux: array<f32>;
-@group(0) @binding(5) var<storage, read> norm_w: array<f32>;
-@group(0) @binding(6) var<storage, read_write> normed: array<f32>;
-
 const MAX_N: u32 = 8u;
-
-// What a result becomes (wp.p10): 0 the output, 1 added to it (a projection feeding the
-// residual stream), 2 silu(aux)·result and 3 gelu(aux)·result (the gated feed-forward's
-// up projection, `aux` holding the gate's).
-fn store(i: u32, v: f32) {
-    switch wp.p10 {
-        case 1u: { out[i] += v; }
-        case 2u: {
-            let g = aux[i];
-            out[i] = g / (1.0 + exp(-g)) * v;
-        }
-        case 3u: { out[i] = gelu_tanh(aux[i]) * v; }
-        default: { out[i] = v; }
-    }
-}
-
-// The RMS norm fused in front (wp.p11 = 1, matvec1 only): x read as x·inv·norm_w, inv
-// found by each workgroup; wp.p13 = 1: workgroup 0 also writes the normed row.
-var<private> norm_inv: f32 = 1.0;
-
-fn x4(o: u32) -> vec4<f32> {
-    let v = vec4<f32>(x[o], x[o + 1u], x[o + 2u], x[o + 3u]);
-    if wp.p11 == 1u {
-        return v * norm_inv * vec4<f32>(norm_w[o], norm_w[o + 1u], norm_w[o + 2u], norm_w[o + 3u]);
-    }
-    return v;
-}
 
 // One row of x (decode), k a multiple of 4: one accumulator a lane, neighbouring lanes on
 // neighbouring quads, so that both the weights and x are read in whole lines. (A lane per
@@ -45,18 +12,7 @@ fn matvec1(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
     let quads = wp.k / 4u;
     let group = group_index(wg, wp.groups_x);
     let base = group * wp.rows_per_group;
-    if wp.p11 == 1u {
-        var ss = 0.0;
-        for (var c = lane.idx; c < wp.k; c += WG) {
-            ss += x[c] * x[c];
-        }
-        norm_inv = 1.0 / sqrt(wg_sum(ss, lane) / f32(wp.k) + bitcast<f32>(wp.p12));
-        if wp.p13 == 1u && group == 0u {
-            for (var c = lane.idx; c < wp.k; c += WG) {
-                normed[c] = x[c] * norm_inv * norm_w[c];
-            }
-        }
-    }
+    find_norm(lane, group);
     for (var i = 0u; i < wp.rows_per_group; i += row_slots(lane)) {
         let r = base + i + row_slot(lane);
         let live = r < wp.m && (i + row_slot(lane)) < wp.rows_per_group;

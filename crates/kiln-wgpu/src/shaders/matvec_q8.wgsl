@@ -1,0 +1,163 @@
+// out[row0 + r] = x · w[r] for one row of x (decode) and quantized weights, x already
+// rounded to int8 per 32 values by quantize_row.wgsl (an f32 scale and 32 int8). Each lane
+// takes 16-byte items of a weight row, neighbouring lanes neighbouring items (a subgroup
+// reads whole lines), and meets x in dot4I8Packed: four byte products an instruction where
+// the adapter has integer dot products, and no conversion to float per weight. (The float
+// kernel of matvec.wgsl spends its time converting nibbles and reading f32 x: an 8B
+// model's Q4_K products ran at ~8% of an H200's bandwidth; rounding x inside each
+// workgroup instead cost every product ~10 µs of serial prologue.)
+
+@group(0) @binding(0) var<storage, read> xq: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read> wq: array<vec4<u32>>;
+
+// x's 16-value item i and the scale of 32-value unit u.
+fn x_item(i: u32) -> vec4<u32> {
+    return xq[i];
+}
+
+fn x_scale(u: u32) -> f32 {
+    let at = wp.k / 16u + u / 4u;
+    return bitcast<f32>(xq[at][u % 4u]);
+}
+
+fn block_len() -> u32 {
+    return select(32u, 256u, WTYPE >= 5u);
+}
+
+// 16-byte items a block: its quants (Q6_K: its 128 bytes of low nibbles; the 64 bytes of
+// high bits are read beside them).
+fn items_per_block() -> u32 {
+    switch WTYPE {
+        case 3u: { return 2u; }
+        case 4u: { return 1u; }
+        default: { return 8u; }
+    }
+}
+
+fn dot16(a: vec4<u32>, b: vec4<u32>) -> i32 {
+    return (dot4I8Packed(a.x, b.x) + dot4I8Packed(a.y, b.y))
+        + (dot4I8Packed(a.z, b.z) + dot4I8Packed(a.w, b.w));
+}
+
+fn sum16(b: vec4<u32>) -> i32 {
+    return dot16(vec4<u32>(0x01010101u), b);
+}
+
+fn low_nibbles(q: vec4<u32>) -> vec4<u32> {
+    return q & vec4<u32>(0x0F0F0F0Fu);
+}
+
+fn high_nibbles(q: vec4<u32>) -> vec4<u32> {
+    return (q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu);
+}
+
+// Item i of row r dotted with x.
+fn item_dot(r: u32, i: u32) -> f32 {
+    let blocks = wp.k / block_len();
+    let qb = wp.q_base / 4u;
+    switch WTYPE {
+        case 3u: {
+            // Q8_0: 16 values an item, two a block.
+            let q = wq[qb + r * blocks * 2u + i];
+            let u = i / 2u;
+            let d = meta_half(2u * (r * blocks + i / 2u));
+            return d * x_scale(u) * f32(dot16(q, x_item(2u * u + i % 2u)));
+        }
+        case 4u: {
+            // Q4_0: low nibbles are values 0..15, high nibbles 16..31.
+            let q = wq[qb + r * blocks + i];
+            let u = i;
+            let xa = x_item(2u * u);
+            let xb = x_item(2u * u + 1u);
+            let s = dot16(low_nibbles(q), xa) + dot16(high_nibbles(q), xb)
+                - 8 * (sum16(xa) + sum16(xb));
+            return meta_half(2u * (r * blocks + i)) * x_scale(u) * f32(s);
+        }
+        case 5u: {
+            // Q4_K: item j of a block lies in chunk c = j / 2 of 32 bytes, whose low
+            // nibbles are sub-block 2c and high nibbles 2c + 1, at offset 16 (j % 2) in both.
+            let blk = i / 8u;
+            let j = i % 8u;
+            let c = j / 2u;
+            let q = wq[qb + r * blocks * 8u + i];
+            let ua = blk * 8u + 2u * c;
+            let xa = x_item(2u * ua + j % 2u);
+            let xb = x_item(2u * (ua + 1u) + j % 2u);
+            // d, dmin and the 12 scale bytes in four words; the 6-bit scales and mins of
+            // sub-blocks 2c and 2c + 1 (ggml's get_scale_min_k4), both forms computed and
+            // one kept so that lanes do not diverge.
+            let mw = wp.m_base / 4u + 4u * (r * blocks + blk);
+            let dm = unpack2x16float(wm[mw]);
+            let sh = 16u * (c & 1u);
+            let s0 = wm[mw + 1u] >> sh;
+            let s1 = wm[mw + 2u] >> sh;
+            let s2 = wm[mw + 3u] >> sh;
+            let high = c >= 2u;
+            let scs = select(s0 & 0x3F3Fu, (s2 & 0x0F0Fu) | ((s0 >> 2u) & 0x3030u), high);
+            let mns = select(s1 & 0x3F3Fu, ((s2 >> 4u) & 0x0F0Fu) | ((s1 >> 2u) & 0x3030u), high);
+            let da = dm.x * f32(scs & 0xFFu);
+            let db = dm.x * f32((scs >> 8u) & 0xFFu);
+            let ma = dm.y * f32(mns & 0xFFu);
+            let mb = dm.y * f32((mns >> 8u) & 0xFFu);
+            return x_scale(ua) * (da * f32(dot16(low_nibbles(q), xa)) - ma * f32(sum16(xa)))
+                + x_scale(ua + 1u) * (db * f32(dot16(high_nibbles(q), xb)) - mb * f32(sum16(xb)));
+        }
+        default: {
+            // Q6_K: item i % 8 is 16 bytes of the 128 bytes of low nibbles. Byte L of
+            // them (half h = L / 64, l = L % 64) gives value 128h + l in its low nibble
+            // (quarter t = l / 32) and 128h + 64 + l in its high one (quarter t + 2); the
+            // top two bits come from byte 32h + l % 32 of the 64 high-bit bytes, at bit 2t
+            // (and 2t + 4).
+            let blk = i / 8u;
+            let L = 16u * (i % 8u);
+            let h = L / 64u;
+            let t = (L % 64u) / 32u;
+            let off = L % 32u;
+            let base = qb + (r * blocks + blk) * 12u;
+            let ql = wq[base + i % 8u];
+            let qh = wq[base + 8u + 2u * h + off / 16u];
+            let sh = vec4<u32>(2u * t);
+            let m3 = vec4<u32>(0x03030303u);
+            let qa = low_nibbles(ql) | (((qh >> sh) & m3) << vec4<u32>(4u));
+            let qc = high_nibbles(ql) | (((qh >> (sh + vec4<u32>(4u))) & m3) << vec4<u32>(4u));
+            let mb = 18u * (r * blocks + blk);
+            let d = meta_half(mb + 16u);
+            let si = mb + 8u * h + off / 16u + 2u * t;
+            let sa = d * f32(bitcast<i32>(meta_byte(si) << 24u) >> 24u);
+            let sb = d * f32(bitcast<i32>(meta_byte(si + 4u) << 24u) >> 24u);
+            let ua = blk * 8u + 4u * h + t;
+            let xa = x_item(2u * ua + off / 16u);
+            let xb = x_item(2u * (ua + 2u) + off / 16u);
+            return x_scale(ua) * sa * f32(dot16(qa, xa) - 32 * sum16(xa))
+                + x_scale(ua + 2u) * sb * f32(dot16(qc, xb) - 32 * sum16(xb));
+        }
+    }
+}
+
+// A row a row slot; four items in flight a lane (independent loads: one outstanding load
+// a lane leaves HBM mostly idle).
+@compute @workgroup_size(WG)
+fn matvec1_q8(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
+    let base = group_index(wg, wp.groups_x) * wp.rows_per_group;
+    let items = wp.k / block_len() * items_per_block();
+    for (var i = 0u; i < wp.rows_per_group; i += row_slots(lane)) {
+        let r = base + i + row_slot(lane);
+        let live = r < wp.m && (i + row_slot(lane)) < wp.rows_per_group;
+        var acc = 0.0;
+        if live {
+            let w = row_width(lane);
+            var it = row_lane(lane);
+            for (; it + 3u * w < items; it += 4u * w) {
+                acc += (item_dot(r, it) + item_dot(r, it + w))
+                    + (item_dot(r, it + 2u * w) + item_dot(r, it + 3u * w));
+            }
+            for (; it < items; it += w) {
+                acc += item_dot(r, it);
+            }
+        }
+        let s = row_sum(acc, lane);
+        if live && row_lane(lane) == 0u {
+            store(wp.row0 + r, s);
+        }
+    }
+}
