@@ -150,7 +150,13 @@ fn wgpu_backend(subgroups: bool) -> Option<Arc<dyn Backend>> {
     if !kiln_wgpu::adapter_for_tests() {
         return None;
     }
-    let b = kiln_wgpu::WgpuBackend::with_options(0, kiln_wgpu::Options { subgroups });
+    let b = kiln_wgpu::WgpuBackend::with_options(
+        0,
+        kiln_wgpu::Options {
+            subgroups,
+            ..Default::default()
+        },
+    );
     Some(Arc::new(b.unwrap()))
 }
 

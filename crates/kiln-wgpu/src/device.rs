@@ -142,13 +142,28 @@ pub fn adapter_for_tests() -> bool {
 #[derive(Clone, Copy, Debug)]
 pub struct Options {
     pub subgroups: bool,
+    /// f16 arithmetic (`SHADER_F16`) in the kernels that have an f16 form.
+    pub f16: bool,
+}
+
+impl Default for Options {
+    /// Everything the adapter has.
+    fn default() -> Self {
+        Options {
+            subgroups: true,
+            f16: true,
+        }
+    }
 }
 
 impl Options {
-    /// Everything the adapter has, less what `KILN_WGPU_NO_SUBGROUPS=1` turns off.
+    /// Everything the adapter has, less what `KILN_WGPU_NO_SUBGROUPS=1` and
+    /// `KILN_WGPU_NO_F16=1` turn off.
     pub fn from_env() -> Self {
+        let off = |name: &str| std::env::var_os(name).is_some_and(|v| v == "1");
         Options {
-            subgroups: std::env::var_os("KILN_WGPU_NO_SUBGROUPS").is_none_or(|v| v != "1"),
+            subgroups: !off("KILN_WGPU_NO_SUBGROUPS"),
+            f16: !off("KILN_WGPU_NO_F16"),
         }
     }
 }
@@ -160,6 +175,8 @@ pub(crate) struct Caps {
     /// The largest subgroup the adapter may run, so that a workgroup of 256 has at least
     /// `256 / max` subgroups.
     pub subgroup_max: u32,
+    /// f16 arithmetic in shaders (`enable f16;`).
+    pub f16: bool,
     pub timestamps: bool,
     pub max_binding: u64,
     pub max_buffer: u64,
@@ -205,6 +222,10 @@ pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
     if subgroups {
         wanted |= wgpu::Features::SUBGROUP;
     }
+    let f16 = options.f16 && have.contains(wgpu::Features::SHADER_F16);
+    if f16 {
+        wanted |= wgpu::Features::SHADER_F16;
+    }
     for optional in [
         wgpu::Features::TIMESTAMP_QUERY,
         wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES,
@@ -230,6 +251,7 @@ pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
     let caps = Caps {
         subgroups,
         subgroup_max: summary.subgroup_sizes.1.max(4),
+        f16,
         timestamps: wanted.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
         max_binding: limits.max_storage_buffer_binding_size,
         max_buffer: limits.max_buffer_size,

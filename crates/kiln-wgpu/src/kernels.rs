@@ -50,12 +50,14 @@ pub(crate) const EMBEDDING: KernelSpec = spec("embedding", "embedding", &[Read, 
 const MATVEC_BINDINGS: &[Access] = &[Read, Read, Read, Write, Read, Read, Write];
 pub(crate) const MATVEC: KernelSpec = spec("matvec", "matvec", MATVEC_BINDINGS);
 pub(crate) const MATVEC1: KernelSpec = spec("matvec", "matvec1", MATVEC_BINDINGS);
-/// x rounded to int8, weight quants, weight scales, out, aux (the gate).
-pub(crate) const MATVEC1_Q8: KernelSpec =
-    spec("matvec_q8", "matvec1_q8", &[Read, Read, Read, Write, Read]);
-/// x, norm weight, normed row, x rounded to int8.
-pub(crate) const QUANTIZE_ROW: KernelSpec =
-    spec("quantize_row", "quantize_row", &[Read, Read, Write, Write]);
+/// x rounded, weight quants, weight scales, out, aux (the gate).
+const ITEM_BINDINGS: &[Access] = &[Read, Read, Read, Write, Read];
+pub(crate) const MATVEC_Q8: KernelSpec = spec("matvec_q8", "matvec_items", ITEM_BINDINGS);
+pub(crate) const MATVEC_F16: KernelSpec = spec("matvec_f16", "matvec_items", ITEM_BINDINGS);
+/// x, norm weight, normed row, x rounded.
+const ROUND_BINDINGS: &[Access] = &[Read, Read, Write, Write];
+pub(crate) const QUANTIZE_ROW: KernelSpec = spec("quantize_row", "quantize_row", ROUND_BINDINGS);
+pub(crate) const ROW_TO_F16: KernelSpec = spec("quantize_row", "row_to_f16", ROUND_BINDINGS);
 pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
     "rope_kv",
     "rope_write_kv",
@@ -79,6 +81,7 @@ fn source(file: &str) -> &'static str {
         "embedding" => include_str!("shaders/embedding.wgsl"),
         "matvec" => include_str!("shaders/matvec.wgsl"),
         "matvec_q8" => include_str!("shaders/matvec_q8.wgsl"),
+        "matvec_f16" => include_str!("shaders/matvec_f16.wgsl"),
         "quantize_row" => include_str!("shaders/quantize_row.wgsl"),
         "gemm" => include_str!("shaders/gemm.wgsl"),
         "attention" => include_str!("shaders/attention.wgsl"),
@@ -107,6 +110,8 @@ pub(crate) const ALL_SOURCES: &[&str] = &[
     include_str!("shaders/embedding.wgsl"),
     include_str!("shaders/matvec.wgsl"),
     include_str!("shaders/matvec_q8.wgsl"),
+    include_str!("shaders/matvec_f16.wgsl"),
+    MATVEC_ITEMS,
     include_str!("shaders/quantize_row.wgsl"),
     include_str!("shaders/gemm.wgsl"),
     include_str!("shaders/attention.wgsl"),
@@ -118,6 +123,7 @@ const WPARAMS: &str = include_str!("shaders/wparams.wgsl");
 const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
 const EPILOGUE: &str = include_str!("shaders/epilogue.wgsl");
 const MATVEC_IO: &str = include_str!("shaders/matvec_io.wgsl");
+const MATVEC_ITEMS: &str = include_str!("shaders/matvec_items.wgsl");
 const REDUCE_SUBGROUP: &str = include_str!("shaders/reduce_subgroup.wgsl");
 const REDUCE_WORKGROUP: &str = include_str!("shaders/reduce_workgroup.wgsl");
 
@@ -262,12 +268,18 @@ impl Kernels {
         // result becomes, the float ones x and the fused norm.
         let shared: &[&str] = match file {
             "matvec" => &[WPARAMS, WEIGHTS, EPILOGUE, MATVEC_IO],
-            "matvec_q8" => &[WPARAMS, EPILOGUE],
+            "matvec_q8" | "matvec_f16" => &[WPARAMS, EPILOGUE, MATVEC_ITEMS],
             "gemm" | "embedding" => &[WPARAMS, WEIGHTS],
             _ => &[],
         };
+        // f16 arithmetic is a WGSL extension, declared before anything else.
+        let enable = if file == "matvec_f16" {
+            "enable f16;\n"
+        } else {
+            ""
+        };
         let text = format!(
-            "{reduce}\n{COMMON}\n{}\n{}",
+            "{enable}{reduce}\n{COMMON}\n{}\n{}",
             shared.join("\n"),
             source(file)
         );

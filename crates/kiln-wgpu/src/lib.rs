@@ -5,7 +5,8 @@
 //! a WGSL compute shader from `src/shaders/`. Ops are recorded into one command encoder and
 //! submitted together when something is read back, so a decode step is one submission and
 //! only the sampled id comes back. Reductions use subgroups where the adapter has them and
-//! workgroup memory otherwise (`KILN_WGPU_NO_SUBGROUPS=1` forces the latter).
+//! workgroup memory otherwise (`KILN_WGPU_NO_SUBGROUPS=1` forces the latter); F16 weights
+//! meet x in f16 arithmetic where the adapter has `SHADER_F16` (`KILN_WGPU_NO_F16=1`: f32).
 
 mod attention;
 mod device;
@@ -16,7 +17,7 @@ mod memory;
 mod norm;
 mod pipeline_cache;
 mod profile;
-mod row_q8;
+mod rounded_row;
 mod sample;
 mod stream;
 
@@ -41,8 +42,8 @@ pub struct WgpuBackend {
     stream: Stream,
     /// The penalized ids of the last draw, kept and grown.
     penalized: std::sync::Mutex<Option<WgpuStorage>>,
-    /// Decode's row of x rounded to int8 (`row_q8`), kept and grown.
-    row_q8: std::sync::Mutex<Option<WgpuStorage>>,
+    /// Decode's row of x rounded for the products (`rounded_row`), kept and grown.
+    rounded_row: std::sync::Mutex<Option<WgpuStorage>>,
     _adapter: wgpu::Adapter,
 }
 
@@ -79,7 +80,7 @@ impl WgpuBackend {
             kernels,
             stream,
             penalized: Default::default(),
-            row_q8: Default::default(),
+            rounded_row: Default::default(),
             _adapter: opened.adapter,
         })
     }
@@ -91,6 +92,11 @@ impl WgpuBackend {
     /// Whether the reductions run on subgroups (false: workgroup memory).
     pub fn uses_subgroups(&self) -> bool {
         self.caps.subgroups
+    }
+
+    /// Whether the kernels with an f16 form use it (false: f32 arithmetic).
+    pub fn uses_f16(&self) -> bool {
+        self.caps.f16
     }
 
     fn kernel(&self, spec: &KernelSpec, constants: &[(&str, f64)]) -> Result<Arc<kernels::Kernel>> {
@@ -109,17 +115,6 @@ impl WgpuBackend {
             )));
         }
         Ok(((x as u32, y as u32, 1), x as u32))
-    }
-
-    /// Whether every product of the one row `x` by `ws` takes the int8 path, so that the
-    /// row is rounded once for all.
-    fn all_take_row_q8(&self, x: &Tensor, ws: &[&Tensor]) -> Result<bool> {
-        for w in ws {
-            if !row_q8::takes(self, x, w)? {
-                return Ok(false);
-            }
-        }
-        Ok(true)
     }
 
     /// Rows a matrix-vector workgroup of 256 lanes takes: a row slot each, a subgroup (of
@@ -277,10 +272,10 @@ impl Backend for WgpuBackend {
         if ws.len() != outs.len() {
             return Err(Error::shape("matmul_many: as many outputs as weights"));
         }
-        if self.all_take_row_q8(x, ws)? {
-            let row = row_q8::quantize_row(self, x, None)?;
+        if let Some(form) = rounded_row::shared_form(self, x, ws)? {
+            let row = rounded_row::round_row(self, x, None, form)?;
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                row_q8::matvec_q8(self, &row, w, out, Epilogue::Store)?;
+                rounded_row::matvec(self, &row, w, out, Epilogue::Store)?;
             }
             return Ok(());
         }
@@ -311,11 +306,11 @@ impl Backend for WgpuBackend {
             eps: norm.eps,
             normed: Some(&*normed),
         };
-        if self.all_take_row_q8(norm.x, ws)? {
+        if let Some(form) = rounded_row::shared_form(self, norm.x, ws)? {
             // One rounding of the normed row for every product.
-            let row = row_q8::quantize_row(self, norm.x, Some(&with_normed))?;
+            let row = rounded_row::round_row(self, norm.x, Some(&with_normed), form)?;
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                row_q8::matvec_q8(self, &row, w, out, Epilogue::Store)?;
+                rounded_row::matvec(self, &row, w, out, Epilogue::Store)?;
             }
             return Ok(());
         }
@@ -352,14 +347,14 @@ impl Backend for WgpuBackend {
             eps: norm.eps,
             normed: Some(&*normed),
         };
-        if self.all_take_row_q8(norm.x, &[gate, up])? {
-            let row = row_q8::quantize_row(self, norm.x, Some(&with_normed))?;
-            row_q8::matvec_q8(self, &row, gate, tmp_gate, Epilogue::Store)?;
+        if let Some(form) = rounded_row::shared_form(self, norm.x, &[gate, up])? {
+            let row = rounded_row::round_row(self, norm.x, Some(&with_normed), form)?;
+            rounded_row::matvec(self, &row, gate, tmp_gate, Epilogue::Store)?;
             let epilogue = Epilogue::Gated {
                 gate: tmp_gate,
                 gelu,
             };
-            return row_q8::matvec_q8(self, &row, up, out, epilogue);
+            return rounded_row::matvec(self, &row, up, out, epilogue);
         }
         matmul::matmul(
             self,

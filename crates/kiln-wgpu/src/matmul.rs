@@ -7,7 +7,7 @@
 
 use crate::elementwise::count;
 use crate::kernels::{EMBEDDING, GEMM, MATVEC, MATVEC1};
-use crate::row_q8;
+use crate::rounded_row;
 use crate::stream::Binding;
 use crate::{f32_tensor, i32_tensor, storage, WgpuBackend};
 use kiln_core::quant::gpu_layout;
@@ -154,9 +154,9 @@ pub(crate) fn matmul(
             out.shape()
         )));
     }
-    if row_q8::takes(b, x, w)? {
-        let row = row_q8::quantize_row(b, x, norm)?;
-        return row_q8::matvec_q8(b, &row, w, out, epilogue);
+    if let Some(form) = rounded_row::form(b, x, w)? {
+        let row = rounded_row::round_row(b, x, norm, form)?;
+        return rounded_row::matvec(b, &row, w, out, epilogue);
     }
     let what = "matmul";
     count(n * k, what)?;

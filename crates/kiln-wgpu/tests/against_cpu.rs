@@ -6,15 +6,22 @@ use kiln_wgpu::{Options, WgpuBackend};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// The first adapter with subgroups (where it has them) and on the portable reductions;
-/// none when this machine has no adapter and `KILN_REQUIRE_WGPU=1` is not set.
+/// The first adapter with all it has (subgroups, f16 where it has them) and on the
+/// portable paths (workgroup-memory reductions, f32 arithmetic); none when this machine
+/// has no adapter and `KILN_REQUIRE_WGPU=1` is not set.
 fn devices() -> Vec<WgpuBackend> {
     if !kiln_wgpu::adapter_for_tests() {
         return Vec::new();
     }
     [true, false]
         .into_iter()
-        .map(|subgroups| WgpuBackend::with_options(0, Options { subgroups }).unwrap())
+        .map(|all| {
+            let options = Options {
+                subgroups: all,
+                f16: all,
+            };
+            WgpuBackend::with_options(0, options).unwrap()
+        })
         .collect()
 }
 
@@ -60,28 +67,57 @@ fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     }
 }
 
-/// `w · x` in f64 and the error a correct kernel may make. One row of x by quantized
-/// weights (`int8`) is first rounded per 32 values as the kernel does (scale amax/127,
-/// round half to even) and the product taken with those values; the slack allows f32
-/// rounding of the sum and three values rounded the other way (the shader's 1/scale may
-/// be off by an ulp), far below one 32-value block's share of the sum.
-fn reference_dot(w: &[f32], x: &[f32], int8: bool) -> (f64, f64) {
+/// What one row of x meets a weight in on the device (decode's products).
+#[derive(Clone, Copy, PartialEq)]
+enum Rounding {
+    /// f32: several rows of x, or a weight without a narrower path.
+    None,
+    /// int8 per 32 values: quantized weights.
+    Int8,
+    /// f16, 8-product sums in f16: F16 weights where the device has f16 arithmetic.
+    F16,
+}
+
+/// How one row of x (`n` rows) by a `dtype` weight of rows of `k` is rounded on `g`.
+fn rounding(g: &WgpuBackend, dtype: DType, n: usize, k: usize) -> Rounding {
+    match dtype {
+        _ if n != 1 => Rounding::None,
+        DType::F16 if g.uses_f16() && k.is_multiple_of(8) => Rounding::F16,
+        d if d.block_size() > 1 => Rounding::Int8,
+        _ => Rounding::None,
+    }
+}
+
+/// `w · x` in f64 and the error a correct kernel may make. For int8, x is first rounded per
+/// 32 values as the kernel does (scale amax/127, round half to even) and the product taken
+/// with those values; the slack allows f32 rounding of the sum and three values rounded
+/// the other way (the shader's 1/scale may be off by an ulp), far below one 32-value
+/// block's share of the sum. For f16, x rounded to f16 and each 8-product sum in f16: at
+/// most ~3 f16 ulps (2^-11) of that item's magnitude.
+fn reference_dot(w: &[f32], x: &[f32], rounding: Rounding) -> (f64, f64) {
     let (mut dot, mut mag, mut flip) = (0f64, 0f64, 0f64);
     for (j, (&wj, &xj)) in w.iter().zip(x).enumerate() {
-        let xv = if int8 {
-            let unit = &x[j / 32 * 32..][..32];
-            let d = unit.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            flip = flip.max((wj as f64 * d as f64).abs());
-            (xj * inv).round_ties_even() as f64 * d as f64
-        } else {
-            xj as f64
+        let xv = match rounding {
+            Rounding::Int8 => {
+                let unit = &x[j / 32 * 32..][..32];
+                let d = unit.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                flip = flip.max((wj as f64 * d as f64).abs());
+                (xj * inv).round_ties_even() as f64 * d as f64
+            }
+            Rounding::F16 => half::f16::from_f32(xj).to_f64(),
+            Rounding::None => xj as f64,
         };
         let p = wj as f64 * xv;
         dot += p;
         mag += p.abs();
     }
-    (dot, 1e-5 * mag + 3.0 * flip + 1e-6)
+    let f16_sums = if rounding == Rounding::F16 {
+        3.0 * mag / 2048.0
+    } else {
+        0.0
+    };
+    (dot, 1e-5 * mag + 3.0 * flip + f16_sums + 1e-6)
 }
 
 #[test]
@@ -120,8 +156,11 @@ fn matmul_and_embedding_on(g: &WgpuBackend) {
                 .unwrap();
             for t in 0..n {
                 for r in 0..m {
-                    let (dot, tol) =
-                        reference_dot(&wd[r * k..][..k], &xv[t * k..][..k], n == 1 && bs > 1);
+                    let (dot, tol) = reference_dot(
+                        &wd[r * k..][..k],
+                        &xv[t * k..][..k],
+                        rounding(g, dtype, n, k),
+                    );
                     let got = outs[0].0[t * m + r] as f64;
                     assert!(
                         (got - dot).abs() <= tol,
@@ -312,7 +351,8 @@ fn weights_past_the_binding_limit_are_bound_in_chunks() {
         // Every row is checked: a chunk that starts in the wrong place shifts them all.
         for t in 0..2 {
             for r in (0..m).step_by(97).chain(m - 400..m) {
-                let (dot, tol) = reference_dot(&wd[r * k..][..k], &xv[t * k..][..k], false);
+                let (dot, tol) =
+                    reference_dot(&wd[r * k..][..k], &xv[t * k..][..k], Rounding::None);
                 let v = got[t * m + r] as f64;
                 assert!((v - dot).abs() <= tol, "{dtype} [{t},{r}]: {v} vs {dot}");
             }
@@ -345,8 +385,9 @@ fn fused_ops_match_the_plain_sequences() {
                         .unwrap();
                 for t in 0..n {
                     for r in 0..m {
-                        let int8 = n == 1 && dtype.block_size() > 1;
-                        let (dot, tol) = reference_dot(&wd[r * k..][..k], &xv[t * k..][..k], int8);
+                        let rounded = rounding(&g, dtype, n, k);
+                        let (dot, tol) =
+                            reference_dot(&wd[r * k..][..k], &xv[t * k..][..k], rounded);
                         let a = av[t * m + r] as f64;
                         let v = got[t * m + r] as f64;
                         assert!(
@@ -526,13 +567,19 @@ fn bad_devices_and_inputs_are_errors() {
     assert!(wrong.is_err(), "33 bytes for a 34-byte block");
 }
 
-/// One row of x by quantized weights at model widths: x goes through workgroup memory in
-/// tiles of 8192 values, so 14,336 (llama3-8b's feed-forward) ends on a partial tile.
+/// One row of x by quantized and F16 weights at model widths (the rounding of x spans
+/// several workgroups at 14,336, llama3-8b's feed-forward), plain and with the norm fused.
 #[test]
 fn one_row_products_at_model_widths() {
     for g in devices() {
         let mut rng = StdRng::seed_from_u64(17);
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+        for dtype in [
+            DType::F16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_K,
+            DType::Q6_K,
+        ] {
             for k in [2048usize, 14336] {
                 let m = 37;
                 let wv = random(m * k, &mut rng, 1.0);
@@ -548,7 +595,8 @@ fn one_row_products_at_model_widths() {
                     quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &wv).unwrap(), m * k)
                         .unwrap();
                 for r in 0..m {
-                    let (dot, tol) = reference_dot(&wd[r * k..][..k], &xv, true);
+                    let (dot, tol) =
+                        reference_dot(&wd[r * k..][..k], &xv, rounding(&g, dtype, 1, k));
                     assert!(
                         (got[r] as f64 - dot).abs() <= tol,
                         "{dtype} k={k} row {r}: wgpu {}, f64 {dot}",

@@ -1,7 +1,6 @@
-// out[row0 + r] = x · w[r] for one row of x (decode) and quantized weights, x already
-// rounded to int8 per 32 values by quantize_row.wgsl (an f32 scale and 32 int8). Each lane
-// takes 16-byte items of a weight row, neighbouring lanes neighbouring items (a subgroup
-// reads whole lines), and meets x in dot4I8Packed: four byte products an instruction where
+// Quantized weights' items for matvec_items.wgsl: x rounded to int8 per 32 values by
+// quantize_row.wgsl (an f32 scale and 32 int8); each 16-byte item of a weight row meets x
+// in dot4I8Packed: four byte products an instruction where
 // the adapter has integer dot products, and no conversion to float per weight. (The float
 // kernel of matvec.wgsl spends its time converting nibbles and reading f32 x: an 8B
 // model's Q4_K products ran at ~8% of an H200's bandwidth; rounding x inside each
@@ -22,6 +21,10 @@ fn x_scale(u: u32) -> f32 {
 
 fn block_len() -> u32 {
     return select(32u, 256u, WTYPE >= 5u);
+}
+
+fn items_per_row() -> u32 {
+    return wp.k / block_len() * items_per_block();
 }
 
 // 16-byte items a block: its quants (Q6_K: its 128 bytes of low nibbles; the 64 bytes of
@@ -130,34 +133,6 @@ fn item_dot(r: u32, i: u32) -> f32 {
             let xb = x_item(2u * (ua + 2u) + off / 16u);
             return x_scale(ua) * sa * f32(dot16(qa, xa) - 32 * sum16(xa))
                 + x_scale(ua + 2u) * sb * f32(dot16(qc, xb) - 32 * sum16(xb));
-        }
-    }
-}
-
-// A row a row slot; four items in flight a lane (independent loads: one outstanding load
-// a lane leaves HBM mostly idle).
-@compute @workgroup_size(WG)
-fn matvec1_q8(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
-    let base = group_index(wg, wp.groups_x) * wp.rows_per_group;
-    let items = wp.k / block_len() * items_per_block();
-    for (var i = 0u; i < wp.rows_per_group; i += row_slots(lane)) {
-        let r = base + i + row_slot(lane);
-        let live = r < wp.m && (i + row_slot(lane)) < wp.rows_per_group;
-        var acc = 0.0;
-        if live {
-            let w = row_width(lane);
-            var it = row_lane(lane);
-            for (; it + 3u * w < items; it += 4u * w) {
-                acc += (item_dot(r, it) + item_dot(r, it + w))
-                    + (item_dot(r, it + 2u * w) + item_dot(r, it + 3u * w));
-            }
-            for (; it < items; it += w) {
-                acc += item_dot(r, it);
-            }
-        }
-        let s = row_sum(acc, lane);
-        if live && row_lane(lane) == 0u {
-            store(wp.row0 + r, s);
         }
     }
 }

@@ -1,6 +1,7 @@
-// One row of x rounded to int8 per 32 values for the quantized products (matvec_q8.wgsl):
-// an f32 scale amax/127 and 32 int8 (round half to even, as CUDA's __float2int_rn), as
-// kiln-cuda's quantize_x_q8, llama.cpp's q8_1 and kiln's CPU path round it. The RMS norm
+// One row of x rounded for decode's products (matvec_items.wgsl): for quantized weights to
+// int8 per 32 values, an f32 scale amax/127 and 32 int8 (round half to even, as CUDA's
+// __float2int_rn), as kiln-cuda's quantize_x_q8, llama.cpp's q8_1 and kiln's CPU path
+// round it; for F16 weights to f16 (`row_to_f16`). The RMS norm
 // goes in front when asked (and the normed row is written for the residual stream's
 // users). A workgroup a WG quads of the row (every workgroup finds the norm itself, the
 // row's loads two in flight a lane), a lane a quad, eight lanes a 32-value unit: every
@@ -20,41 +21,54 @@ struct QParams {
 @group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> norm_w: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> normed: array<vec4<f32>>;
-// k / 4 words of int8 quads, then k / 32 scales (as f32 bits).
+// int8: k / 4 words of quads, then k / 32 scales (as f32 bits); f16: k / 2 words of pairs.
 @group(0) @binding(3) var<storage, read_write> xq: array<u32>;
 
 var<workgroup> unit_max: array<f32, WG>;
 
+// 1 / rms of the row when the norm is fused (1 otherwise), found by each workgroup alone,
+// the row's loads two in flight a lane.
+fn row_inv_rms(lane: Lane) -> f32 {
+    if qp.norm != 1u {
+        return 1.0;
+    }
+    let quads = qp.k / 4u;
+    var s0 = 0.0;
+    var s1 = 0.0;
+    var i = lane.idx;
+    for (; i + WG < quads; i += 2u * WG) {
+        let a = x[i];
+        let b = x[i + WG];
+        s0 += dot(a, a);
+        s1 += dot(b, b);
+    }
+    if i < quads {
+        let a = x[i];
+        s0 += dot(a, a);
+    }
+    return 1.0 / sqrt(wg_sum(s0 + s1, lane) / f32(qp.k) + qp.eps);
+}
+
+// Quad q of the row, normed when the norm is fused (and written out when asked).
+fn row_quad(q: u32, inv_rms: f32) -> vec4<f32> {
+    var v = x[q];
+    if qp.norm == 1u {
+        v *= inv_rms * norm_w[q];
+        if qp.write_normed == 1u {
+            normed[q] = v;
+        }
+    }
+    return v;
+}
+
 @compute @workgroup_size(WG)
 fn quantize_row(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
     let quads = qp.k / 4u;
-    var inv_rms = 1.0;
-    if qp.norm == 1u {
-        var s0 = 0.0;
-        var s1 = 0.0;
-        var i = lane.idx;
-        for (; i + WG < quads; i += 2u * WG) {
-            let a = x[i];
-            let b = x[i + WG];
-            s0 += dot(a, a);
-            s1 += dot(b, b);
-        }
-        if i < quads {
-            let a = x[i];
-            s0 += dot(a, a);
-        }
-        inv_rms = 1.0 / sqrt(wg_sum(s0 + s1, lane) / f32(qp.k) + qp.eps);
-    }
+    let inv_rms = row_inv_rms(lane);
     let q = group_index(wg, qp.groups_x) * WG + lane.idx;
     var v = vec4<f32>(0.0);
     if q < quads {
-        v = x[q];
-        if qp.norm == 1u {
-            v *= inv_rms * norm_w[q];
-            if qp.write_normed == 1u {
-                normed[q] = v;
-            }
-        }
+        v = row_quad(q, inv_rms);
     }
     // The unit's largest magnitude from its eight lanes (past the end: zeros, never read).
     let a = abs(v);
@@ -72,5 +86,17 @@ fn quantize_row(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
         if (q & 7u) == 0u {
             xq[quads + q / 8u] = bitcast<u32>(d);
         }
+    }
+}
+
+// The row rounded to f16 (k / 2 words of pairs) for F16 weights, clamped to f16's range.
+@compute @workgroup_size(WG)
+fn row_to_f16(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
+    let inv_rms = row_inv_rms(lane);
+    let q = group_index(wg, qp.groups_x) * WG + lane.idx;
+    if q < qp.k / 4u {
+        let v = clamp(row_quad(q, inv_rms), vec4<f32>(-65504.0), vec4<f32>(65504.0));
+        xq[2u * q] = pack2x16float(v.xy);
+        xq[2u * q + 1u] = pack2x16float(v.zw);
     }
 }

@@ -1,50 +1,87 @@
-//! Decode's products with quantized weights: the row of x rounded to int8 per 32 values
-//! once (`quantize_row`, the RMS norm in front where it is fused), then every product that
-//! reads it meets the weights in integer dot products (`matvec_q8`). The rounded row lives
-//! in a scratch buffer of the backend, kept and grown; the guard that `quantize_row`
-//! returns holds it until the products are recorded.
+//! Decode's products with weights that meet x in a narrower type: the row of x is rounded
+//! once (`round_row`, the RMS norm in front where it is fused) to int8 per 32 values for
+//! quantized weights or to f16 for F16 weights, and every product that reads it takes the
+//! weight in 16-byte items (`matvec`, shaders/matvec_items.wgsl). The rounded row lives in
+//! a scratch buffer of the backend, kept and grown; the guard that `round_row` returns
+//! holds it until the products are recorded.
 
 use crate::elementwise::count;
-use crate::kernels::{MATVEC1_Q8, QUANTIZE_ROW};
+use crate::kernels::{MATVEC_F16, MATVEC_Q8, QUANTIZE_ROW, ROW_TO_F16};
 use crate::matmul::{chunks, wtype, Epilogue, NormFirst};
 use crate::memory::WgpuStorage;
 use crate::{f32_tensor, WgpuBackend};
 use kiln_core::quant::gpu_layout;
-use kiln_core::{Error, Result, Tensor};
+use kiln_core::{DType, Error, Result, Tensor};
 use std::sync::MutexGuard;
 
-/// x rounded to int8: `k / 4` words of quads, then `k / 32` f32 scales.
-pub(crate) struct QuantizedRow<'a> {
+/// What x is rounded to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Form {
+    /// `k / 4` words of int8 quads, then `k / 32` f32 scales.
+    Int8,
+    /// `k / 2` words of f16 pairs.
+    F16,
+}
+
+pub(crate) struct RoundedRow<'a> {
     k: usize,
+    form: Form,
     scratch: MutexGuard<'a, Option<WgpuStorage>>,
 }
 
-/// Whether one row of x by `w` takes this path: a quantized weight whose every chunk's
-/// quants start on 16 bytes (the kernel reads 16-byte items) and scales on a word.
-pub(crate) fn takes(b: &WgpuBackend, x: &Tensor, w: &Tensor) -> Result<bool> {
-    if x.shape().rows() != 1 || gpu_layout::quant_span(w.dtype()).is_none() {
-        return Ok(false);
-    }
-    Ok(chunks(b, w)?
+/// The form one row of x by `w` is rounded to, if it takes this path: a quantized weight,
+/// or an F16 one on a device with f16 arithmetic, whose every chunk's quants start on 16
+/// bytes (the kernel reads 16-byte items) and scales on a word.
+pub(crate) fn form(b: &WgpuBackend, x: &Tensor, w: &Tensor) -> Result<Option<Form>> {
+    let k = w.shape().row_len();
+    let form = match w.dtype() {
+        _ if x.shape().rows() != 1 => return Ok(None),
+        DType::F16 if b.caps.f16 && k.is_multiple_of(8) => Form::F16,
+        d if gpu_layout::quant_span(d).is_some() => Form::Int8,
+        _ => return Ok(None),
+    };
+    let aligned = chunks(b, w)?
         .iter()
-        .all(|c| c.q_base % 4 == 0 && c.m_base % 4 == 0))
+        .all(|c| c.q_base % 4 == 0 && c.m_base % 4 == 0);
+    Ok(aligned.then_some(form))
+}
+
+/// The form shared by every product of the one row `x` by `ws`, if there is one.
+pub(crate) fn shared_form(b: &WgpuBackend, x: &Tensor, ws: &[&Tensor]) -> Result<Option<Form>> {
+    let mut shared = None;
+    for w in ws {
+        match (form(b, x, w)?, shared) {
+            (None, _) => return Ok(None),
+            (Some(f), Some(s)) if f != s => return Ok(None),
+            (f, _) => shared = f,
+        }
+    }
+    Ok(shared)
 }
 
 /// Round the one row of `x` (normed first when `norm` is given) into the scratch.
-pub(crate) fn quantize_row<'a>(
+pub(crate) fn round_row<'a>(
     b: &'a WgpuBackend,
     x: &Tensor,
     norm: Option<&NormFirst>,
-) -> Result<QuantizedRow<'a>> {
+    form: Form,
+) -> Result<RoundedRow<'a>> {
     let k = x.shape().row_len();
-    if x.shape().rows() != 1 || !k.is_multiple_of(32) {
+    let unit = match form {
+        Form::Int8 => 32,
+        Form::F16 => 8,
+    };
+    if x.shape().rows() != 1 || !k.is_multiple_of(unit) {
         return Err(Error::shape(format!(
-            "rounding a row to int8: x {} (one row, a multiple of 32)",
+            "rounding a row for a product: x {} (one row, a multiple of {unit})",
             x.shape()
         )));
     }
-    let bytes = k + k / 8 + 16;
-    let mut scratch = b.row_q8.lock().unwrap();
+    let bytes = match form {
+        Form::Int8 => k + k / 8,
+        Form::F16 => 2 * k,
+    } + 16;
+    let mut scratch = b.rounded_row.lock().unwrap();
     if scratch.as_ref().is_none_or(|s| (s.bytes as usize) < bytes) {
         *scratch = Some(b.alloc(bytes)?);
     }
@@ -73,7 +110,11 @@ pub(crate) fn quantize_row<'a>(
         }
         None => (xb, out, 0.0, false),
     };
-    let kernel = b.kernel(&QUANTIZE_ROW, &[])?;
+    let spec = match form {
+        Form::Int8 => &QUANTIZE_ROW,
+        Form::F16 => &ROW_TO_F16,
+    };
+    let kernel = b.kernel(spec, &[])?;
     let (groups, groups_x) = b.grid(k.div_ceil(4 * 256))?;
     b.stream.dispatch(
         &kernel,
@@ -87,13 +128,13 @@ pub(crate) fn quantize_row<'a>(
         ],
         groups,
     )?;
-    Ok(QuantizedRow { k, scratch })
+    Ok(RoundedRow { k, form, scratch })
 }
 
-/// `out = x · wᵀ` (or as `epilogue` says) for the row in `row`; `w` must take this path.
-pub(crate) fn matvec_q8(
+/// `out = x · wᵀ` (or as `epilogue` says) for the row in `row`; `w` must take its form.
+pub(crate) fn matvec(
     b: &WgpuBackend,
-    row: &QuantizedRow,
+    row: &RoundedRow,
     w: &Tensor,
     out: &mut Tensor,
     epilogue: Epilogue,
@@ -125,12 +166,16 @@ pub(crate) fn matvec_q8(
             (2 + u32::from(gelu), f32_tensor(gate, "gate")?)
         }
     };
-    let kernel = b.kernel(&MATVEC1_Q8, &[("WTYPE", wtype(w.dtype())?)])?;
+    let spec = match row.form {
+        Form::Int8 => &MATVEC_Q8,
+        Form::F16 => &MATVEC_F16,
+    };
+    let kernel = b.kernel(spec, &[("WTYPE", wtype(w.dtype())?)])?;
     let rows_per_group = b.matvec_row_slots();
     for c in chunks(b, w)? {
         if c.q_base % 4 != 0 || c.m_base % 4 != 0 {
             return Err(Error::Device(format!(
-                "a chunk of {} at an offset the int8 product cannot read",
+                "a chunk of {} at an offset the item kernels cannot read",
                 w.shape()
             )));
         }
