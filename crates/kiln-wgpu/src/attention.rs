@@ -1,9 +1,14 @@
 //! Rotary embeddings and causal attention over the KV cache.
 
 use crate::elementwise::count;
-use crate::kernels::{ATTENTION, ROPE, ROPE_WRITE_KV};
+use crate::kernels::{ATTENTION, ATTENTION_TILES, ROPE, ROPE_WRITE_KV};
 use crate::{f32_tensor, i32_tensor, WgpuBackend};
 use kiln_core::{AttentionParams, Error, Result, RopeLayout, Tensor};
+
+/// Queries a workgroup of `attention_tiles` takes (shaders/attention.wgsl, `TQ`).
+const TILE_QUERIES: usize = 16;
+/// Its workgroup memory: q, k (padded) and v tiles and the scores.
+const TILES_WORKGROUP_BYTES: usize = 4 * (2048 + 2064 + 2048 + 256);
 
 pub(crate) fn rope(
     b: &WgpuBackend,
@@ -101,8 +106,19 @@ pub(crate) fn attention(
         f32_tensor(out, "attention output")?,
     ];
     let what = "attention";
-    let (groups, groups_x) = b.grid(n * heads)?;
-    let kernel = b.kernel(&ATTENTION, &[])?;
+    // Prompts: tiles of 16 queries where the heads and workgroup memory fit (the tile
+    // kernel's 25.1 KiB); decode and the rest: a workgroup a query and head.
+    let tiled = n >= TILE_QUERIES
+        && hd <= 128
+        && hd.is_multiple_of(4)
+        && b.caps.workgroup_memory as usize >= TILES_WORKGROUP_BYTES;
+    let (spec, tasks) = if tiled {
+        (&ATTENTION_TILES, n.div_ceil(TILE_QUERIES) * heads)
+    } else {
+        (&ATTENTION, n * heads)
+    };
+    let (groups, groups_x) = b.grid(tasks)?;
+    let kernel = b.kernel(spec, &[])?;
     b.stream.dispatch(
         &kernel,
         &bindings,

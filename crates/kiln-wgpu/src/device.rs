@@ -183,6 +183,8 @@ pub(crate) struct Caps {
     pub storage_align: u64,
     pub uniform_align: u64,
     pub max_groups: u32,
+    /// Bytes of workgroup memory a workgroup may use.
+    pub workgroup_memory: u32,
 }
 
 pub(crate) struct Opened {
@@ -258,6 +260,7 @@ pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
         storage_align: u64::from(limits.min_storage_buffer_offset_alignment),
         uniform_align: u64::from(limits.min_uniform_buffer_offset_alignment),
         max_groups: limits.max_compute_workgroups_per_dimension,
+        workgroup_memory: limits.max_compute_workgroup_storage_size,
     };
     Ok(Opened {
         summary,

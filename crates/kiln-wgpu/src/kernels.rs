@@ -65,8 +65,11 @@ pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
 );
 pub(crate) const GEMM: KernelSpec = spec("gemm", "gemm", &[Read, Read, Read, Write]);
 pub(crate) const SAMPLE: KernelSpec = spec("sample", "sample", &[Write, Read, Write]);
-pub(crate) const ATTENTION: KernelSpec =
-    spec("attention", "attention", &[Read, Read, Read, Read, Write]);
+/// q, k cache, v cache, positions, out.
+const ATTENTION_BINDINGS: &[Access] = &[Read, Read, Read, Read, Write];
+pub(crate) const ATTENTION: KernelSpec = spec("attention", "attention", ATTENTION_BINDINGS);
+pub(crate) const ATTENTION_TILES: KernelSpec =
+    spec("attention", "attention_tiles", ATTENTION_BINDINGS);
 
 fn source(file: &str) -> &'static str {
     match file {

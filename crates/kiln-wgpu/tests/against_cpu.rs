@@ -360,6 +360,55 @@ fn weights_past_the_binding_limit_are_bound_in_chunks() {
     }
 }
 
+/// Prompt attention (tiles of 16 queries) against the CPU: a partial last tile, heads of
+/// 64, 96 and 128 dimensions, grouped KV heads, positions past the start of the cache, a
+/// window and a softcap.
+#[test]
+fn prompt_attention_in_tiles() {
+    for g in devices() {
+        let c = CpuBackend::new(Some(2)).unwrap();
+        let mut rng = StdRng::seed_from_u64(21);
+        for hd in [64usize, 96, 128] {
+            let (n, heads, kvh, cap) = (37usize, 4usize, 2usize, 90usize);
+            let qv = random(n * heads * hd, &mut rng, 1.0);
+            let kv = random(cap * kvh * hd, &mut rng, 1.0);
+            let vv = random(cap * kvh * hd, &mut rng, 1.0);
+            let positions: Vec<i32> = (40..40 + n as i32).collect();
+            for params in [
+                AttentionParams {
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    softcap: None,
+                    window: None,
+                },
+                AttentionParams {
+                    scale: 0.2,
+                    softcap: Some(3.0),
+                    window: Some(21),
+                },
+            ] {
+                let mut outs = Vec::new();
+                for b in [&g as &dyn Backend, &c] {
+                    let q = upload(b, DType::F32, &[n, heads, hd], &qv);
+                    let kc = upload(b, DType::F32, &[cap, kvh, hd], &kv);
+                    let vc = upload(b, DType::F32, &[cap, kvh, hd], &vv);
+                    let pos = ints(b, &positions);
+                    let mut out = b
+                        .zeros(DType::F32, Shape::new(vec![n, heads, hd]).unwrap())
+                        .unwrap();
+                    b.attention(&q, &kc, &vc, &pos, &params, &mut out).unwrap();
+                    outs.push(read(b, &out));
+                }
+                close(
+                    &outs[0],
+                    &outs[1],
+                    2e-5,
+                    &format!("prompt attention hd={hd}"),
+                );
+            }
+        }
+    }
+}
+
 /// The fused ops the wgpu backend overrides against the CPU's plain sequences.
 #[test]
 fn fused_ops_match_the_plain_sequences() {
