@@ -2,8 +2,8 @@
 // quantize_row.wgsl to the type the weight's items meet it in (matvec_q8.wgsl: int8 for
 // the quantized types; matvec_f16.wgsl: f16 for F16 weights), and the format's file
 // declares x (`xq`, binding 0) and the weight's quants (`wq`, binding 1) as arrays of
-// 16-byte items and gives `items_per_row` and `item_dot`. Each lane takes items of a row, neighbouring lanes
-// neighbouring items, so that a subgroup reads whole lines.
+// 16-byte items and gives `items_per_row` and `item_dot`. Each lane takes items of a row,
+// neighbouring lanes neighbouring items, so that a subgroup reads whole lines.
 
 // A row a row slot; four items in flight a lane (independent loads: one outstanding load
 // a lane leaves HBM mostly idle).
