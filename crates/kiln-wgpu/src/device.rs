@@ -22,6 +22,9 @@ pub struct AdapterSummary {
     pub max_binding: u64,
     pub max_buffer: u64,
     pub workgroup_memory: u32,
+    /// The cooperative-matrix (tensor core) shapes wgpu offers on this adapter, as
+    /// "MxNxK a->c"; empty when it offers none (wgpu 30 takes only 8×8 f32 on Vulkan).
+    pub cooperative_matrices: Vec<String>,
 }
 
 impl AdapterSummary {
@@ -48,6 +51,22 @@ impl AdapterSummary {
             max_binding: limits.max_storage_buffer_binding_size,
             max_buffer: limits.max_buffer_size,
             workgroup_memory: limits.max_compute_workgroup_storage_size,
+            cooperative_matrices: if features
+                .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+            {
+                adapter
+                    .cooperative_matrix_properties()
+                    .iter()
+                    .map(|p| {
+                        format!(
+                            "{}x{}x{} {:?}->{:?}",
+                            p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type
+                        )
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
         }
     }
 
@@ -75,7 +94,7 @@ impl fmt::Display for AdapterSummary {
         let mib = |b: u64| b >> 20;
         write!(
             f,
-            "wgpu:{}  {} ({}, {kind}, driver {})\n    subgroups: {}, shader-f16: {}, timestamps: {}, pipeline cache: {}\n    max binding {} MiB, max buffer {} MiB, workgroup memory {} KiB",
+            "wgpu:{}  {} ({}, {kind}, driver {})\n    subgroups: {}, shader-f16: {}, timestamps: {}, pipeline cache: {}\n    max binding {} MiB, max buffer {} MiB, workgroup memory {} KiB\n    cooperative matrices: {}",
             self.index,
             self.name,
             self.backend,
@@ -91,6 +110,11 @@ impl fmt::Display for AdapterSummary {
             mib(self.max_binding),
             mib(self.max_buffer),
             self.workgroup_memory / 1024,
+            if self.cooperative_matrices.is_empty() {
+                "none".to_string()
+            } else {
+                self.cooperative_matrices.join(", ")
+            },
         )
     }
 }
@@ -144,6 +168,9 @@ pub struct Options {
     pub subgroups: bool,
     /// f16 arithmetic (`SHADER_F16`) in the kernels that have an f16 form.
     pub f16: bool,
+    /// Cooperative matrices (tensor cores: wgpu's experimental feature) for prompts'
+    /// products, where the adapter offers 16×16×16 f16 products into f32.
+    pub cooperative_matrices: bool,
 }
 
 impl Default for Options {
@@ -152,18 +179,20 @@ impl Default for Options {
         Options {
             subgroups: true,
             f16: true,
+            cooperative_matrices: true,
         }
     }
 }
 
 impl Options {
-    /// Everything the adapter has, less what `KILN_WGPU_NO_SUBGROUPS=1` and
-    /// `KILN_WGPU_NO_F16=1` turn off.
+    /// Everything the adapter has, less what `KILN_WGPU_NO_SUBGROUPS=1`,
+    /// `KILN_WGPU_NO_F16=1` and `KILN_WGPU_NO_COOP=1` turn off.
     pub fn from_env() -> Self {
         let off = |name: &str| std::env::var_os(name).is_some_and(|v| v == "1");
         Options {
             subgroups: !off("KILN_WGPU_NO_SUBGROUPS"),
             f16: !off("KILN_WGPU_NO_F16"),
+            cooperative_matrices: !off("KILN_WGPU_NO_COOP"),
         }
     }
 }
@@ -177,6 +206,9 @@ pub(crate) struct Caps {
     pub subgroup_max: u32,
     /// f16 arithmetic in shaders (`enable f16;`).
     pub f16: bool,
+    /// 16×16×16 f16 cooperative matrices into f32, in subgroups of 32
+    /// (`enable wgpu_cooperative_matrix;`).
+    pub cooperative_matrices: bool,
     pub timestamps: bool,
     pub max_binding: u64,
     pub max_buffer: u64,
@@ -228,6 +260,18 @@ pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
     if f16 {
         wanted |= wgpu::Features::SHADER_F16;
     }
+    // The tensor-core GEMM takes 16×16×16 f16 products into f32, a subgroup of 32 lanes
+    // each (8 in a workgroup of 256).
+    let cooperative_matrices = options.cooperative_matrices
+        && f16
+        && summary.subgroup_sizes == (32, 32)
+        && summary
+            .cooperative_matrices
+            .iter()
+            .any(|c| c == "16x16x16 F16->F32");
+    if cooperative_matrices {
+        wanted |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+    }
     for optional in [
         wgpu::Features::TIMESTAMP_QUERY,
         wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES,
@@ -242,6 +286,14 @@ pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
         label: Some("kiln"),
         required_features: wanted,
         required_limits: limits.clone(),
+        // SAFETY: of the experimental features only cooperative matrices are asked for,
+        // and only by gemm_coop.wgsl, which the op tests check against the CPU on every
+        // adapter that offers them; KILN_WGPU_NO_COOP=1 turns them off.
+        experimental_features: if cooperative_matrices {
+            unsafe { wgpu::ExperimentalFeatures::enabled() }
+        } else {
+            wgpu::ExperimentalFeatures::disabled()
+        },
         ..Default::default()
     };
     let (device, queue) = pollster::block_on(adapter.request_device(&desc)).map_err(|e| {
@@ -254,6 +306,7 @@ pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
         subgroups,
         subgroup_max: summary.subgroup_sizes.1.max(4),
         f16,
+        cooperative_matrices,
         timestamps: wanted.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
         max_binding: limits.max_storage_buffer_binding_size,
         max_buffer: limits.max_buffer_size,

@@ -64,6 +64,7 @@ pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
     &[Write, Write, Read, Read, Read, Write, Write],
 );
 pub(crate) const GEMM: KernelSpec = spec("gemm", "gemm", &[Read, Read, Read, Write]);
+pub(crate) const GEMM_COOP: KernelSpec = spec("gemm_coop", "gemm_coop", &[Read, Read, Read, Write]);
 pub(crate) const SAMPLE: KernelSpec = spec("sample", "sample", &[Write, Read, Write]);
 /// q, k cache, v cache, positions, out.
 const ATTENTION_BINDINGS: &[Access] = &[Read, Read, Read, Read, Write];
@@ -71,55 +72,82 @@ pub(crate) const ATTENTION: KernelSpec = spec("attention", "attention", ATTENTIO
 pub(crate) const ATTENTION_TILES: KernelSpec =
     spec("attention", "attention_tiles", ATTENTION_BINDINGS);
 
+/// Every shader file with kernels: its name and text.
+const SHADERS: &[(&str, &str)] = &[
+    ("elementwise", include_str!("shaders/elementwise.wgsl")),
+    ("gated", include_str!("shaders/gated.wgsl")),
+    ("rows", include_str!("shaders/rows.wgsl")),
+    ("softmax", include_str!("shaders/softmax.wgsl")),
+    ("argmax", include_str!("shaders/argmax.wgsl")),
+    ("rope", include_str!("shaders/rope.wgsl")),
+    ("rope_kv", include_str!("shaders/rope_kv.wgsl")),
+    ("norm", include_str!("shaders/norm.wgsl")),
+    ("embedding", include_str!("shaders/embedding.wgsl")),
+    ("matvec", include_str!("shaders/matvec.wgsl")),
+    ("matvec_q8", include_str!("shaders/matvec_q8.wgsl")),
+    ("matvec_f16", include_str!("shaders/matvec_f16.wgsl")),
+    ("quantize_row", include_str!("shaders/quantize_row.wgsl")),
+    ("gemm", include_str!("shaders/gemm.wgsl")),
+    ("gemm_coop", include_str!("shaders/gemm_coop.wgsl")),
+    ("attention", include_str!("shaders/attention.wgsl")),
+    ("sample", include_str!("shaders/sample.wgsl")),
+];
+
 fn source(file: &str) -> &'static str {
-    match file {
-        "elementwise" => include_str!("shaders/elementwise.wgsl"),
-        "gated" => include_str!("shaders/gated.wgsl"),
-        "rows" => include_str!("shaders/rows.wgsl"),
-        "softmax" => include_str!("shaders/softmax.wgsl"),
-        "argmax" => include_str!("shaders/argmax.wgsl"),
-        "rope" => include_str!("shaders/rope.wgsl"),
-        "rope_kv" => include_str!("shaders/rope_kv.wgsl"),
-        "norm" => include_str!("shaders/norm.wgsl"),
-        "embedding" => include_str!("shaders/embedding.wgsl"),
-        "matvec" => include_str!("shaders/matvec.wgsl"),
-        "matvec_q8" => include_str!("shaders/matvec_q8.wgsl"),
-        "matvec_f16" => include_str!("shaders/matvec_f16.wgsl"),
-        "quantize_row" => include_str!("shaders/quantize_row.wgsl"),
-        "gemm" => include_str!("shaders/gemm.wgsl"),
-        "attention" => include_str!("shaders/attention.wgsl"),
-        "sample" => include_str!("shaders/sample.wgsl"),
-        other => unreachable!("no shader file {other}"),
-    }
+    SHADERS
+        .iter()
+        .find(|(name, _)| *name == file)
+        .map(|(_, text)| *text)
+        .unwrap_or_else(|| unreachable!("no shader file {file}"))
+}
+
+/// The WGSL of shader file `file` as a module: the extensions it enables, the reductions
+/// (`subgroups` or workgroup memory), the helpers every kernel shares, and what the kernels
+/// reading weights share.
+fn module_source(file: &str, subgroups: bool) -> String {
+    let reduce = if subgroups {
+        REDUCE_SUBGROUP
+    } else {
+        REDUCE_WORKGROUP
+    };
+    // The kernels that read weights share their parameters and scales, and those that
+    // read them a word at a time the decoding; the matrix-vector kernels share what a
+    // result becomes, the float ones x and the fused norm.
+    let shared: &[&str] = match file {
+        "matvec" => &[WPARAMS, WEIGHTS, EPILOGUE, MATVEC_IO],
+        "matvec_q8" | "matvec_f16" => &[WPARAMS, EPILOGUE, MATVEC_ITEMS],
+        "gemm" | "gemm_coop" | "embedding" => &[WPARAMS, WEIGHTS],
+        _ => &[],
+    };
+    // f16 arithmetic and cooperative matrices are WGSL extensions, declared before
+    // anything else.
+    let enable = match file {
+        "matvec_f16" => "enable f16;\n",
+        "gemm_coop" => "enable f16;\nenable wgpu_cooperative_matrix;\n",
+        _ => "",
+    };
+    format!(
+        "{enable}{reduce}\n{COMMON}\n{}\n{}",
+        shared.join("\n"),
+        source(file)
+    )
 }
 
 /// Every shader file, for the pipeline cache's key.
-pub(crate) const ALL_SOURCES: &[&str] = &[
-    COMMON,
-    WPARAMS,
-    WEIGHTS,
-    EPILOGUE,
-    MATVEC_IO,
-    REDUCE_SUBGROUP,
-    REDUCE_WORKGROUP,
-    include_str!("shaders/elementwise.wgsl"),
-    include_str!("shaders/gated.wgsl"),
-    include_str!("shaders/rows.wgsl"),
-    include_str!("shaders/rope.wgsl"),
-    include_str!("shaders/rope_kv.wgsl"),
-    include_str!("shaders/norm.wgsl"),
-    include_str!("shaders/softmax.wgsl"),
-    include_str!("shaders/argmax.wgsl"),
-    include_str!("shaders/embedding.wgsl"),
-    include_str!("shaders/matvec.wgsl"),
-    include_str!("shaders/matvec_q8.wgsl"),
-    include_str!("shaders/matvec_f16.wgsl"),
-    MATVEC_ITEMS,
-    include_str!("shaders/quantize_row.wgsl"),
-    include_str!("shaders/gemm.wgsl"),
-    include_str!("shaders/attention.wgsl"),
-    include_str!("shaders/sample.wgsl"),
-];
+pub(crate) fn all_sources() -> Vec<&'static str> {
+    let mut all = vec![
+        COMMON,
+        WPARAMS,
+        WEIGHTS,
+        EPILOGUE,
+        MATVEC_IO,
+        MATVEC_ITEMS,
+        REDUCE_SUBGROUP,
+        REDUCE_WORKGROUP,
+    ];
+    all.extend(SHADERS.iter().map(|(_, text)| *text));
+    all
+}
 
 const COMMON: &str = include_str!("shaders/common.wgsl");
 const WPARAMS: &str = include_str!("shaders/wparams.wgsl");
@@ -261,31 +289,7 @@ impl Kernels {
         if let Some(m) = self.modules.lock().unwrap().get(file) {
             return Ok(m.clone());
         }
-        let reduce = if self.caps.subgroups {
-            REDUCE_SUBGROUP
-        } else {
-            REDUCE_WORKGROUP
-        };
-        // The kernels that read weights share their parameters and scales, and those that
-        // read them a word at a time the decoding; the matrix-vector kernels share what a
-        // result becomes, the float ones x and the fused norm.
-        let shared: &[&str] = match file {
-            "matvec" => &[WPARAMS, WEIGHTS, EPILOGUE, MATVEC_IO],
-            "matvec_q8" | "matvec_f16" => &[WPARAMS, EPILOGUE, MATVEC_ITEMS],
-            "gemm" | "embedding" => &[WPARAMS, WEIGHTS],
-            _ => &[],
-        };
-        // f16 arithmetic is a WGSL extension, declared before anything else.
-        let enable = if file == "matvec_f16" {
-            "enable f16;\n"
-        } else {
-            ""
-        };
-        let text = format!(
-            "{enable}{reduce}\n{COMMON}\n{}\n{}",
-            shared.join("\n"),
-            source(file)
-        );
+        let text = module_source(file, self.caps.subgroups);
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(file),
@@ -310,5 +314,30 @@ impl Kernels {
         }
         self.modules.lock().unwrap().insert(file, module.clone());
         Ok(module)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wgpu::naga;
+
+    /// Every module parses and validates with naga, with both reductions, whatever this
+    /// machine's adapter can run (the f16 and cooperative-matrix kernels included).
+    #[test]
+    fn every_shader_module_validates() {
+        for (file, _) in SHADERS {
+            for subgroups in [true, false] {
+                let text = module_source(file, subgroups);
+                let module = naga::front::wgsl::parse_str(&text)
+                    .unwrap_or_else(|e| panic!("{file}.wgsl: {}", e.emit_to_string(&text)));
+                naga::valid::Validator::new(
+                    naga::valid::ValidationFlags::all(),
+                    naga::valid::Capabilities::all(),
+                )
+                .validate(&module)
+                .unwrap_or_else(|e| panic!("{file}.wgsl (subgroups {subgroups}): {e:?}"));
+            }
+        }
     }
 }

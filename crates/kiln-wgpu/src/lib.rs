@@ -56,7 +56,7 @@ impl WgpuBackend {
     pub fn with_options(index: usize, options: Options) -> Result<Self> {
         let opened = device::open(index, options)?;
         let info = opened.adapter.get_info();
-        let mut sources = kernels::ALL_SOURCES.to_vec();
+        let mut sources = kernels::all_sources();
         sources.push(&info.driver);
         sources.push(&info.driver_info);
         let cache = pipeline_cache::open(
@@ -97,6 +97,11 @@ impl WgpuBackend {
     /// Whether the kernels with an f16 form use it (false: f32 arithmetic).
     pub fn uses_f16(&self) -> bool {
         self.caps.f16
+    }
+
+    /// Whether prompts' products run on cooperative matrices (tensor cores) in f16.
+    pub fn uses_cooperative_matrices(&self) -> bool {
+        self.caps.cooperative_matrices
     }
 
     fn kernel(&self, spec: &KernelSpec, constants: &[(&str, f64)]) -> Result<Arc<kernels::Kernel>> {

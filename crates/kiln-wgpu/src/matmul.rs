@@ -6,7 +6,7 @@
 //! down to the adapter's alignment and the shader steps over the difference.
 
 use crate::elementwise::count;
-use crate::kernels::{EMBEDDING, GEMM, MATVEC, MATVEC1};
+use crate::kernels::{EMBEDDING, GEMM, GEMM_COOP, MATVEC, MATVEC1};
 use crate::rounded_row;
 use crate::stream::Binding;
 use crate::{f32_tensor, i32_tensor, storage, WgpuBackend};
@@ -211,6 +211,7 @@ pub(crate) fn matmul(
     let spec = match n {
         1 if k.is_multiple_of(4) => &MATVEC1,
         _ if small => &MATVEC,
+        _ if b.caps.cooperative_matrices => &GEMM_COOP,
         _ => &GEMM,
     };
     let kernel = b.kernel(spec, &constants)?;

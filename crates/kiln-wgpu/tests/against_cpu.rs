@@ -6,9 +6,10 @@ use kiln_wgpu::{Options, WgpuBackend};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// The first adapter with all it has (subgroups, f16 where it has them) and on the
-/// portable paths (workgroup-memory reductions, f32 arithmetic); none when this machine
-/// has no adapter and `KILN_REQUIRE_WGPU=1` is not set.
+/// The first adapter with all it has (subgroups, f16, cooperative matrices where it has
+/// them) and on the portable paths (workgroup-memory reductions, f32 arithmetic, the
+/// tiled GEMM); none when this machine has no adapter and `KILN_REQUIRE_WGPU=1` is not
+/// set.
 fn devices() -> Vec<WgpuBackend> {
     if !kiln_wgpu::adapter_for_tests() {
         return Vec::new();
@@ -19,6 +20,7 @@ fn devices() -> Vec<WgpuBackend> {
             let options = Options {
                 subgroups: all,
                 f16: all,
+                cooperative_matrices: all,
             };
             WgpuBackend::with_options(0, options).unwrap()
         })
@@ -76,11 +78,15 @@ enum Rounding {
     Int8,
     /// f16, 8-product sums in f16: F16 weights where the device has f16 arithmetic.
     F16,
+    /// x and the weights rounded to f16, products summed in f32: prompts on cooperative
+    /// matrices (tensor cores).
+    BothF16,
 }
 
 /// How one row of x (`n` rows) by a `dtype` weight of rows of `k` is rounded on `g`.
 fn rounding(g: &WgpuBackend, dtype: DType, n: usize, k: usize) -> Rounding {
     match dtype {
+        _ if n > 8 && g.uses_cooperative_matrices() => Rounding::BothF16,
         _ if n != 1 => Rounding::None,
         DType::F16 if g.uses_f16() && k.is_multiple_of(8) => Rounding::F16,
         d if d.block_size() > 1 => Rounding::Int8,
@@ -93,7 +99,9 @@ fn rounding(g: &WgpuBackend, dtype: DType, n: usize, k: usize) -> Rounding {
 /// with those values; the slack allows f32 rounding of the sum and three values rounded
 /// the other way (the shader's 1/scale may be off by an ulp), far below one 32-value
 /// block's share of the sum. For f16, x rounded to f16 and each 8-product sum in f16: at
-/// most ~3 f16 ulps (2^-11) of that item's magnitude.
+/// most ~3 f16 ulps (2^-11) of that item's magnitude. For both in f16, the products are
+/// exact in f32 and the tensor cores' f32 sums may round a little coarser than IEEE
+/// (1e-4 of the magnitude).
 fn reference_dot(w: &[f32], x: &[f32], rounding: Rounding) -> (f64, f64) {
     let (mut dot, mut mag, mut flip) = (0f64, 0f64, 0f64);
     for (j, (&wj, &xj)) in w.iter().zip(x).enumerate() {
@@ -105,10 +113,14 @@ fn reference_dot(w: &[f32], x: &[f32], rounding: Rounding) -> (f64, f64) {
                 flip = flip.max((wj as f64 * d as f64).abs());
                 (xj * inv).round_ties_even() as f64 * d as f64
             }
-            Rounding::F16 => half::f16::from_f32(xj).to_f64(),
+            Rounding::F16 | Rounding::BothF16 => half::f16::from_f32(xj).to_f64(),
             Rounding::None => xj as f64,
         };
-        let p = wj as f64 * xv;
+        let wv = match rounding {
+            Rounding::BothF16 => half::f16::from_f32(wj).to_f64(),
+            _ => wj as f64,
+        };
+        let p = wv * xv;
         dot += p;
         mag += p.abs();
     }
@@ -117,7 +129,12 @@ fn reference_dot(w: &[f32], x: &[f32], rounding: Rounding) -> (f64, f64) {
     } else {
         0.0
     };
-    (dot, 1e-5 * mag + 3.0 * flip + f16_sums + 1e-6)
+    let sums = if rounding == Rounding::BothF16 {
+        1e-4
+    } else {
+        1e-5
+    };
+    (dot, sums * mag + 3.0 * flip + f16_sums + 1e-6)
 }
 
 #[test]
@@ -676,6 +693,44 @@ fn one_row_products_at_model_widths() {
                     1e-3,
                     &format!("{dtype} k={k} fused"),
                 );
+            }
+        }
+    }
+}
+
+/// Prompt products (the tiled GEMM, or cooperative matrices where the adapter has them) at
+/// a model's width, with partial tiles in both directions and the residual add.
+#[test]
+fn prompt_products_at_model_widths() {
+    for g in devices() {
+        let mut rng = StdRng::seed_from_u64(23);
+        for dtype in [DType::F16, DType::Q8_0, DType::Q4_K] {
+            let (n, m, k) = (77usize, 300usize, 2048usize);
+            let wv = random(m * k, &mut rng, 1.0);
+            let xv = random(n * k, &mut rng, 1.0);
+            let av = random(n * m, &mut rng, 1.0);
+            let w = upload(&g, dtype, &[m, k], &wv);
+            let x = upload(&g, DType::F32, &[n, k], &xv);
+            let mut acc = upload(&g, DType::F32, &[n, m], &av);
+            let mut tmp = g
+                .zeros(DType::F32, Shape::new(vec![n, m]).unwrap())
+                .unwrap();
+            g.matmul_add(&x, &w, &mut acc, &mut tmp).unwrap();
+            let got = read(&g, &acc);
+            let wd = quant::dequantize_to_vec(dtype, &quant::quantize(dtype, &wv).unwrap(), m * k)
+                .unwrap();
+            let rounded = rounding(&g, dtype, n, k);
+            for t in 0..n {
+                for r in 0..m {
+                    let (dot, tol) = reference_dot(&wd[r * k..][..k], &xv[t * k..][..k], rounded);
+                    let a = av[t * m + r] as f64;
+                    let v = got[t * m + r] as f64;
+                    assert!(
+                        (v - a - dot).abs() <= tol + 1e-5 * a.abs(),
+                        "{dtype} [{t},{r}]: {v} vs {}",
+                        a + dot
+                    );
+                }
             }
         }
     }
