@@ -107,12 +107,15 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
     };
     let mut cache = model.new_cache(ctx)?;
     let mut rows = Vec::new();
+    // Every run's wall time, warm-ups included, to set the kernel profile against.
+    let mut wall_ms = 0.0;
     if b.prompt > 0 {
         let ids: Vec<u32> = (0..b.prompt).map(|_| token()).collect();
         let mut speeds = Vec::new();
         for rep in 0..=b.reps {
             let t = Instant::now();
             model.forward_argmax(&ids, 0, &mut cache)?;
+            wall_ms += t.elapsed().as_secs_f64() * 1e3;
             if rep > 0 {
                 speeds.push(b.prompt as f64 / t.elapsed().as_secs_f64());
             }
@@ -135,6 +138,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             for pos in 0..b.gen {
                 next = model.forward_argmax(&[next], pos, &mut cache)?;
             }
+            wall_ms += t.elapsed().as_secs_f64() * 1e3;
             if rep > 0 {
                 speeds.push(b.gen as f64 / t.elapsed().as_secs_f64());
             }
@@ -172,6 +176,9 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
         // Kernel times of every run above, warm-ups included (`-p 0` for decode alone).
         if let Some(kernels) = profiled.kernel_profile() {
             out += "\n| kernel | calls | total ms | µs per call |\n|---|---:|---:|---:|\n";
+            let (calls, ms) = kernels
+                .iter()
+                .fold((0, 0.0), |(c, t), k| (c + k.calls, t + k.total_ms));
             for k in kernels {
                 out += &format!(
                     "| {} | {} | {:.2} | {:.2} |\n",
@@ -181,6 +188,9 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
                     1e3 * k.total_ms / k.calls.max(1) as f64
                 );
             }
+            // Against the runs' own time: what is left went between the kernels.
+            out += &format!("| all kernels | {calls} | {ms:.2} | |\n");
+            out += &format!("| all runs (wall) | | {wall_ms:.2} | |\n");
         }
         out
     })

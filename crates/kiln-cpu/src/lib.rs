@@ -32,6 +32,7 @@ mod kgemm;
 mod matmul;
 mod norm;
 mod pool;
+mod profile;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
 mod qgemm;
 mod quantize;
@@ -39,14 +40,17 @@ mod rope;
 mod storage;
 
 use pool::Pool;
+use profile::Profile;
 pub use storage::CpuStorage;
 
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, HostBytes, Result, RopeLayout, Shape, Tensor,
+    AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime, Result, RopeLayout,
+    Shape, Tensor,
 };
 
 pub struct CpuBackend {
     pool: Pool,
+    profile: Profile,
 }
 
 impl CpuBackend {
@@ -57,6 +61,7 @@ impl CpuBackend {
             threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         Ok(CpuBackend {
             pool: Pool::new(threads)?,
+            profile: Profile::from_env(),
         })
     }
 
@@ -154,6 +159,31 @@ pub(crate) fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
     Ok(())
 }
 
+/// A product's profile label: weight type and shape, and whether it is decode's one row.
+fn matmul_label(x: &Tensor, w: &Tensor) -> String {
+    let rows = if x.shape().rows() == 1 {
+        "1 row"
+    } else {
+        "rows"
+    };
+    format!(
+        "matmul {} {}x{} ({rows})",
+        w.dtype(),
+        w.shape().rows(),
+        w.shape().row_len()
+    )
+}
+
+/// An op's profile label, telling decode's one row from a prompt's many.
+fn rows_label(op: &str, x: &Tensor) -> String {
+    let rows = if x.shape().rows() == 1 {
+        "1 row"
+    } else {
+        "rows"
+    };
+    format!("{op} ({rows})")
+}
+
 impl Backend for CpuBackend {
     fn device(&self) -> Device {
         Device::Cpu
@@ -222,15 +252,24 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
-        matmul::matmul(&self.pool, x, w, out)
+        self.profile.time(
+            || matmul_label(x, w),
+            || matmul::matmul(&self.pool, x, w, out),
+        )
     }
 
     fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
-        elementwise::embedding(table, ids, out)
+        self.profile.time(
+            || "embedding".into(),
+            || elementwise::embedding(table, ids, out),
+        )
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
-        norm::rms_norm(&self.pool, x, weight, eps, out)
+        self.profile.time(
+            || "rms_norm".into(),
+            || norm::rms_norm(&self.pool, x, weight, eps, out),
+        )
     }
 
     fn layer_norm(
@@ -241,11 +280,15 @@ impl Backend for CpuBackend {
         eps: f32,
         out: &mut Tensor,
     ) -> Result<()> {
-        norm::layer_norm(&self.pool, x, weight, bias, eps, out)
+        self.profile.time(
+            || "layer_norm".into(),
+            || norm::layer_norm(&self.pool, x, weight, bias, eps, out),
+        )
     }
 
     fn softmax(&self, x: &mut Tensor) -> Result<()> {
-        norm::softmax(&self.pool, x)
+        self.profile
+            .time(|| "softmax".into(), || norm::softmax(&self.pool, x))
     }
 
     fn rope(
@@ -255,50 +298,84 @@ impl Backend for CpuBackend {
         inv_freq: &Tensor,
         layout: RopeLayout,
     ) -> Result<()> {
-        rope::rope(x, pos, inv_freq, layout)
+        self.profile
+            .time(|| "rope".into(), || rope::rope(x, pos, inv_freq, layout))
     }
 
     fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
-        elementwise::broadcast_assign(acc, x, "add", |a, b| *a += b)
+        self.profile.time(
+            || "add_assign".into(),
+            || elementwise::broadcast_assign(acc, x, "add", |a, b| *a += b),
+        )
     }
 
     fn mul_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
-        elementwise::broadcast_assign(acc, x, "mul", |a, b| *a *= b)
+        self.profile.time(
+            || "mul_assign".into(),
+            || elementwise::broadcast_assign(acc, x, "mul", |a, b| *a *= b),
+        )
     }
 
     fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
-        f32s_mut(x)?.iter_mut().for_each(|v| *v *= s);
-        Ok(())
+        self.profile.time(
+            || "scale".into(),
+            || {
+                f32s_mut(x)?.iter_mut().for_each(|v| *v *= s);
+                Ok(())
+            },
+        )
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
-        elementwise::silu_mul(&self.pool, gate, up, out)
+        self.profile.time(
+            || "silu_mul".into(),
+            || elementwise::silu_mul(&self.pool, gate, up, out),
+        )
     }
 
     fn gelu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
-        elementwise::gated(&self.pool, gate, up, out, "gelu_mul", elementwise::gelu)
+        self.profile.time(
+            || "gelu_mul".into(),
+            || elementwise::gated(&self.pool, gate, up, out, "gelu_mul", elementwise::gelu),
+        )
     }
 
     fn gelu(&self, x: &mut Tensor) -> Result<()> {
-        f32s_mut(x)?
-            .iter_mut()
-            .for_each(|v| *v = elementwise::gelu(*v));
-        Ok(())
+        self.profile.time(
+            || "gelu".into(),
+            || {
+                f32s_mut(x)?
+                    .iter_mut()
+                    .for_each(|v| *v = elementwise::gelu(*v));
+                Ok(())
+            },
+        )
     }
 
     fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
-        f32s_mut(x)?
-            .iter_mut()
-            .for_each(|v| *v = cap * (*v / cap).tanh());
-        Ok(())
+        self.profile.time(
+            || "softcap".into(),
+            || {
+                f32s_mut(x)?
+                    .iter_mut()
+                    .for_each(|v| *v = cap * (*v / cap).tanh());
+                Ok(())
+            },
+        )
     }
 
     fn write_rows(&self, src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()> {
-        elementwise::write_rows(src, dst, pos)
+        self.profile.time(
+            || "write_rows".into(),
+            || elementwise::write_rows(src, dst, pos),
+        )
     }
 
     fn slice_cols(&self, src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()> {
-        elementwise::slice_cols(src, col0, dst)
+        self.profile.time(
+            || "slice_cols".into(),
+            || elementwise::slice_cols(src, col0, dst),
+        )
     }
 
     fn attention(
@@ -310,10 +387,18 @@ impl Backend for CpuBackend {
         params: &AttentionParams,
         out: &mut Tensor,
     ) -> Result<()> {
-        attention::attention(&self.pool, q, k_cache, v_cache, pos, params, out)
+        self.profile.time(
+            || rows_label("attention", q),
+            || attention::attention(&self.pool, q, k_cache, v_cache, pos, params, out),
+        )
+    }
+
+    fn kernel_profile(&self) -> Option<Vec<KernelTime>> {
+        self.profile.report()
     }
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
-        elementwise::argmax(x, out)
+        self.profile
+            .time(|| "argmax".into(), || elementwise::argmax(x, out))
     }
 }

@@ -194,7 +194,7 @@ pub(crate) fn matmul_q8<W: Block>(
         sums
     };
     if n == 1 {
-        by_groups(pool, out, m, |r| group(r, 0));
+        by_groups::<ROWS>(pool, out, m, |r| group(r, 0));
     } else {
         by_groups_batched(pool, out, n, m, group);
     }
@@ -215,7 +215,7 @@ pub(super) fn matvec_float<W: Float>(pool: &Pool, w: &[W], x: &[f32], out: &mut 
     assert!(crate::dot::isa() == crate::dot::Isa::Avx2, "needs AVX2");
     let k = x.len();
     assert!(w.len() >= m * k && out.len() >= m);
-    by_groups(pool, out, m, |r| {
+    by_groups::<ROWS>(pool, out, m, |r| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the ISA asserted above has AVX2, FMA and F16C.
         return unsafe { x86::rows_float(r.map(|r| &w[r * k..][..k]), x) };
@@ -243,7 +243,7 @@ fn matmul_k<W: Sync>(
         unsafe { rows_fn(r.map(|r| &w[r * nb..][..nb]), &x[i * nb..][..nb]) }
     };
     if n == 1 {
-        by_groups(pool, out, m, |r| group(r, 0));
+        by_groups::<ROWS>(pool, out, m, |r| group(r, 0));
     } else {
         by_groups_batched(pool, out, n, m, group);
     }

@@ -71,7 +71,7 @@ pub(crate) fn matvec<W: FloatWeight + avx2::Float>(
     assert!(available(), "matvec kernel needs AVX-512");
     let k = x.len();
     assert!(w.len() >= m * k && out.len() >= m);
-    by_groups(pool, out, m, |r| {
+    by_groups::<ROWS>(pool, out, m, |r| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL, AVX2, FMA and F16C
         // were detected.

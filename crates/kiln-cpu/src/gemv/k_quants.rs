@@ -169,7 +169,7 @@ pub(crate) fn matvec_q4k(pool: &Pool, w: &[BlockQ4K], x: &[BlockQ8K], out: &mut 
     let nb = x.len();
     assert!(w.len() >= m * nb && out.len() >= m);
     let prepared = prepare_q4k(x);
-    by_groups(pool, out, m, |r| {
+    by_groups::<ROWS>(pool, out, m, |r| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2, FMA and
         // F16C were detected.
@@ -188,7 +188,7 @@ pub(crate) fn matvec_q6k(pool: &Pool, w: &[BlockQ6K], x: &[BlockQ8K], out: &mut 
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = x.len();
     assert!(w.len() >= m * nb && out.len() >= m);
-    by_groups(pool, out, m, |r| {
+    by_groups::<ROWS>(pool, out, m, |r| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `matvec_q4k`.
         return unsafe { x86::rows_q6k(r.map(|r| &w[r * nb..][..nb]), x) };
