@@ -2,12 +2,14 @@
 //! llama.cpp's `llama-server`, vLLM) on this machine. For each concurrency level, that many
 //! clients stream `/v1/completions` requests back to back (prompts of a set length sharing a
 //! prefix, a set number of tokens out with `ignore_eos`), bounded in requests and in time.
-//! It prints output tok/s, per-user tok/s, time to first token and inter-token latency, as a
+//! It prints output tok/s, per-user tok/s (its tokens over the time from request to last
+//! token), time to first token and inter-token latency (per request: its mean gap), as a
 //! table and as one JSON line.
 
 use crate::console::{CliResult, Failure};
 use kiln_core::Error;
 use serde_json::{json, Value};
+use std::io::Write;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
@@ -49,11 +51,17 @@ const MAX_TOKENS: usize = 1 << 20;
 /// What one request saw.
 struct Sample {
     ttft: Duration,
-    /// Between consecutive chunks that carried text.
-    gaps: Vec<Duration>,
     tokens: usize,
     /// From the first token to the last.
     decode: Duration,
+}
+
+impl Sample {
+    /// The mean time between its tokens. Per request rather than per event: several
+    /// events often arrive in one read, and the gaps inside a read say nothing.
+    fn inter_token(&self) -> Option<Duration> {
+        (self.tokens > 1).then(|| self.decode / (self.tokens as u32 - 1))
+    }
 }
 
 struct Level {
@@ -96,8 +104,9 @@ pub fn run(a: BenchServeArgs) -> CliResult {
         .build()
         .map_err(|e| Error::io("starting the load generator's runtime", e))?;
     let levels = runtime.block_on(sweep(&a))?;
-    println!("{}", table(&a, &levels));
-    println!("{}", to_json(&a, &levels));
+    // A closed stdout (`| head`) is not worth a panic.
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{}\n{}", table(&a, &levels), to_json(&a, &levels));
     Ok(())
 }
 
@@ -245,7 +254,6 @@ async fn one_request(req: reqwest::RequestBuilder) -> Option<Sample> {
     }
     let mut buf = String::new();
     let (mut first, mut last) = (None::<Instant>, None::<Instant>);
-    let mut gaps = Vec::new();
     let mut tokens = 0;
     while let Some(chunk) = r.chunk().await.ok()? {
         buf.push_str(&String::from_utf8_lossy(&chunk));
@@ -262,9 +270,6 @@ async fn one_request(req: reqwest::RequestBuilder) -> Option<Sample> {
                 }
                 let text = v["choices"][0]["text"].as_str().unwrap_or("");
                 if !text.is_empty() {
-                    if let Some(t) = last {
-                        gaps.push(now - t);
-                    }
                     first.get_or_insert(now);
                     last = Some(now);
                 }
@@ -274,17 +279,16 @@ async fn one_request(req: reqwest::RequestBuilder) -> Option<Sample> {
     let first = first?;
     Some(Sample {
         ttft: first - start,
-        gaps,
         tokens,
         decode: last.unwrap_or(first) - first,
     })
 }
 
 fn level(concurrency: usize, samples: Vec<Sample>, failed: usize, wall: Duration) -> Level {
+    // What a user sees: its tokens over the time from sending the request to the last.
     let per_user: Vec<f64> = samples
         .iter()
-        .filter(|s| s.tokens > 1 && !s.decode.is_zero())
-        .map(|s| (s.tokens - 1) as f64 / s.decode.as_secs_f64())
+        .map(|s| s.tokens as f64 / (s.ttft + s.decode).as_secs_f64().max(1e-9))
         .collect();
     Level {
         concurrency,
@@ -294,10 +298,7 @@ fn level(concurrency: usize, samples: Vec<Sample>, failed: usize, wall: Duration
         wall,
         per_user: per_user.iter().sum::<f64>() / per_user.len().max(1) as f64,
         ttft: samples.iter().map(|s| s.ttft).collect(),
-        itl: samples
-            .iter()
-            .flat_map(|s| s.gaps.iter().copied())
-            .collect(),
+        itl: samples.iter().filter_map(Sample::inter_token).collect(),
     }
 }
 

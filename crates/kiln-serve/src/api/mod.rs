@@ -145,7 +145,15 @@ pub async fn serve(
     app: Arc<App>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
     let engine = app.engine.clone();
+    // Tokens go out as small writes: Nagle's algorithm would hold each behind the
+    // client's delayed ACK (~40 ms on Linux).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY: {e}");
+        }
+    });
     axum::serve(listener, router(app))
         .with_graceful_shutdown(shutdown)
         .await?;
