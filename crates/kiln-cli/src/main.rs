@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_model;
+mod bench_serve;
 mod chat_sandbox;
 mod console;
 mod devices;
@@ -9,6 +10,7 @@ mod info;
 mod model_file;
 mod perplexity;
 mod run;
+mod serve;
 
 use clap::{ArgAction, Parser, Subcommand};
 use console::{CliResult, Failure};
@@ -46,6 +48,10 @@ enum Command {
     },
     /// Measure speed: llama-bench's pp/tg tests on a model, or `--kernels`.
     Bench(BenchArgs),
+    /// Serve the model over HTTP with OpenAI's API (completions, chat, models).
+    Serve(serve::ServeArgs),
+    /// Load a server on this machine: concurrency sweep of streamed completions.
+    BenchServe(bench_serve::BenchServeArgs),
     /// List the devices kiln can use.
     Devices,
     /// Convert a Hugging Face LLaMA-family directory to GGUF (llama.cpp's conventions).
@@ -173,6 +179,8 @@ fn main() -> ExitCode {
         Command::Perplexity(a) => perplexity::run(a, cli.quiet),
         Command::Info { path } => info::run(&path).map_err(Failure::from),
         Command::Bench(a) => bench(a),
+        Command::Serve(a) => serve::run(a, cli.quiet),
+        Command::BenchServe(a) => bench_serve::run(a),
         Command::Devices => devices::run().map_err(Failure::from),
         Command::Convert { dir, out, ty, name } => match kiln_core::DType::from_name(&ty) {
             Some(dtype) => kiln_models::convert_hf_to_gguf(&dir, &out, dtype, &name)

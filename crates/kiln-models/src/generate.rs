@@ -37,16 +37,17 @@ pub struct GenerateOptions<'a> {
 }
 
 /// Turns token bytes into text as it becomes valid UTF-8, holding back text that could
-/// still become a stop string.
-struct TextStream<'a> {
+/// still become a stop string. Public so that the server detokenizes and stops its
+/// sequences exactly as `kiln run` does.
+pub struct TextStream {
     pending: Vec<u8>,
     text: String,
     emitted: usize,
-    stops: &'a [String],
+    stops: Vec<String>,
 }
 
-impl<'a> TextStream<'a> {
-    fn new(stops: &'a [String]) -> Self {
+impl TextStream {
+    pub fn new(stops: Vec<String>) -> Self {
         TextStream {
             pending: Vec::new(),
             text: String::new(),
@@ -57,7 +58,7 @@ impl<'a> TextStream<'a> {
 
     /// Add a token's bytes; returns true when a stop string completed (the text is then
     /// cut before it).
-    fn push(&mut self, bytes: &[u8]) -> bool {
+    pub fn push(&mut self, bytes: &[u8]) -> bool {
         self.pending.extend_from_slice(bytes);
         let valid = match std::str::from_utf8(&self.pending) {
             Ok(s) => s.len(),
@@ -76,6 +77,11 @@ impl<'a> TextStream<'a> {
         self.cut_at_stop()
     }
 
+    /// All the text so far, cut before a stop string once one appeared.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
     fn cut_at_stop(&mut self) -> bool {
         for stop in self.stops.iter().filter(|s| !s.is_empty()) {
             // Only the new text (plus a stop's length of context) can hold a new match.
@@ -92,7 +98,7 @@ impl<'a> TextStream<'a> {
     }
 
     /// Text that can be shown now: all of it but a tail that could begin a stop string.
-    fn ready(&mut self) -> &str {
+    pub fn ready(&mut self) -> &str {
         let mut end = self.text.len();
         for stop in self.stops.iter().filter(|s| !s.is_empty()) {
             for k in (1..stop.len()).rev() {
@@ -113,7 +119,8 @@ impl<'a> TextStream<'a> {
         out
     }
 
-    fn rest(&mut self) -> &str {
+    /// Everything not yet shown (at the end, once nothing more can complete a stop).
+    pub fn rest(&mut self) -> &str {
         let out = &self.text[self.emitted..];
         self.emitted = self.text.len();
         out
@@ -143,7 +150,7 @@ pub fn generate(
     let mut cache = model.new_cache(opts.context)?;
     let eos = tokenizer.eos_ids();
     let mut history = prompt.to_vec();
-    let mut stream = TextStream::new(opts.stop_strings);
+    let mut stream = TextStream::new(opts.stop_strings.to_vec());
     let mut tokens = Vec::new();
 
     // The token is picked on the device (where it can) and only it is read back.
@@ -206,7 +213,7 @@ mod tests {
     #[test]
     fn stream_holds_back_partial_stops_and_utf8() {
         let stops = vec!["END".to_string()];
-        let mut s = TextStream::new(&stops);
+        let mut s = TextStream::new(stops);
         assert!(!s.push(b"hello E"));
         assert_eq!(s.ready(), "hello ");
         assert!(!s.push(b"N"));
@@ -215,7 +222,7 @@ mod tests {
         assert_eq!(s.rest(), "");
         assert_eq!(s.text, "hello ");
 
-        let mut s = TextStream::new(&[]);
+        let mut s = TextStream::new(Vec::new());
         assert!(!s.push(&"é".as_bytes()[..1]));
         assert_eq!(s.ready(), "");
         assert!(!s.push(&"é".as_bytes()[1..]));

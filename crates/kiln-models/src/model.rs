@@ -31,6 +31,13 @@ pub struct KvCache {
 
 static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
 
+impl KvCache {
+    /// Positions the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
 /// Buffers for a batch of `n` tokens, allocated once per batch size and reused.
 struct Scratch {
     n: usize,
@@ -179,6 +186,35 @@ impl Model {
             capacity,
             id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
         })
+    }
+
+    /// Make `cache` hold `capacity` positions, keeping the rows it has: a server hands a
+    /// sequence's cache more room as it grows instead of a whole context up front. The rows
+    /// are copied on the device, and the cache gets a new identity, since a recorded step
+    /// refers to the old tensors. Not checked against free memory: the caller sizes its
+    /// pool of positions once, at start.
+    pub fn grow_cache(&self, cache: &mut KvCache, capacity: usize) -> Result<()> {
+        if capacity <= cache.capacity {
+            return Ok(());
+        }
+        if i32::try_from(capacity).is_err() {
+            return Err(Error::shape(format!(
+                "a context of {capacity} positions (positions are i32 on the device)"
+            )));
+        }
+        let c = &self.config;
+        let b = self.backend.as_ref();
+        let kept = cache.capacity;
+        let mut rows = b.zeros(DType::I32, Shape::new(vec![kept])?)?;
+        b.write(&mut rows, &i32_bytes(0..kept))?;
+        for t in cache.k.iter_mut().chain(cache.v.iter_mut()) {
+            let mut grown = f32_tensor(b, &[capacity, c.n_kv_heads, c.head_dim])?;
+            b.write_rows(t, &mut grown, &rows)?;
+            *t = grown;
+        }
+        cache.capacity = capacity;
+        cache.id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     fn new_scratch(&self, n: usize) -> Result<Scratch> {

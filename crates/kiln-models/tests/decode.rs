@@ -407,3 +407,35 @@ fn a_backend_that_does_not_record_is_asked_once() {
         }
     }
 }
+
+/// A cache grown mid-sequence keeps its rows: the steps after the growth see the same keys
+/// and values as on a cache that had the room from the start (the server grows caches
+/// block by block).
+#[test]
+fn a_grown_cache_continues_as_a_full_one() {
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Some(2)).unwrap());
+    let (mut model, _) = load("llama", backend);
+    let prompt = prompt_ids("llama");
+    let full_capacity = prompt.len() + 8;
+    let mut full = model.new_cache(full_capacity).unwrap();
+    let mut grown = model.new_cache(prompt.len()).unwrap();
+    let a = model.forward_argmax(&prompt, 0, &mut full).unwrap();
+    let b = model.forward_argmax(&prompt, 0, &mut grown).unwrap();
+    assert_eq!(a, b);
+    model.grow_cache(&mut grown, full_capacity).unwrap();
+    assert_eq!(grown.capacity(), full_capacity);
+    let mut next = a;
+    for pos in prompt.len()..full_capacity {
+        let want = model
+            .forward(&[next], pos, &mut full, Logits::Last)
+            .unwrap();
+        let got = model
+            .forward(&[next], pos, &mut grown, Logits::Last)
+            .unwrap();
+        assert_eq!(want, got, "position {pos}");
+        next = argmax(&want);
+    }
+    // Shrinking is not growing: the cache is left as it is.
+    model.grow_cache(&mut grown, 4).unwrap();
+    assert_eq!(grown.capacity(), full_capacity);
+}

@@ -1,0 +1,320 @@
+//! `kiln serve`: the model behind an OpenAI-compatible HTTP server (kiln-serve), with the
+//! KV pool sized once here from `--kv-memory`.
+
+use crate::console::{CliResult, Failure};
+use crate::model_file::{self, DeviceChoice, ModelFile};
+use kiln_core::{Backend, Error};
+use kiln_models::chat::Message;
+use kiln_models::memory::{self, human_bytes};
+use kiln_serve::engine::blocks::{blocks_for, BLOCK_POSITIONS};
+use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, SerialRunner, ServedModel};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Model: a .gguf file or a Hugging Face directory (default: the embedded model).
+    #[arg(short = 'm', long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+    /// Address to listen on (loopback unless told otherwise).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Sequences running at once.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    pub max_seqs: u16,
+    /// New sequences that may wait for a place; beyond it requests get 429.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_waiting: u32,
+    /// Positions a sequence may use (default: the model's, at most 4096; 0: the model's).
+    #[arg(short = 'c', long = "ctx-size", value_parser = model_file::context_arg)]
+    pub ctx_size: Option<usize>,
+    /// Memory for the KV pool: a fraction (0-1] of what is free after the weights, or bytes
+    /// (suffix K, M, G). Default: room for --max-seqs full contexts, at most half of it.
+    #[arg(long, value_parser = kv_memory_arg)]
+    pub kv_memory: Option<KvMemory>,
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// A Jinja chat template to use instead of the model's.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvMemory {
+    Fraction(f64),
+    Bytes(u128),
+}
+
+fn kv_memory_arg(s: &str) -> Result<KvMemory, String> {
+    let t = s.trim();
+    if t.contains('.') {
+        let f: f64 = t
+            .parse()
+            .map_err(|_| format!("{s:?} is not a fraction or a size"))?;
+        if f > 0.0 && f <= 1.0 {
+            return Ok(KvMemory::Fraction(f));
+        }
+        return Err(format!("{f}: a fraction is above 0 and at most 1"));
+    }
+    let (digits, scale) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        None => (t, 1u128),
+        Some((i, _)) => {
+            let scale = match t[i..].to_ascii_uppercase().as_str() {
+                "K" | "KB" | "KIB" => 1 << 10,
+                "M" | "MB" | "MIB" => 1 << 20,
+                "G" | "GB" | "GIB" => 1 << 30,
+                "T" | "TB" | "TIB" => 1 << 40,
+                _ => return Err(format!("{s:?}: sizes end in K, M, G or T")),
+            };
+            (&t[..i], scale)
+        }
+    };
+    let n: u128 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a fraction or a size"))?;
+    if n == 0 {
+        return Err("the KV pool needs some memory".into());
+    }
+    if n == 1 && scale == 1 {
+        return Ok(KvMemory::Fraction(1.0));
+    }
+    Ok(KvMemory::Bytes(n.saturating_mul(scale)))
+}
+
+/// Used when neither the model nor `--chat-template` gives a template (the embedded
+/// model has none): each turn as `role: content`, then the assistant's cue.
+const PLAIN_TEMPLATE: &str = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}";
+
+/// Renders in the CLI's sandboxed child process (see `chat_sandbox`).
+struct SandboxedChat {
+    model: String,
+    template: String,
+    bos: String,
+    eos: String,
+}
+
+impl ChatRenderer for SandboxedChat {
+    fn render(&self, messages: &[Message]) -> Result<String, String> {
+        crate::chat_sandbox::render(&self.model, &self.template, messages, &self.bos, &self.eos)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The default context when --ctx-size is not given: the model's, at most this.
+const DEFAULT_CONTEXT: usize = 4096;
+
+pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
+    let backend = model_file::backend(a.device, a.threads)?;
+    let file = model_file::open(a.model.as_deref())?;
+    let context = model_file::context_size(a.ctx_size, file.config(), &file.name, DEFAULT_CONTEXT)?;
+    let max_seqs = usize::from(a.max_seqs);
+    let plan = file.plan(backend.as_ref(), PREFILL_CHUNK, false);
+    let kv_blocks = kv_blocks(
+        &file,
+        backend.as_ref(),
+        &plan,
+        context,
+        max_seqs,
+        a.kv_memory,
+    )?;
+    let chat = chat_renderer(&file, a.chat_template.as_deref())?;
+    // The pool was checked against free memory above; the weights are checked here.
+    let model = file.load(backend.clone(), &plan, 0)?;
+    let tokenizer = Arc::new(file.tokenizer);
+    let limits = Limits {
+        max_seqs,
+        token_budget: TOKEN_BUDGET,
+        prefill_chunk: PREFILL_CHUNK,
+    };
+    let engine = Engine::start(
+        Box::new(SerialRunner::new(model)),
+        tokenizer.clone(),
+        EngineConfig {
+            limits,
+            kv_blocks,
+            max_waiting: a.max_waiting as usize,
+        },
+    )
+    .map_err(|e| Error::io("starting the engine's thread", e))?;
+    let (id, aliases) = match &a.model {
+        None => ("kiln-default".to_string(), Vec::new()),
+        Some(path) => {
+            let stem = path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| path.display().to_string());
+            (stem, vec![path.display().to_string()])
+        }
+    };
+    let app = Arc::new(App {
+        engine: Arc::new(engine),
+        tokenizer,
+        model: ServedModel {
+            id: id.clone(),
+            aliases,
+            context,
+        },
+        chat,
+        api_key: a.api_key,
+        started: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("starting the server's runtime", e))?;
+    let addr = SocketAddr::new(a.host, a.port);
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| Failure::usage(format!("--host {} --port {}: {e}", a.host, a.port)))?;
+        let bound = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the listening address", e))?;
+        if !quiet {
+            eprintln!(
+                "kiln serve: {id} ({}) on {}, context {context}, {max_seqs} sequences at once, KV pool {kv_blocks} blocks of {BLOCK_POSITIONS} positions; listening on http://{bound}",
+                file.name,
+                backend.describe(),
+            );
+        }
+        kiln_serve::serve(listener, app, shutdown_signal())
+            .await
+            .map_err(|e| Failure::from(Error::io("serving", e)))
+    })?;
+    if !quiet {
+        eprintln!("kiln serve: stopped");
+    }
+    Ok(())
+}
+
+/// Tokens a step computes at most, and the longest prompt chunk in it.
+const TOKEN_BUDGET: usize = 512;
+const PREFILL_CHUNK: usize = 256;
+
+/// SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM ({e}); Ctrl-C still stops the server");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    tracing::info!("stopping: no new connections; finishing the requests in flight");
+}
+
+/// Blocks in the KV pool, from `--kv-memory`; refused when the pool cannot hold one whole
+/// context or does not fit in free memory.
+fn kv_blocks(
+    file: &ModelFile,
+    backend: &dyn Backend,
+    plan: &memory::MemoryPlan,
+    context: usize,
+    max_seqs: usize,
+    asked: Option<KvMemory>,
+) -> CliResult<usize> {
+    let per_block = memory::kv_cache_bytes(file.config(), BLOCK_POSITIONS).max(1);
+    let free_after_weights = memory::free_memory(backend)?
+        .map(|free| (free.bytes.saturating_sub(plan.total(0)), free.what));
+    let everyone = per_block.saturating_mul((max_seqs * blocks_for(context)) as u128);
+    let bytes = match (asked, &free_after_weights) {
+        (Some(KvMemory::Bytes(b)), _) => b,
+        (Some(KvMemory::Fraction(f)), Some((free, _))) => (*free as f64 * f) as u128,
+        (Some(KvMemory::Fraction(_)), None) => return Err(Failure::usage(
+            "--kv-memory as a fraction: the free memory of this device cannot be read; give bytes",
+        )),
+        (None, Some((free, _))) => everyone.min(free / 2),
+        (None, None) => everyone,
+    };
+    if let Some((free, what)) = &free_after_weights {
+        if bytes > *free {
+            return Err(Failure::usage(format!(
+                "--kv-memory {}: only {} of {what} is free after the weights",
+                human_bytes(bytes),
+                human_bytes(*free)
+            )));
+        }
+    }
+    let blocks = usize::try_from(bytes / per_block).unwrap_or(usize::MAX);
+    let one_context = blocks_for(context);
+    if blocks < one_context {
+        return Err(Failure::usage(format!(
+            "a KV pool of {} holds {blocks} blocks of {BLOCK_POSITIONS} positions, and one context of {context} needs {one_context} ({}): raise --kv-memory or lower --ctx-size",
+            human_bytes(bytes),
+            human_bytes(per_block * one_context as u128)
+        )));
+    }
+    Ok(blocks)
+}
+
+fn chat_renderer(
+    file: &ModelFile,
+    path: Option<&std::path::Path>,
+) -> CliResult<Arc<dyn ChatRenderer>> {
+    let tokenizer = &file.tokenizer;
+    let template = match (path, tokenizer.chat_template()) {
+        (Some(path), _) => {
+            kiln_io::file::read_to_string(path, kiln_io::file::FileKind::CHAT_TEMPLATE)?
+        }
+        (None, Some(t)) => t.to_string(),
+        (None, None) => {
+            tracing::warn!(
+                "{} has no chat template: chat requests get `role: content` lines (--chat-template FILE to give one)",
+                file.name
+            );
+            PLAIN_TEMPLATE.to_string()
+        }
+    };
+    let text_of = |id: Option<u32>| {
+        id.and_then(|id| tokenizer.token_text(id))
+            .unwrap_or("")
+            .to_string()
+    };
+    Ok(Arc::new(SandboxedChat {
+        model: file.name.clone(),
+        template,
+        bos: text_of(tokenizer.bos_id()),
+        eos: text_of(tokenizer.eos_ids().first().copied()),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_memory_is_a_fraction_or_a_size() {
+        assert_eq!(kv_memory_arg("0.25"), Ok(KvMemory::Fraction(0.25)));
+        assert_eq!(kv_memory_arg("1"), Ok(KvMemory::Fraction(1.0)));
+        assert_eq!(kv_memory_arg("512M"), Ok(KvMemory::Bytes(512 << 20)));
+        assert_eq!(kv_memory_arg("2GiB"), Ok(KvMemory::Bytes(2 << 30)));
+        assert_eq!(kv_memory_arg("4096"), Ok(KvMemory::Bytes(4096)));
+        for bad in ["0", "1.5", "-1", "0.0", "12X", "lots"] {
+            assert!(kv_memory_arg(bad).is_err(), "{bad}");
+        }
+    }
+}

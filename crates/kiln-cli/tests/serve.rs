@@ -1,0 +1,67 @@
+//! `kiln serve` as a process: it binds loopback, answers, and on SIGTERM stops accepting,
+//! finishes the stream in flight, and exits 0.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[test]
+fn sigterm_finishes_the_stream_in_flight_then_exits_0() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["serve", "--device", "cpu", "--port", "0", "-t", "1"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let addr = loop {
+        let mut line = String::new();
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "kiln serve ended");
+        if let Some(at) = line.trim().split("listening on http://").nth(1) {
+            break at.to_string();
+        }
+    };
+    assert!(
+        addr.starts_with("127.0.0.1:"),
+        "loopback by default: {addr}"
+    );
+
+    let body = r#"{"prompt": "Permission is hereby granted", "max_tokens": 200, "ignore_eos": true, "stream": true}"#;
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // The stream has begun.
+    let mut first = [0u8; 256];
+    let n = conn.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+
+    // SAFETY: kill sends a signal to the child this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let mut rest = Vec::new();
+    conn.read_to_end(&mut rest).unwrap();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains("data: [DONE]"), "the stream was cut: {rest}");
+    assert!(rest.contains("\"finish_reason\":\"length\""), "{rest}");
+
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "kiln serve did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(0));
+    assert!(TcpStream::connect(&addr).is_err(), "still accepting");
+}

@@ -1,0 +1,367 @@
+//! Iteration-level scheduling: before every step the scheduler decides which tokens of
+//! which sequences the step computes. First the decodes of all running sequences (one
+//! token each), then prompt chunks up to the step's token budget (chunked prefill), so that
+//! a long prompt never stalls the sequences that are generating.
+//!
+//! Prompt chunks start at multiples of `prefill_chunk` and are never cut by the budget (a
+//! chunk that does not fit waits for the next step): the chunks a prompt is computed in do
+//! not depend on what else is running, so a request at temperature 0 gets the same tokens
+//! alone and among others (the kernels' results depend on the rows they are given).
+//!
+//! KV memory is taken in blocks as positions are written. When a decode finds no free
+//! block, the newest running sequence is preempted: its blocks return to the pool and it
+//! goes back to the front of the waiting queue, to be recomputed (prompt and generated
+//! tokens as one prompt) when room returns.
+
+use super::blocks::BlockPool;
+use super::sequence::{SeqId, Sequence};
+use std::collections::VecDeque;
+use std::ops::Range;
+
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Sequences running at once.
+    pub max_seqs: usize,
+    /// Tokens a step computes at most (decodes and prompt chunks), beyond the first chunk.
+    pub token_budget: usize,
+    /// The longest prompt chunk; chunks start at its multiples.
+    pub prefill_chunk: usize,
+}
+
+/// A sequence's tokens in the coming step: `tokens[range]`, at positions `range`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Work {
+    pub seq: SeqId,
+    pub range: Range<usize>,
+}
+
+pub struct Scheduler {
+    pub waiting: VecDeque<Sequence>,
+    /// In the order they were admitted: the last is the first preempted.
+    pub running: Vec<Sequence>,
+    pub pool: BlockPool,
+    pub limits: Limits,
+}
+
+/// What the scheduler did to make a step.
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub work: Vec<Work>,
+    /// Sequences whose blocks were taken back: their caches must be dropped.
+    pub preempted: Vec<SeqId>,
+}
+
+impl Scheduler {
+    pub fn new(pool: BlockPool, limits: Limits) -> Self {
+        Scheduler {
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pool,
+            limits,
+        }
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// The next prompt chunk of a sequence with tokens to compute.
+    fn chunk(&self, seq: &Sequence) -> Range<usize> {
+        let c = self.limits.prefill_chunk.max(1);
+        let start = seq.computed;
+        let end = ((start / c + 1) * c).min(seq.tokens.len());
+        start..end
+    }
+
+    /// Decide the next step.
+    pub fn schedule(&mut self) -> Plan {
+        let mut plan = Plan::default();
+        let mut budget = self.limits.token_budget;
+
+        // Decodes first, oldest first: each needs room for the position it writes.
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].pending() != 1 {
+                i += 1;
+                continue;
+            }
+            let need = self.running[i].tokens.len();
+            if !self.make_room(i, need, &mut plan) {
+                // Nothing newer to take from: this one gives way itself.
+                self.preempt(i, &mut plan);
+                continue;
+            }
+            let seq = &self.running[i];
+            plan.work.push(Work {
+                seq: seq.id,
+                range: seq.computed..seq.tokens.len(),
+            });
+            budget = budget.saturating_sub(1);
+            i += 1;
+        }
+
+        // Then the prompts already started, oldest first.
+        let mut chunks = 0;
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].pending() <= 1
+                || plan.work.iter().any(|w| w.seq == self.running[i].id)
+            {
+                i += 1;
+                continue;
+            }
+            let range = self.chunk(&self.running[i]);
+            if range.len() > budget && chunks > 0 {
+                break;
+            }
+            if !self.make_room(i, range.end, &mut plan) {
+                break;
+            }
+            budget = budget.saturating_sub(range.len());
+            chunks += 1;
+            plan.work.push(Work {
+                seq: self.running[i].id,
+                range,
+            });
+            i += 1;
+        }
+
+        // Then new sequences, first come first served, while there is room.
+        while self.running.len() < self.limits.max_seqs {
+            let Some(seq) = self.waiting.front() else {
+                break;
+            };
+            let range = self.chunk(seq);
+            if range.len() > budget && chunks > 0 {
+                break;
+            }
+            let mut seq = self.waiting.pop_front().expect("looked at above");
+            if !self.pool.reserve(&mut seq.blocks, range.end) {
+                self.waiting.push_front(seq);
+                break;
+            }
+            seq.admitted_once = true;
+            budget = budget.saturating_sub(range.len());
+            chunks += 1;
+            plan.work.push(Work { seq: seq.id, range });
+            self.running.push(seq);
+        }
+        plan
+    }
+
+    /// Reserve blocks for `positions` positions of running sequence `i`, preempting newer
+    /// sequences while the pool is short; false when only `i` itself is left to take from.
+    fn make_room(&mut self, i: usize, positions: usize, plan: &mut Plan) -> bool {
+        loop {
+            if self.pool.reserve(&mut self.running[i].blocks, positions) {
+                return true;
+            }
+            if self.running.len() <= i + 1 {
+                return false;
+            }
+            self.preempt(self.running.len() - 1, plan);
+        }
+    }
+
+    /// Take running sequence `i`'s blocks back and queue it first, to be recomputed.
+    fn preempt(&mut self, i: usize, plan: &mut Plan) {
+        let mut seq = self.running.remove(i);
+        tracing::info!(
+            seq = seq.id,
+            positions = seq.tokens.len(),
+            blocks = seq.blocks.len(),
+            "KV blocks ran out: preempting the newest sequence, to be recomputed"
+        );
+        self.pool.release(&mut seq.blocks);
+        seq.computed = 0;
+        plan.work.retain(|w| w.seq != seq.id);
+        plan.preempted.push(seq.id);
+        self.waiting.push_front(seq);
+    }
+
+    /// Take a sequence out, wherever it is, returning its blocks.
+    pub fn remove(&mut self, id: SeqId) -> Option<Sequence> {
+        let mut seq = if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            self.running.remove(i)
+        } else {
+            let i = self.waiting.iter().position(|s| s.id == id)?;
+            self.waiting.remove(i)?
+        };
+        self.pool.release(&mut seq.blocks);
+        Some(seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::blocks::BLOCK_POSITIONS;
+    use crate::engine::sequence::SamplingParams;
+    use crate::engine::test_events;
+    use std::time::Instant;
+
+    fn params() -> SamplingParams {
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+            max_new_tokens: 100,
+            stop: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+
+    fn scheduler(blocks: usize) -> Scheduler {
+        Scheduler::new(
+            BlockPool::new(blocks),
+            Limits {
+                max_seqs: 4,
+                token_budget: 36,
+                prefill_chunk: 32,
+            },
+        )
+    }
+
+    fn add(s: &mut Scheduler, id: SeqId, prompt_len: usize) {
+        let (tx, rx) = test_events();
+        std::mem::forget(rx);
+        s.waiting.push_back(Sequence::new(
+            id,
+            0,
+            vec![1; prompt_len],
+            params(),
+            tx,
+            Instant::now(),
+        ));
+    }
+
+    /// Pretend the step ran: every scheduled token is computed, and a sequence whose
+    /// prompt is done gets one more token.
+    fn run(s: &mut Scheduler, plan: &Plan) {
+        for w in &plan.work {
+            let seq = s.running.iter_mut().find(|q| q.id == w.seq).unwrap();
+            seq.computed = w.range.end;
+            if seq.computed == seq.tokens.len() {
+                seq.tokens.push(2);
+            }
+        }
+    }
+
+    #[test]
+    fn decodes_come_first_and_prompts_go_in_aligned_chunks() {
+        let mut s = scheduler(100);
+        add(&mut s, 0, 5);
+        let plan = s.schedule();
+        assert_eq!(
+            plan.work,
+            [Work {
+                seq: 0,
+                range: 0..5
+            }]
+        );
+        run(&mut s, &plan);
+        add(&mut s, 1, 70);
+        let plan = s.schedule();
+        // One decode, then the new prompt's first chunk (it alone may pass the budget).
+        assert_eq!(
+            plan.work,
+            [
+                Work {
+                    seq: 0,
+                    range: 5..6
+                },
+                Work {
+                    seq: 1,
+                    range: 0..32
+                }
+            ]
+        );
+        run(&mut s, &plan);
+        add(&mut s, 2, 3);
+        let plan = s.schedule();
+        // 1 decode + 32 leave 3 of the budget: the new prompt of 3 fits.
+        assert_eq!(
+            plan.work,
+            [
+                Work {
+                    seq: 0,
+                    range: 6..7
+                },
+                Work {
+                    seq: 1,
+                    range: 32..64
+                },
+                Work {
+                    seq: 2,
+                    range: 0..3
+                }
+            ]
+        );
+        run(&mut s, &plan);
+        add(&mut s, 3, 40);
+        let plan = s.schedule();
+        // Two decodes, then the started prompt's last 6; the new prompt's 32 would pass
+        // the budget, and a chunk is never cut to fit.
+        assert_eq!(
+            plan.work,
+            [
+                Work {
+                    seq: 0,
+                    range: 7..8
+                },
+                Work {
+                    seq: 2,
+                    range: 3..4
+                },
+                Work {
+                    seq: 1,
+                    range: 64..70
+                }
+            ]
+        );
+        assert_eq!(s.pool.used(), 1 + 5 + 1);
+    }
+
+    #[test]
+    fn running_out_of_blocks_preempts_the_newest() {
+        // Two blocks: each of two sequences holds one until the first needs a second.
+        let mut s = scheduler(2);
+        add(&mut s, 0, BLOCK_POSITIONS - 1);
+        add(&mut s, 1, 4);
+        let plan = s.schedule();
+        assert_eq!(plan.work.len(), 2);
+        run(&mut s, &plan);
+        // Sequence 0 now writes position 15 (its block's last): no new block yet.
+        let plan = s.schedule();
+        assert!(plan.preempted.is_empty());
+        run(&mut s, &plan);
+        // Position 16 needs a second block: sequence 1, the newest, gives its back.
+        let plan = s.schedule();
+        assert_eq!(plan.preempted, [1]);
+        assert_eq!(
+            plan.work,
+            [Work {
+                seq: 0,
+                range: 16..17
+            }]
+        );
+        assert_eq!(s.waiting.front().map(|q| (q.id, q.computed)), Some((1, 0)));
+        // Its prompt and generated tokens come back as one prompt once there is room.
+        let len = s.waiting[0].tokens.len();
+        s.remove(0);
+        let plan = s.schedule();
+        assert_eq!(
+            plan.work,
+            [Work {
+                seq: 1,
+                range: 0..len
+            }]
+        );
+    }
+}

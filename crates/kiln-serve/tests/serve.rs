@@ -1,0 +1,634 @@
+//! `kiln serve` from the outside: a server on a loopback port with the embedded model on the
+//! CPU, spoken to over HTTP as OpenAI's clients do.
+
+use kiln_cpu::CpuBackend;
+use kiln_io::gguf::GgufFile;
+use kiln_models::chat::Message;
+use kiln_models::{generate, GenerateOptions, Model, Sampler, SamplerConfig};
+use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, SerialRunner, ServedModel};
+use kiln_tokenizer::Tokenizer;
+use serde_json::{json, Value};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The embedded model's context.
+const CONTEXT: usize = 512;
+
+fn model_path() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/kiln-default.gguf")
+}
+
+fn load() -> (Model, Tokenizer) {
+    let file = GgufFile::open(model_path()).unwrap();
+    let backend = Arc::new(CpuBackend::new(Some(1)).unwrap());
+    (
+        Model::from_gguf(&file, backend, None).unwrap(),
+        Tokenizer::from_gguf(&file).unwrap(),
+    )
+}
+
+/// The template the CLI falls back on, rendered in-process (the CLI sandboxes it).
+struct PlainChat;
+
+impl ChatRenderer for PlainChat {
+    fn render(&self, messages: &[Message]) -> Result<String, String> {
+        let template =
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:";
+        kiln_models::chat::render(template, messages, "", "").map_err(|e| e.to_string())
+    }
+}
+
+struct Options {
+    max_seqs: usize,
+    max_waiting: usize,
+    kv_blocks: usize,
+    api_key: Option<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            max_seqs: 16,
+            max_waiting: 64,
+            kv_blocks: 16 * CONTEXT / 16,
+            api_key: None,
+        }
+    }
+}
+
+struct Server {
+    url: String,
+    app: Arc<App>,
+    client: reqwest::Client,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+async fn start(o: Options) -> Server {
+    let (model, tokenizer) = load();
+    let tokenizer = Arc::new(tokenizer);
+    let engine = Engine::start(
+        Box::new(SerialRunner::new(model)),
+        tokenizer.clone(),
+        EngineConfig {
+            limits: Limits {
+                max_seqs: o.max_seqs,
+                token_budget: 512,
+                prefill_chunk: 256,
+            },
+            kv_blocks: o.kv_blocks,
+            max_waiting: o.max_waiting,
+        },
+    )
+    .unwrap();
+    let app = Arc::new(App {
+        engine: Arc::new(engine),
+        tokenizer,
+        model: ServedModel {
+            id: "kiln-default".into(),
+            aliases: vec!["models/kiln-default.gguf".into()],
+            context: CONTEXT,
+        },
+        chat: Arc::new(PlainChat),
+        api_key: o.api_key,
+        started: 0,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(kiln_serve::serve(listener, app.clone(), async {
+        let _ = rx.await;
+    }));
+    Server {
+        url,
+        app,
+        client: reqwest::Client::new(),
+        stop: Some(tx),
+        task,
+    }
+}
+
+impl Server {
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn get(&self, path: &str) -> (u16, String) {
+        let r = self
+            .client
+            .get(format!("{}{path}", self.url))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    /// The `data:` payloads of a streamed response, `[DONE]` included.
+    async fn stream(&self, path: &str, body: Value) -> Vec<String> {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream"));
+        let text = r.text().await.unwrap();
+        text.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_string)
+            .collect()
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.get("/metrics").await;
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}"))
+    }
+
+    /// Wait until the engine holds no sequence and no block.
+    async fn wait_idle(&self) {
+        let start = Instant::now();
+        loop {
+            let busy = self.metric("kiln_requests_running").await
+                + self.metric("kiln_requests_waiting").await
+                + self.metric("kiln_kv_blocks_used").await;
+            if busy == 0.0 {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "the engine did not empty"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn shut_down(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap().unwrap();
+        assert!(!self.app.engine.is_alive());
+    }
+}
+
+fn text_of(choice: &Value) -> String {
+    choice["text"]
+        .as_str()
+        .or_else(|| choice["message"]["content"].as_str())
+        .unwrap()
+        .to_string()
+}
+
+const PROMPT: &str = "Permission is hereby granted, free of charge, to any person";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_completions_match_kiln_run() {
+    let s = start(Options::default()).await;
+    let (status, r) = s
+        .post(
+            "/v1/completions",
+            json!({"model": "kiln-default", "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                   "ignore_eos": true, "unknown_field": [1, 2]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["object"], "text_completion");
+    assert_eq!(r["model"], "kiln-default");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    assert_eq!(r["usage"]["completion_tokens"], 24);
+    let (mut model, tokenizer) = load();
+    let prompt = tokenizer.encode(PROMPT, true).unwrap();
+    assert_eq!(r["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(r["usage"]["total_tokens"], prompt.len() + 24);
+    let g = generate(
+        &mut model,
+        &tokenizer,
+        &prompt,
+        &mut Sampler::new(SamplerConfig::greedy()),
+        &GenerateOptions {
+            max_tokens: 24,
+            context: CONTEXT,
+            stop_strings: &[],
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(text_of(&r["choices"][0]), g.text);
+
+    // The same through a stream, with usage at the end.
+    let events = s
+        .stream(
+            "/v1/completions",
+            json!({"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": true,
+                   "stream": true, "stream_options": {"include_usage": true}}),
+        )
+        .await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 24);
+    let streamed: String = chunks
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap())
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, g.text);
+    let finish = &chunks[chunks.len() - 2]["choices"][0];
+    assert_eq!(finish["finish_reason"], "length");
+    assert!(chunks[..chunks.len() - 1]
+        .iter()
+        .all(|c| c["usage"].is_null()));
+    s.wait_idle().await;
+    s.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_prompt_forms_n_stop_and_logprobs() {
+    let s = start(Options::default()).await;
+    let messages = json!([{"role": "system", "content": "You write licenses."},
+                          {"role": "user", "content": [{"type": "text", "text": "Write one."}]}]);
+    let (status, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_completion_tokens": 12, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["object"], "chat.completion");
+    assert_eq!(r["choices"][0]["message"]["role"], "assistant");
+    let whole = text_of(&r["choices"][0]);
+
+    let events = s
+        .stream(
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 12, "temperature": 0, "stream": true}),
+        )
+        .await;
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, whole);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    // Several prompts, as text and as ids, n choices each, seeded.
+    let ids = s.app.tokenizer.encode(PROMPT, true).unwrap();
+    let (status, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": [PROMPT, "The software is provided"], "n": 2, "max_tokens": 6,
+                   "temperature": 1.0, "top_k": 40, "seed": 7}),
+        )
+        .await;
+    assert_eq!(status, 200, "{r}");
+    let indexes: Vec<u64> = r["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indexes, [0, 1, 2, 3]);
+    let (_, again) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": [PROMPT, "The software is provided"], "n": 2, "max_tokens": 6,
+                   "temperature": 1.0, "top_k": 40, "seed": 7}),
+        )
+        .await;
+    assert_eq!(r["choices"], again["choices"], "a seed reproduces");
+    let (status, by_ids) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let (_, by_text) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(by_ids["choices"], by_text["choices"]);
+
+    // A stop string cuts the text before it.
+    let full = text_of(&by_text["choices"][0]);
+    let stop: String = full.chars().skip(6).take(4).collect();
+    let (_, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stop": [stop]}),
+        )
+        .await;
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    let cut = text_of(&r["choices"][0]);
+    assert!(
+        full.starts_with(&cut) && !cut.contains(&stop),
+        "{cut:?} of {full:?} at {stop:?}"
+    );
+
+    // Log-probabilities: the greedy token is the most likely one.
+    let (_, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 2}),
+        )
+        .await;
+    let lp = &r["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
+    let first = lp["token_logprobs"][0].as_f64().unwrap();
+    let top: Vec<f64> = lp["top_logprobs"][0]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(top.len(), 2);
+    assert!(first <= 0.0 && top.iter().all(|&t| t <= first + 1e-6));
+    let (_, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 2, "logprobs": true, "top_logprobs": 3}),
+        )
+        .await;
+    let content = &r["choices"][0]["logprobs"]["content"];
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 3);
+
+    // Tokenize and back.
+    let (status, t) = s.post("/tokenize", json!({"prompt": PROMPT})).await;
+    assert_eq!(status, 200);
+    assert_eq!(t["tokens"], json!(ids));
+    assert_eq!(t["max_model_len"], CONTEXT);
+    let (_, d) = s
+        .post("/detokenize", json!({"tokens": t["tokens"].clone()}))
+        .await;
+    assert!(d["prompt"].as_str().unwrap().ends_with(PROMPT));
+    s.wait_idle().await;
+    s.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors() {
+    let s = start(Options {
+        api_key: Some("sesame".into()),
+        ..Options::default()
+    })
+    .await;
+    let send = |body: &'static str, key: Option<&'static str>| {
+        let mut r = s
+            .client
+            .post(format!("{}/v1/completions", s.url))
+            .body(body);
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        async move {
+            let r = r.send().await.unwrap();
+            let status = r.status().as_u16();
+            let retry = r.headers().get("retry-after").cloned();
+            (status, r.json::<Value>().await.unwrap(), retry)
+        }
+    };
+    let (status, e, _) = send(r#"{"prompt": "x"}"#, None).await;
+    assert_eq!(status, 401);
+    assert_eq!(e["error"]["code"], "invalid_api_key");
+    assert_eq!(send(r#"{"prompt": "x"}"#, Some("wrong")).await.0, 401);
+    let key = Some("sesame");
+    let (status, e, _) = send(r#"{"prompt": "x", "max_tokens": 1}"#, key).await;
+    assert_eq!(status, 200, "{e}");
+    let (status, e, _) = send("{not json", key).await;
+    assert_eq!(status, 400);
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    let cases = [
+        (r#"{"prompt": "x", "temperature": "hot"}"#, "temperature"),
+        (r#"{"prompt": "x", "temperature": -1}"#, "temperature"),
+        (r#"{"prompt": "x", "n": 0}"#, "n"),
+        (r#"{"prompt": "x", "max_tokens": -3}"#, "max_tokens"),
+        (r#"{"prompt": [], "max_tokens": 1}"#, "prompt"),
+        (r#"{"prompt": [999999]}"#, "prompt"),
+        (r#"{"max_tokens": 1}"#, "prompt"),
+        (r#"{"prompt": "x", "stop": 3}"#, "stop"),
+    ];
+    for (body, param) in cases {
+        let (status, e, _) = send(body, key).await;
+        assert_eq!(status, 400, "{body}: {e}");
+        assert_eq!(e["error"]["param"], param, "{body}: {e}");
+    }
+    let long = format!(r#"{{"prompt": "{}"}}"#, "licence ".repeat(CONTEXT));
+    let long: &'static str = Box::leak(long.into_boxed_str());
+    let (status, e, _) = send(long, key).await;
+    assert_eq!(status, 400);
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("context"),
+        "{e}"
+    );
+    let (status, e, _) = send(r#"{"prompt": "x", "model": "gpt-9"}"#, key).await;
+    assert_eq!(status, 404);
+    assert_eq!(e["error"]["code"], "model_not_found");
+    // Health and metrics need no key; the models list does.
+    assert_eq!(s.get("/health").await.0, 200);
+    assert_eq!(s.get("/v1/models").await.0, 401);
+    assert_eq!(s.get("/no/such/thing").await.0, 404);
+    s.wait_idle().await;
+    s.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_is_429_and_a_disconnect_frees_everything() {
+    let s = start(Options {
+        max_seqs: 1,
+        max_waiting: 1,
+        ..Options::default()
+    })
+    .await;
+    let long = json!({"prompt": PROMPT, "max_tokens": 400, "ignore_eos": true, "stream": true});
+    let mut running = s
+        .client
+        .post(format!("{}/v1/completions", s.url))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    // Its first tokens: it is running.
+    running.chunk().await.unwrap().unwrap();
+    let queued = s
+        .client
+        .post(format!("{}/v1/completions", s.url))
+        .json(&long)
+        .send();
+    let queued = tokio::spawn(queued);
+    let start = Instant::now();
+    while s.metric("kiln_requests_waiting").await < 1.0 {
+        assert!(start.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let r = s
+        .client
+        .post(format!("{}/v1/completions", s.url))
+        .json(&json!({"prompt": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "rate_limit_error");
+
+    // Both clients go away mid-stream: their sequences end and their blocks come back.
+    assert!(s.metric("kiln_kv_blocks_used").await > 0.0);
+    drop(running);
+    let queued = queued.await.unwrap().unwrap();
+    drop(queued);
+    s.wait_idle().await;
+    assert!(
+        s.metric("kiln_generation_tokens_total").await < 2.0 * 400.0,
+        "cancelled before the end"
+    );
+    let (_, metrics) = s.get("/metrics").await;
+    assert!(
+        metrics.contains("kiln_sequences_finished_total{reason=\"cancelled\"} 2"),
+        "{metrics}"
+    );
+    s.shut_down().await;
+}
+
+/// A request at temperature 0 gets the same tokens alone and among others, a long prompt
+/// (two chunks) included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_tokens_do_not_depend_on_the_batch() {
+    let s = start(Options::default()).await;
+    let long_prompt =
+        "Permission is hereby granted to deal in the Software without restriction, ".repeat(20);
+    let request = |prompt: &str| {
+        json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": true,
+               "logprobs": 1})
+    };
+    let alone_short = s.post("/v1/completions", request(PROMPT)).await.1;
+    let alone_long = s.post("/v1/completions", request(&long_prompt)).await.1;
+    let mut others = Vec::new();
+    for i in 0..14 {
+        let body = json!({"prompt": format!("{i} The licensor grants"), "max_tokens": 40,
+                          "temperature": 0.9, "seed": i, "ignore_eos": true});
+        let (client, url) = (s.client.clone(), format!("{}/v1/completions", s.url));
+        others.push(tokio::spawn(async move {
+            client.post(url).json(&body).send().await.unwrap().status()
+        }));
+    }
+    let (short, long) = tokio::join!(
+        s.post("/v1/completions", request(PROMPT)),
+        s.post("/v1/completions", request(&long_prompt))
+    );
+    for o in others {
+        assert_eq!(o.await.unwrap(), 200);
+    }
+    for (alone, together) in [(alone_short, short.1), (alone_long, long.1)] {
+        assert_eq!(
+            alone["choices"][0]["logprobs"]["tokens"],
+            together["choices"][0]["logprobs"]["tokens"]
+        );
+        assert_eq!(alone["choices"][0]["text"], together["choices"][0]["text"]);
+    }
+    s.wait_idle().await;
+    s.shut_down().await;
+}
+
+/// With a pool of one context, concurrent sequences run out of blocks: the newest are
+/// preempted and recomputed, and every request still ends with all its tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preemption_recomputes_and_every_request_finishes() {
+    let s = start(Options {
+        kv_blocks: CONTEXT / 16,
+        ..Options::default()
+    })
+    .await;
+    let mut requests = Vec::new();
+    for i in 0..4 {
+        let body = json!({"prompt": format!("{i} {PROMPT}"), "max_tokens": 150,
+                          "temperature": 0, "ignore_eos": true});
+        let (client, url) = (s.client.clone(), format!("{}/v1/completions", s.url));
+        requests.push(tokio::spawn(async move {
+            client
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        }));
+    }
+    for r in requests {
+        let r = r.await.unwrap();
+        assert_eq!(r["usage"]["completion_tokens"], 150, "{r}");
+    }
+    assert!(s.metric("kiln_preemptions_total").await > 0.0);
+    s.wait_idle().await;
+    s.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_metrics_and_a_stopped_engine() {
+    let s = start(Options::default()).await;
+    let (status, models) = s.get("/v1/models").await;
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "kiln-default");
+    let (status, r) = s
+        .post(
+            "/v1/completions",
+            json!({"model": "models/kiln-default.gguf", "prompt": PROMPT, "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(status, 200, "{r}");
+    let (_, metrics) = s.get("/metrics").await;
+    for name in [
+        "kiln_requests_running",
+        "kiln_requests_waiting",
+        "kiln_kv_blocks_used",
+        "kiln_prompt_tokens_total",
+        "kiln_generation_tokens_total",
+        "kiln_time_to_first_token_seconds_bucket",
+        "kiln_inter_token_latency_seconds_bucket",
+        "kiln_request_latency_seconds_count 1",
+    ] {
+        assert!(metrics.contains(name), "{name} in {metrics}");
+    }
+    s.app.engine.stop();
+    assert_eq!(s.get("/health").await.0, 503);
+    let (status, _) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": PROMPT, "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(status, 503);
+    s.shut_down().await;
+}
