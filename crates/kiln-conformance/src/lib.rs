@@ -79,7 +79,7 @@ macro_rules! with_cases {
             upload_checks_sizes_and_keeps_host_bytes
             shapes_that_do_not_fit_are_errors
             bad_positions_are_errors
-            attention_past_the_cache_is_an_error
+            positions_out_of_range_are_errors
             tensors_of_another_device_are_refused
             a_tensor_larger_than_memory_is_an_error
         }

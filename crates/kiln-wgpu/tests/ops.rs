@@ -4,7 +4,7 @@
 //! f32 arithmetic, the tiled GEMM).
 
 use kiln_conformance::Rounding;
-use kiln_core::DType;
+use kiln_core::{Backend, DType};
 use kiln_wgpu::{Options, WgpuBackend};
 use std::sync::OnceLock;
 
@@ -35,7 +35,7 @@ mod all_features {
         available: adapter(),
         failing {
             softmax_of_a_masked_row_is_zeros: "a row of -inf has max -inf, and exp(-inf - max) is NaN",
-            attention_past_the_cache_is_an_error: "positions are read on the device, where a query past the cache cannot be reported (the contract gives write_rows and embedding a fallback, not attention)",
+            positions_out_of_range_are_errors: "positions are read on the device, mid-step: write_rows skips them as the contract allows; attention and rope take them as they come (the contract says nothing for those two)",
         },
     }
 }
@@ -56,9 +56,27 @@ mod portable {
         available: adapter(),
         failing {
             softmax_of_a_masked_row_is_zeros: "a row of -inf has max -inf, and exp(-inf - max) is NaN",
-            attention_past_the_cache_is_an_error: "positions are read on the device, where a query past the cache cannot be reported (the contract gives write_rows and embedding a fallback, not attention)",
+            positions_out_of_range_are_errors: "positions are read on the device, mid-step: write_rows skips them as the contract allows; attention and rope take them as they come (the contract says nothing for those two)",
         },
     }
+}
+
+/// A tensor past the adapter's largest buffer: an error naming the adapter and the limit.
+#[test]
+fn a_tensor_past_the_largest_buffer_names_the_limit() {
+    if !adapter() {
+        return;
+    }
+    let g = WgpuBackend::new(0).unwrap();
+    let too_big = g.summary().max_buffer as usize / 4 + 1;
+    let err = g
+        .zeros(DType::F32, kiln_core::Shape::new(vec![too_big]).unwrap())
+        .expect_err("past the largest buffer")
+        .to_string();
+    assert!(
+        err.contains("largest buffer") && err.contains("wgpu:0"),
+        "{err}"
+    );
 }
 
 /// An adapter index past the last: an error that says so, never a panic.

@@ -111,8 +111,8 @@ pub fn shapes_that_do_not_fit_are_errors(t: &Target) {
     assert!(b.silu_mul(&w, &acc, normed).is_err());
 }
 
-/// Positions: I32, one per row or query. Past the cache, or negative: an error, or
-/// (write_rows, on devices that cannot report errors mid-step) skipped.
+/// Positions: I32, one per row or query. Past the cache, or negative: for write_rows an
+/// error, or (on devices that cannot report errors mid-step) skipped.
 pub fn bad_positions_are_errors(t: &Target) {
     let b = t.backend;
     let (heads, kvh, hd) = (6, 2, 5);
@@ -172,9 +172,9 @@ pub fn bad_positions_are_errors(t: &Target) {
     );
 }
 
-/// A query past the cache, or at a negative position, is an error, not a read out of
-/// bounds.
-pub fn attention_past_the_cache_is_an_error(t: &Target) {
+/// Positions past a cache or negative are errors where the backend can see them (the
+/// host's backends; a GPU reads positions on the device, mid-step).
+pub fn positions_out_of_range_are_errors(t: &Target) {
     let b = t.backend;
     let (heads, kvh, hd) = (6, 2, 5);
     let q = t.zeros(DType::F32, &[2, heads, hd]);
@@ -186,12 +186,18 @@ pub fn attention_past_the_cache_is_an_error(t: &Target) {
         window: None,
     };
     for bad in [[3, 4], [-1, 0]] {
-        assert!(
-            b.attention(&q, &k, &k, &t.ints(&bad), &p, &mut out)
-                .is_err(),
-            "attention at {bad:?} over a cache of 4"
-        );
+        let positions = t.ints(&bad);
+        let attention = b.attention(&q, &k, &k, &positions, &p, &mut out);
+        assert!(attention.is_err(), "attention at {bad:?} over a cache of 4");
+        let rows = t.zeros(DType::F32, &[2, kvh, hd]);
+        let mut cache = t.zeros(DType::F32, &[4, kvh, hd]);
+        let write = b.write_rows(&rows, &mut cache, &positions);
+        assert!(write.is_err(), "write_rows at {bad:?} into 4 rows");
     }
+    let f = t.upload(DType::F32, &[1], &[1.0]);
+    let mut x = t.zeros(DType::F32, &[2, 1, 2]);
+    let rope = b.rope(&mut x, &t.ints(&[0, -1]), &f, RopeLayout::Neox);
+    assert!(rope.is_err(), "rope at a negative position");
 }
 
 /// A buffer of a device that is not the backend's.
