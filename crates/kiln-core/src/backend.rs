@@ -305,6 +305,13 @@ pub fn sample_on_host<B: Backend + ?Sized>(
     params: &SampleParams,
     out: &mut Tensor,
 ) -> Result<()> {
+    if out.dtype() != DType::I32 || out.shape().numel() != 1 {
+        return Err(Error::shape(format!(
+            "sampling into {} {}: the id goes into I32 [1]",
+            out.dtype(),
+            out.shape()
+        )));
+    }
     let bytes = b.download(logits)?;
     let vocab = logits.shape().row_len();
     if vocab == 0 || bytes.len() < 4 * vocab {
