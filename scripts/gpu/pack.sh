@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 out=.gpu-bin
-crates=(-p kiln-cuda -p kiln-models)
+crates=(-p kiln-cuda -p kiln-wgpu -p kiln-models)
 rm -rf "$out"; mkdir -p "$out"
 cargo test --profile gpu --no-run --message-format=json "${crates[@]}" \
   | python3 -c '

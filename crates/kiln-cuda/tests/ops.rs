@@ -22,4 +22,9 @@ kiln_conformance::suite! {
     #[ignore = "needs a CUDA device"]
     backend: CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}")),
     rounding: rounding,
+    failing {
+        softmax_of_a_masked_row_is_zeros: "a row of -inf has max -inf, and exp(-inf - max) is NaN (as on wgpu; the CPU gives zeros)",
+        positions_out_of_range_are_errors: "positions are read on the device, mid-step (a recorded step cannot stop for them): attention and rope take them as they come",
+        matmul_every_dtype: "H200, 2026-11-24: an F16 one-row product (n=1 m=1 k=1) came out 1.4320536 against 1.4320443 (6.5e-6 relative, bound 6.8e-7): some rounding in the f16 matvec path that the declaration above does not name; not yet found",
+    },
 }

@@ -128,11 +128,18 @@ fn yes_no(b: bool) -> &'static str {
 }
 
 /// The native backends kiln drives; GL lacks what the shaders need (storage buffers in
-/// every stage, subgroups) and the browser is not a target.
+/// every stage, subgroups) and the browser is not a target. One instance serves the whole
+/// process, as wgpu advises: on the H200 the NVIDIA driver stopped listing its GPU after
+/// about 26 instances had been made and dropped in one process (a backend per test case).
 fn instance() -> wgpu::Instance {
-    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    desc.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12;
-    wgpu::Instance::new(desc)
+    static INSTANCE: std::sync::OnceLock<wgpu::Instance> = std::sync::OnceLock::new();
+    INSTANCE
+        .get_or_init(|| {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+            desc.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12;
+            wgpu::Instance::new(desc)
+        })
+        .clone()
 }
 
 fn list(instance: &wgpu::Instance) -> Vec<wgpu::Adapter> {
