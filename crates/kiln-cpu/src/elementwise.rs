@@ -108,7 +108,9 @@ pub(crate) fn broadcast_assign(
     acc: &mut Tensor,
     x: &Tensor,
     op: &str,
-    f: fn(&mut f32, f32),
+    // Generic, not a function pointer: the loop below then inlines and vectorises it (as a
+    // pointer it cost a call per element, 208 µs for a 64-row prompt's residual add).
+    f: impl Fn(&mut f32, f32),
 ) -> Result<()> {
     let row = acc.shape().row_len();
     let broadcast = x.shape().numel() == row && x.shape().row_len() == row;
