@@ -6,8 +6,10 @@
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
+use kiln_core::KernelTime;
 use kiln_models::memory::{self, MemoryPlan};
 use kiln_models::{Model, SyntheticShape, SyntheticType};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -107,16 +109,22 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
     };
     let mut cache = model.new_cache(ctx)?;
     let mut rows = Vec::new();
-    // Every run's wall time, warm-ups included, to set the kernel profile against.
+    // The timed runs' wall time, to set the kernel profile against, and what the
+    // warm-ups added to the profile (first touches of mapped weights, kernel builds), which
+    // is taken out of it.
     let mut wall_ms = 0.0;
+    let mut warm_up = Warmup::default();
     if b.prompt > 0 {
         let ids: Vec<u32> = (0..b.prompt).map(|_| token()).collect();
         let mut speeds = Vec::new();
         for rep in 0..=b.reps {
+            let before = (rep == 0).then(|| profiled.kernel_profile()).flatten();
             let t = Instant::now();
             model.forward_argmax(&ids, 0, &mut cache)?;
-            wall_ms += t.elapsed().as_secs_f64() * 1e3;
-            if rep > 0 {
+            if rep == 0 {
+                warm_up.add(before, profiled.kernel_profile());
+            } else {
+                wall_ms += t.elapsed().as_secs_f64() * 1e3;
                 speeds.push(b.prompt as f64 / t.elapsed().as_secs_f64());
             }
         }
@@ -134,12 +142,15 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
         let mut speeds = Vec::new();
         for rep in 0..=b.reps {
             let mut next = token();
+            let before = (rep == 0).then(|| profiled.kernel_profile()).flatten();
             let t = Instant::now();
             for pos in 0..b.gen {
                 next = model.forward_argmax(&[next], pos, &mut cache)?;
             }
-            wall_ms += t.elapsed().as_secs_f64() * 1e3;
-            if rep > 0 {
+            if rep == 0 {
+                warm_up.add(before, profiled.kernel_profile());
+            } else {
+                wall_ms += t.elapsed().as_secs_f64() * 1e3;
                 speeds.push(b.gen as f64 / t.elapsed().as_secs_f64());
             }
         }
@@ -173,8 +184,10 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
                 r.model, r.ty, r.device, r.test, r.mean, r.stddev
             );
         }
-        // Kernel times of every run above, warm-ups included (`-p 0` for decode alone).
+        // Kernel times of the timed runs above, warm-ups taken out (`-p 0` for decode
+        // alone).
         if let Some(kernels) = profiled.kernel_profile() {
+            let kernels = warm_up.remove_from(kernels);
             out += "\n| kernel | calls | total ms | µs per call |\n|---|---:|---:|---:|\n";
             let (calls, ms) = kernels
                 .iter()
@@ -190,8 +203,92 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             }
             // Against the runs' own time: what is left went between the kernels.
             out += &format!("| all kernels | {calls} | {ms:.2} | |\n");
-            out += &format!("| all runs (wall) | | {wall_ms:.2} | |\n");
+            out += &format!("| timed runs (wall) | | {wall_ms:.2} | |\n");
         }
         out
     })
+}
+
+/// What the warm-up runs added to the kernel profile, per kernel.
+#[derive(Default)]
+struct Warmup(HashMap<String, (u64, f64)>);
+
+impl Warmup {
+    /// Add what a warm-up added between two readings of the profile.
+    fn add(&mut self, before: Option<Vec<KernelTime>>, after: Option<Vec<KernelTime>>) {
+        let Some(after) = after else {
+            return;
+        };
+        let before: HashMap<String, (u64, f64)> = before
+            .unwrap_or_default()
+            .into_iter()
+            .map(|k| (k.name, (k.calls, k.total_ms)))
+            .collect();
+        for k in after {
+            let (calls, ms) = before.get(&k.name).copied().unwrap_or((0, 0.0));
+            let added = self.0.entry(k.name).or_default();
+            added.0 += k.calls.saturating_sub(calls);
+            added.1 += k.total_ms - ms;
+        }
+    }
+
+    /// `kernels` less the warm-ups' share, largest first; kernels only warm-ups ran go.
+    fn remove_from(&self, kernels: Vec<KernelTime>) -> Vec<KernelTime> {
+        let mut left: Vec<KernelTime> = kernels
+            .into_iter()
+            .filter_map(|mut k| {
+                let (calls, ms) = self.0.get(&k.name).copied().unwrap_or((0, 0.0));
+                k.calls = k.calls.saturating_sub(calls);
+                k.total_ms -= ms;
+                (k.calls > 0).then_some(k)
+            })
+            .collect();
+        left.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
+        left
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(name: &str, calls: u64, total_ms: f64) -> KernelTime {
+        KernelTime {
+            name: name.into(),
+            calls,
+            total_ms,
+        }
+    }
+
+    #[test]
+    fn warm_ups_are_taken_out_of_the_profile() {
+        let mut warm_up = Warmup::default();
+        // The first warm-up starts from nothing; the second after some timed runs.
+        warm_up.add(
+            None,
+            Some(vec![kernel("build", 1, 90.0), kernel("mm", 2, 8.0)]),
+        );
+        warm_up.add(
+            Some(vec![kernel("build", 1, 90.0), kernel("mm", 6, 20.0)]),
+            Some(vec![
+                kernel("build", 1, 90.0),
+                kernel("mm", 7, 24.0),
+                kernel("attn", 1, 1.0),
+            ]),
+        );
+        let left = warm_up.remove_from(vec![
+            kernel("build", 1, 90.0),
+            kernel("mm", 20, 63.0),
+            kernel("attn", 5, 5.0),
+        ]);
+        let got: Vec<(&str, u64, f64)> = left
+            .iter()
+            .map(|k| (k.name.as_str(), k.calls, k.total_ms))
+            .collect();
+        assert_eq!(got, [("mm", 17, 51.0), ("attn", 4, 4.0)]);
+        // Off: nothing to take out.
+        let mut off = Warmup::default();
+        off.add(None, None);
+        assert!(off.0.is_empty());
+    }
 }

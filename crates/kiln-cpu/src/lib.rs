@@ -174,14 +174,15 @@ fn matmul_label(x: &Tensor, w: &Tensor) -> String {
     )
 }
 
-/// An op's profile label, telling decode's one row from a prompt's many.
-fn rows_label(op: &str, x: &Tensor) -> String {
-    let rows = if x.shape().rows() == 1 {
-        "1 row"
+/// Attention's profile label, telling decode's one token (one position) from a prompt's
+/// many.
+fn attention_label(pos: &Tensor) -> String {
+    let tokens = if pos.shape().numel() == 1 {
+        "1 token"
     } else {
-        "rows"
+        "tokens"
     };
-    format!("{op} ({rows})")
+    format!("attention ({tokens})")
 }
 
 impl Backend for CpuBackend {
@@ -388,7 +389,7 @@ impl Backend for CpuBackend {
         out: &mut Tensor,
     ) -> Result<()> {
         self.profile.time(
-            || rows_label("attention", q),
+            || attention_label(pos),
             || attention::attention(&self.pool, q, k_cache, v_cache, pos, params, out),
         )
     }
