@@ -22,6 +22,7 @@ mod sample;
 mod stream;
 
 pub use device::{adapter_for_tests, adapters, AdapterSummary, Options};
+pub use matmul::tensor_cores_take;
 pub use memory::WgpuStorage;
 
 use device::Caps;

@@ -206,12 +206,12 @@ pub(crate) fn matmul(
         None => (xb, ob, 0.0, false),
     };
     // One row: a lane per block; up to 8 rows: weights read once for all; the tiled
-    // kernel past that.
+    // kernel past that, on tensor cores for the weights `tensor_cores_take`.
     let small = n <= MATVEC_MAX_ROWS;
     let spec = match n {
         1 if k.is_multiple_of(4) => &MATVEC1,
         _ if small => &MATVEC,
-        _ if b.caps.cooperative_matrices => &GEMM_COOP,
+        _ if b.caps.cooperative_matrices && tensor_cores_take(w.dtype()) => &GEMM_COOP,
         _ => &GEMM,
     };
     let kernel = b.kernel(spec, &constants)?;
@@ -292,4 +292,13 @@ pub(crate) fn embedding(
             .dispatch(&kernel, &[idb, c.quants, c.scales, ob], &params, groups)?;
     }
     Ok(())
+}
+
+/// Whether prompts' products with `dtype` weights run on the tensor-core GEMM, whose
+/// operands are f16: F16 weights as stored, and quantized blocks decoded to f16 (as kiln-cuda
+/// and llama.cpp decode them for their prompt GEMMs). F32 weights would lose 13 bits of
+/// every value there (on the H200, F32 fixtures' prompt logits moved 2-5e-3 from
+/// transformers') and BF16 ones f16's range: those stay in f32 arithmetic.
+pub fn tensor_cores_take(dtype: DType) -> bool {
+    dtype == DType::F16 || dtype.is_quantized()
 }

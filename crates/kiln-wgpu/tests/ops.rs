@@ -9,11 +9,14 @@ use kiln_wgpu::{Options, WgpuBackend};
 use std::sync::OnceLock;
 
 /// What one row of x meets a weight in (kiln_wgpu's rounded_row and matmul): prompts on
-/// cooperative matrices in f16; one row (decode) in int8 per 32 values for quantized
-/// weights, in f16 for F16 ones where the device has f16 arithmetic; f32 otherwise.
+/// cooperative matrices in f16 (F16 and quantized weights); one row (decode) in int8 per
+/// 32 values for quantized weights, in f16 for F16 ones where the device has f16
+/// arithmetic; f32 otherwise.
 fn rounding(g: &WgpuBackend, weight: DType, rows: usize, k: usize) -> Rounding {
     match weight {
-        _ if rows > 8 && g.uses_cooperative_matrices() => Rounding::F16,
+        _ if rows > 8 && g.uses_cooperative_matrices() && kiln_wgpu::tensor_cores_take(weight) => {
+            Rounding::F16
+        }
         _ if rows != 1 => Rounding::None,
         DType::F16 if g.uses_f16() && k.is_multiple_of(8) => Rounding::F16Dot4,
         d if d.is_quantized() => Rounding::Int8,
