@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build the GPU tests and the kiln binary (profile `gpu`: optimised, no fat LTO) into
 # .gpu-bin/, stripped, for a GPU machine without a Rust toolchain (see
-# ../shared/gpu/README.md). Run there from the repository root:
+# ../shared/gpu/README.md), gzipped: stripped, they pass the 64 MiB a device call carries.
+# Run there from the repository root:
+#   gunzip .gpu-bin/*.gz; chmod +x .gpu-bin/*
 #   for t in .gpu-bin/*-*; do $t --include-ignored || exit 1; done
 # Test binaries find tests/fixtures through the path they were built at (CARGO_MANIFEST_DIR):
 # link the checkout there first (`mkdir -p /work && ln -sfn $PWD /work/main`).
@@ -24,4 +26,5 @@ for line in sys.stdin:
 cargo build --profile gpu -p kiln-cli
 cp target/gpu/kiln "$out/"
 strip "$out"/*
+gzip "$out"/*
 du -sh "$out"; ls "$out"

@@ -74,27 +74,14 @@ pub fn upload_checks_sizes_and_keeps_host_bytes(t: &Target) {
 pub fn shapes_that_do_not_fit_are_errors(t: &Target) {
     let b = t.backend;
     let w = t.zeros(DType::F32, &[4, 8]);
-    assert!(b
-        .matmul(
-            &t.zeros(DType::F32, &[2, 7]),
-            &w,
-            &mut t.zeros(DType::F32, &[2, 4])
-        )
-        .is_err());
-    assert!(b
-        .matmul(
-            &t.zeros(DType::F32, &[2, 8]),
-            &w,
-            &mut t.zeros(DType::F32, &[2, 5])
-        )
-        .is_err());
-    assert!(b
-        .matmul(
-            &t.zeros(DType::F32, &[2, 8]),
-            &w,
-            &mut t.zeros(DType::F32, &[3, 4])
-        )
-        .is_err());
+    // x's k, out's columns, out's rows: each wrong in turn against w [4, 8].
+    for (x, out) in [([2, 7], [2, 4]), ([2, 8], [2, 5]), ([2, 8], [3, 4])] {
+        let mut out_t = t.zeros(DType::F32, &out);
+        assert!(
+            b.matmul(&t.zeros(DType::F32, &x), &w, &mut out_t).is_err(),
+            "x {x:?} into {out:?}"
+        );
+    }
     let q = t.upload(DType::Q4_0, &[8, 64], &[0.5; 512]);
     let x = t.upload(DType::F32, &[2, 32], &[1.0; 64]);
     assert!(

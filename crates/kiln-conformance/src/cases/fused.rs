@@ -2,6 +2,7 @@
 //! references as the plain products. Where an op also writes the normed row, the products
 //! are checked on the row it wrote (checked itself against float64), as the backend rounds it.
 
+use crate::cases::products::check_matmul_add;
 use crate::reference::{self, assert_close};
 use crate::rounding::{assert_products, gated, products, Expected};
 use crate::target::{random, stored, Target};
@@ -30,22 +31,7 @@ pub fn matmul_add(t: &Target) {
     .enumerate()
     {
         for n in [1, 3, 8, 20, 130] {
-            let mut rng = t.rng((d * 1000 + n) as u64);
-            let wv = random(&mut rng, m * k, 1.0);
-            let xv = random(&mut rng, n * k, 1.0);
-            let av = random(&mut rng, n * m, 1.0);
-            let w = t.upload(dtype, &[m, k], &wv);
-            let x = t.upload(DType::F32, &[n, k], &xv);
-            let mut acc = t.upload(DType::F32, &[n, m], &av);
-            let mut tmp = t.poisoned(&[n, m]);
-            t.backend.matmul_add(&x, &w, &mut acc, &mut tmp).unwrap();
-            let want: Vec<Expected> =
-                products(&xv, &stored(dtype, &wv), k, t.rounding(dtype, n, k))
-                    .into_iter()
-                    .zip(&av)
-                    .map(|(e, &a)| e.plus(a))
-                    .collect();
-            assert_products(&t.read(&acc), &want, &format!("matmul_add {dtype} n={n}"));
+            check_matmul_add(t, dtype, n, m, k, (d * 1000 + n) as u64);
         }
     }
 }

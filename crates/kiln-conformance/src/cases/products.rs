@@ -22,6 +22,37 @@ fn check_matmul(t: &Target, dtype: DType, n: usize, m: usize, k: usize, stream: 
     assert_products(&t.read(&out), &want, &format!("{dtype} n={n} m={m} k={k}"));
 }
 
+/// `acc[n, m] += x[n, k] · w[m, k]ᵀ` (`matmul_add`, the residual add a projection feeds)
+/// on the target, checked against the float64 reference.
+pub(crate) fn check_matmul_add(
+    t: &Target,
+    dtype: DType,
+    n: usize,
+    m: usize,
+    k: usize,
+    stream: u64,
+) {
+    let mut rng = t.rng(stream);
+    let wv = random(&mut rng, m * k, 1.0);
+    let xv = random(&mut rng, n * k, 1.0);
+    let av = random(&mut rng, n * m, 1.0);
+    let w = t.upload(dtype, &[m, k], &wv);
+    let x = t.upload(DType::F32, &[n, k], &xv);
+    let mut acc = t.upload(DType::F32, &[n, m], &av);
+    let mut tmp = t.poisoned(&[n, m]);
+    t.backend.matmul_add(&x, &w, &mut acc, &mut tmp).unwrap();
+    let want: Vec<Expected> = products(&xv, &stored(dtype, &wv), k, t.rounding(dtype, n, k))
+        .into_iter()
+        .zip(&av)
+        .map(|(e, &a)| e.plus(a))
+        .collect();
+    assert_products(
+        &t.read(&acc),
+        &want,
+        &format!("matmul_add {dtype} n={n} m={m} k={k}"),
+    );
+}
+
 /// Row lengths of one block, a few, and many; for plain floats also lengths that are no
 /// multiple of anything.
 pub fn matmul_every_dtype(t: &Target) {
@@ -73,21 +104,7 @@ pub fn prompt_products_at_model_widths(t: &Target) {
         DType::ALL.iter().map(|&d| (d, 77, 300, 2048)).collect();
     shapes.extend([(DType::Q6_K, 20, 64, 14336), (DType::F16, 20, 64, 14336)]);
     for (s, (dtype, n, m, k)) in shapes.into_iter().enumerate() {
-        let mut rng = t.rng(s as u64);
-        let wv = random(&mut rng, m * k, 1.0);
-        let xv = random(&mut rng, n * k, 1.0);
-        let av = random(&mut rng, n * m, 1.0);
-        let w = t.upload(dtype, &[m, k], &wv);
-        let x = t.upload(DType::F32, &[n, k], &xv);
-        let mut acc = t.upload(DType::F32, &[n, m], &av);
-        let mut tmp = t.poisoned(&[n, m]);
-        t.backend.matmul_add(&x, &w, &mut acc, &mut tmp).unwrap();
-        let want: Vec<Expected> = products(&xv, &stored(dtype, &wv), k, t.rounding(dtype, n, k))
-            .into_iter()
-            .zip(&av)
-            .map(|(e, &a)| e.plus(a))
-            .collect();
-        assert_products(&t.read(&acc), &want, &format!("{dtype} n={n} m={m} k={k}"));
+        check_matmul_add(t, dtype, n, m, k, s as u64);
     }
 }
 
