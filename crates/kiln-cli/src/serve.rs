@@ -7,7 +7,7 @@ use kiln_core::{Backend, Error};
 use kiln_models::chat::Message;
 use kiln_models::memory::{self, human_bytes};
 use kiln_serve::engine::blocks::{blocks_for, BLOCK_POSITIONS};
-use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, SerialRunner, ServedModel};
+use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -116,7 +116,10 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     let file = model_file::open(a.model.as_deref())?;
     let context = model_file::context_size(a.ctx_size, file.config(), &file.name, DEFAULT_CONTEXT)?;
     let max_seqs = usize::from(a.max_seqs);
-    let plan = file.plan(backend.as_ref(), PREFILL_CHUNK, false);
+    // A step's rows: every running sequence's decode, then prompt chunks up to the budget
+    // (the first chunk even past it).
+    let step_rows = max_seqs.max(TOKEN_BUDGET) + PREFILL_CHUNK;
+    let plan = file.plan(backend.as_ref(), step_rows, false);
     let kv_blocks = kv_blocks(
         &file,
         backend.as_ref(),
@@ -135,7 +138,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
         prefill_chunk: PREFILL_CHUNK,
     };
     let engine = Engine::start(
-        Box::new(SerialRunner::new(model)),
+        Box::new(PagedRunner::new(model, kv_blocks)?),
         tokenizer.clone(),
         EngineConfig {
             limits,

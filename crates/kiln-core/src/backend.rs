@@ -36,6 +36,19 @@ pub struct AttentionParams {
     pub window: Option<usize>,
 }
 
+/// Where keys and values live when many sequences share one pool of fixed-size blocks (a
+/// server's paged KV cache): position `j` of sequence `s` is row
+/// `tables[s, j / block] · block + j % block` of the pool.
+pub struct Pages<'a> {
+    /// I32 `[n]`: the sequence (row of `tables`) of each query row.
+    pub seq: &'a Tensor,
+    /// I32 `[sequences, max_blocks]`: each sequence's blocks in the order of its
+    /// positions; entries past the blocks a query can see are not read.
+    pub tables: &'a Tensor,
+    /// Positions a block holds.
+    pub block: usize,
+}
+
 pub trait Backend: Send + Sync {
     fn device(&self) -> Device;
 
@@ -138,6 +151,31 @@ pub trait Backend: Send + Sync {
         params: &AttentionParams,
         out: &mut Tensor,
     ) -> Result<()>;
+
+    /// [`Backend::attention`] for queries of many sequences whose keys and values lie in
+    /// blocks of a shared pool (`[blocks · block, kv_heads, head_dim]` each): query `i`, of
+    /// sequence `pages.seq[i]` at position `pos[i]`, sees that sequence's positions
+    /// `0..=pos[i]` (less the window), found through its block table. Each query's result
+    /// is what [`Backend::attention`] gives over the same keys and values laid out
+    /// contiguously. Block ids outside the pool are an error, or skipped on devices that
+    /// cannot report errors mid-step.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        let _ = (q, k_pool, v_pool, pos, pages, params, out);
+        Err(Error::unsupported(format!(
+            "attention over a paged KV cache on {}",
+            self.device()
+        )))
+    }
 
     // ---- Fused ops. Each default is the plain sequence it stands for; a backend
     // overrides one where doing it in one pass saves a trip through memory or a

@@ -15,7 +15,9 @@ pub mod sampling;
 pub mod shape;
 pub mod tensor;
 
-pub use backend::{to_device, AttentionParams, Backend, KernelTime, Replay, RmsNorm, RopeLayout};
+pub use backend::{
+    to_device, AttentionParams, Backend, KernelTime, Pages, Replay, RmsNorm, RopeLayout,
+};
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};

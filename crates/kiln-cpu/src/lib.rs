@@ -44,8 +44,8 @@ use profile::Profile;
 pub use storage::CpuStorage;
 
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime, Result, RopeLayout,
-    Shape, Tensor,
+    AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime, Pages, Result,
+    RopeLayout, Shape, Tensor,
 };
 
 pub struct CpuBackend {
@@ -141,6 +141,12 @@ pub(crate) fn indices<'a>(
         Some(&bad) => Err(out_of_range(bad)),
         None => Ok(v),
     }
+}
+
+/// An I32 tensor's values.
+pub(crate) fn i32s<'a>(t: &'a Tensor, what: &str) -> Result<&'a [i32]> {
+    expect_i32(t, what)?;
+    Ok(bytemuck::cast_slice(storage(t)?.bytes()))
 }
 
 pub(crate) fn i32s_mut(t: &mut Tensor) -> Result<&mut [i32]> {
@@ -391,6 +397,22 @@ impl Backend for CpuBackend {
         self.profile.time(
             || attention_label(pos),
             || attention::attention(&self.pool, q, k_cache, v_cache, pos, params, out),
+        )
+    }
+
+    fn paged_attention(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.profile.time(
+            || "attention (paged)".into(),
+            || attention::paged_attention(&self.pool, q, k_pool, v_pool, pos, pages, params, out),
         )
     }
 

@@ -24,8 +24,8 @@ pub use memory::CudaStorage;
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use kernels::{Arg, Kernels};
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, HostBytes, Replay, Result, RmsNorm, RopeLayout,
-    SampleParams, Shape, Tensor,
+    AttentionParams, Backend, DType, Device, Error, HostBytes, Pages, Replay, Result, RmsNorm,
+    RopeLayout, SampleParams, Shape, Tensor,
 };
 use memory::{DeviceBuffer, Pool};
 use std::collections::HashMap;
@@ -489,6 +489,19 @@ impl Backend for CudaBackend {
         out: &mut Tensor,
     ) -> Result<()> {
         attention::attention(self, q, k_cache, v_cache, pos, params, out)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        attention::paged_attention(self, q, k_pool, v_pool, pos, pages, params, out)
     }
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {

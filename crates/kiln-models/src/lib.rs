@@ -4,6 +4,7 @@
 //! conventions, and uploads the weights in their stored dtype; [`Model::forward`] runs
 //! tokens through it.
 
+mod batch;
 pub mod chat;
 mod checkpoint;
 mod config;
@@ -20,6 +21,7 @@ mod source;
 mod synthetic;
 mod weights;
 
+pub use batch::{BatchItem, PagedKvCache, StepOutput, StepWant};
 pub use checkpoint::Checkpoint;
 pub use config::{Arch, Ffn, Llama3Scaling, ModelConfig, Norm, Rope};
 pub use convert::convert_hf_to_gguf;

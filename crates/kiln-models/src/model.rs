@@ -1,6 +1,7 @@
 //! The forward pass, written once for every architecture: one straight sequence of
 //! backend ops, steered by [`ModelConfig`].
 
+use crate::batch::{PagedKvCache, PagedRows};
 use crate::config::{Ffn, ModelConfig, Norm};
 use crate::weights::{FfnWeights, GateUp, Linear, ModelWeights, NormWeights, Qkv};
 use kiln_core::{
@@ -38,36 +39,47 @@ impl KvCache {
     }
 }
 
+/// Where a step's keys and values go and come from.
+pub(crate) enum KvTarget<'a> {
+    /// One sequence's contiguous cache: position `p` is row `p`.
+    Contiguous(&'a mut KvCache),
+    /// Blocks of a pool shared by the step's sequences.
+    Paged {
+        cache: &'a mut PagedKvCache,
+        rows: PagedRows<'a>,
+    },
+}
+
 /// Buffers for a batch of `n` tokens, allocated once per batch size and reused.
-struct Scratch {
-    n: usize,
+pub(crate) struct Scratch {
+    pub(crate) n: usize,
     /// I32 `[n]`: the token ids and their positions, the only inputs a step writes.
-    ids: Tensor,
-    positions: Tensor,
-    x: Tensor,
-    h: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    qkv: Option<Tensor>,
-    attn: Tensor,
-    o: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    gate_up: Option<Tensor>,
-    act: Tensor,
-    down: Tensor,
+    pub(crate) ids: Tensor,
+    pub(crate) positions: Tensor,
+    pub(crate) x: Tensor,
+    pub(crate) h: Tensor,
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+    pub(crate) qkv: Option<Tensor>,
+    pub(crate) attn: Tensor,
+    pub(crate) o: Tensor,
+    pub(crate) gate: Tensor,
+    pub(crate) up: Tensor,
+    pub(crate) gate_up: Option<Tensor>,
+    pub(crate) act: Tensor,
+    pub(crate) down: Tensor,
     /// GPT-2's learned position embeddings of the batch.
-    pos_embed: Option<Tensor>,
+    pub(crate) pos_embed: Option<Tensor>,
     /// The last row of `h`, `[1, dim]`.
-    last: Tensor,
+    pub(crate) last: Tensor,
     /// `[1, vocab]`: the last position's logits.
-    logits: Tensor,
+    pub(crate) logits: Tensor,
     /// `[n, vocab]`, made by the first [`Logits::All`] pass of this size: large, and
     /// needed only for perplexity and tests.
-    all_logits: Option<Tensor>,
+    pub(crate) all_logits: Option<Tensor>,
     /// I32 `[1]`: the greedy token, all that [`Model::forward_argmax`] reads back.
-    next: Tensor,
+    pub(crate) next: Tensor,
 }
 
 impl Scratch {
@@ -137,6 +149,25 @@ impl Model {
 
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// Rows of the embedding table: token ids must be below it.
+    pub(crate) fn vocab_rows(&self) -> usize {
+        self.weights.embed.dims()[0]
+    }
+
+    /// Positions a model with learned position embeddings (GPT-2) has.
+    pub(crate) fn learned_positions(&self) -> Option<usize> {
+        self.weights.pos_embed.as_ref().map(|pe| pe.dims()[0])
+    }
+
+    pub(crate) fn out_norm(&self) -> &NormWeights {
+        &self.weights.out_norm
+    }
+
+    /// The output projection (the embedding table when they are tied).
+    pub(crate) fn head_weight(&self) -> &Tensor {
+        self.weights.output.as_ref().unwrap_or(&self.weights.embed)
     }
 
     /// Record one-token steps and replay them (CUDA graphs) where the backend can. On by
@@ -217,7 +248,7 @@ impl Model {
         Ok(())
     }
 
-    fn new_scratch(&self, n: usize) -> Result<Scratch> {
+    pub(crate) fn new_scratch(&self, n: usize) -> Result<Scratch> {
         let c = &self.config;
         let b = self.backend.as_ref();
         let fused_qkv = self
@@ -422,6 +453,12 @@ impl Model {
     /// The step's ops, from the embedding to the logits. Nothing here allocates: the ops
     /// may be recorded.
     fn ops(&self, s: &mut Scratch, cache: &mut KvCache, which: Logits) -> Result<()> {
+        self.layers(s, &mut KvTarget::Contiguous(cache))?;
+        self.head(s, which)
+    }
+
+    /// The embedding and every layer: `s.x` holds the last layer's output.
+    pub(crate) fn layers(&self, s: &mut Scratch, kv: &mut KvTarget) -> Result<()> {
         let c = &self.config;
         let b = self.backend.as_ref();
         let w = &self.weights;
@@ -471,29 +508,50 @@ impl Model {
                 .as_ref()
                 .zip(w.inv_freq.as_ref())
                 .map(|(rope, inv_freq)| (inv_freq, rope.layout));
-            let (k_cache, v_cache) = (&mut cache.k[l], &mut cache.v[l]);
-            b.rope_write_kv(
-                &mut s.q,
-                &mut s.k,
-                &s.v,
-                &s.positions,
-                rope,
-                k_cache,
-                v_cache,
-            )?;
             let params = AttentionParams {
                 scale: c.attn_scale,
                 softcap: c.attn_softcap,
                 window: c.layer_window(l),
             };
-            b.attention(
-                &s.q,
-                &cache.k[l],
-                &cache.v[l],
-                &s.positions,
-                &params,
-                &mut s.attn,
-            )?;
+            match kv {
+                KvTarget::Contiguous(cache) => {
+                    let (k_cache, v_cache) = (&mut cache.k[l], &mut cache.v[l]);
+                    b.rope_write_kv(
+                        &mut s.q,
+                        &mut s.k,
+                        &s.v,
+                        &s.positions,
+                        rope,
+                        k_cache,
+                        v_cache,
+                    )?;
+                    b.attention(
+                        &s.q,
+                        &cache.k[l],
+                        &cache.v[l],
+                        &s.positions,
+                        &params,
+                        &mut s.attn,
+                    )?;
+                }
+                KvTarget::Paged { cache, rows } => {
+                    if let Some((inv_freq, layout)) = rope {
+                        b.rope(&mut s.q, &s.positions, inv_freq, layout)?;
+                        b.rope(&mut s.k, &s.positions, inv_freq, layout)?;
+                    }
+                    b.write_rows(&s.k, &mut cache.k[l], rows.slots)?;
+                    b.write_rows(&s.v, &mut cache.v[l], rows.slots)?;
+                    b.paged_attention(
+                        &s.q,
+                        &cache.k[l],
+                        &cache.v[l],
+                        &s.positions,
+                        &rows.pages(cache.block),
+                        &params,
+                        &mut s.attn,
+                    )?;
+                }
+            }
             reshape(&mut s.q, &[n, c.q_dim()])?;
             reshape(&mut s.k, &[n, c.kv_dim()])?;
             reshape(&mut s.v, &[n, c.kv_dim()])?;
@@ -575,7 +633,15 @@ impl Model {
                 self.linear_add(down, &s.act, &mut s.x, &mut s.down)?;
             }
         }
+        Ok(())
+    }
 
+    /// The final norm and the output head over the last layer's output `s.x`.
+    fn head(&self, s: &mut Scratch, which: Logits) -> Result<()> {
+        let c = &self.config;
+        let b = self.backend.as_ref();
+        let w = &self.weights;
+        let n = s.n;
         self.norm(&w.out_norm, &s.x, &mut s.h)?;
         let head = w.output.as_ref().unwrap_or(&w.embed);
         let logits = match which {
@@ -613,7 +679,7 @@ impl Model {
         }
     }
 
-    fn norm(&self, nw: &NormWeights, x: &Tensor, out: &mut Tensor) -> Result<()> {
+    pub(crate) fn norm(&self, nw: &NormWeights, x: &Tensor, out: &mut Tensor) -> Result<()> {
         match (self.config.norm, &nw.b) {
             (Norm::Rms { eps }, _) => self.backend.rms_norm(x, &nw.w, eps, out),
             (Norm::Layer { eps }, Some(bias)) => self.backend.layer_norm(x, &nw.w, bias, eps, out),
