@@ -31,6 +31,7 @@ mod gemv;
 mod kgemm;
 mod matmul;
 mod norm;
+mod optim;
 mod pool;
 mod profile;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
@@ -392,6 +393,10 @@ impl Backend for CpuBackend {
             || attention_label(pos),
             || attention::attention(&self.pool, q, k_cache, v_cache, pos, params, out),
         )
+    }
+
+    fn optim(&self) -> Option<&dyn kiln_core::OptimKernels> {
+        Some(self)
     }
 
     fn kernel_profile(&self) -> Option<Vec<KernelTime>> {
