@@ -412,11 +412,14 @@ impl StepConfig {
             }
         }
         if let Some(s) = self.loss_scaling {
-            if !(s.init_scale.is_finite() && s.init_scale > 0.0)
-                || !(s.growth_factor > 1.0 && s.growth_factor.is_finite())
-                || !(s.backoff_factor > 0.0 && s.backoff_factor < 1.0)
-                || s.growth_interval == 0
-            {
+            let valid = s.init_scale.is_finite()
+                && s.init_scale > 0.0
+                && s.growth_factor.is_finite()
+                && s.growth_factor > 1.0
+                && s.backoff_factor > 0.0
+                && s.backoff_factor < 1.0
+                && s.growth_interval > 0;
+            if !valid {
                 return Err(Error::unsupported(format!(
                     "loss scaling {s:?}: the scale must be positive, growth_factor > 1, \
                      0 < backoff_factor < 1 and growth_interval > 0"

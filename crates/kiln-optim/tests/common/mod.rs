@@ -1,5 +1,7 @@
 //! The PyTorch fixtures (scripts/optim/make_fixtures.py) and a run of one case on any
 //! backend, shared by the CPU and CUDA parity tests.
+// Each test binary uses its own part of these helpers.
+#![allow(dead_code)]
 
 use kiln_core::{Backend, DType, HostBytes, Shape, Tensor};
 use kiln_optim::{LossScaling, Optimizer, ParamLayout, Rule, Schedule, StepConfig};
@@ -216,7 +218,7 @@ pub struct Outcome {
     pub skipped: Vec<bool>,
 }
 
-fn upload(backend: &dyn Backend, values: &[f32]) -> Tensor {
+pub fn upload(backend: &dyn Backend, values: &[f32]) -> Tensor {
     backend
         .upload(
             DType::F32,
