@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_model;
+mod bench_optim;
 mod bench_serve;
 mod chat_sandbox;
 mod console;
@@ -46,7 +47,7 @@ enum Command {
         /// The file or directory.
         path: PathBuf,
     },
-    /// Measure speed: llama-bench's pp/tg tests on a model, or `--kernels`.
+    /// Measure speed: llama-bench's pp/tg tests on a model, `--kernels`, or `--optimizer`.
     Bench(BenchArgs),
     /// Serve the model over HTTP with OpenAI's API (completions, chat, models).
     Serve(serve::ServeArgs),
@@ -73,10 +74,10 @@ enum Command {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Model file or Hugging Face directory.
-    #[arg(short = 'm', long, conflicts_with_all = ["synthetic", "kernels"])]
+    #[arg(short = 'm', long, conflicts_with_all = ["synthetic", "kernels", "optimizer"])]
     model: Option<PathBuf>,
     /// A random-weight model of a known shape: tinyllama-1.1b or llama3-8b.
-    #[arg(long, conflicts_with = "kernels")]
+    #[arg(long, conflicts_with_all = ["kernels", "optimizer"])]
     synthetic: Option<String>,
     /// Weight type of a synthetic model: f32, f16, bf16, q8_0, q4_0, q4_k_m.
     #[arg(long = "type", default_value = "f16")]
@@ -106,10 +107,34 @@ struct BenchArgs {
     rows: usize,
     #[arg(long, default_value_t = 14336, requires = "kernels")]
     cols: usize,
+    /// Time an AdamW step over flat FP32 buffers on --device instead (G params/s).
+    #[arg(long, conflicts_with = "kernels")]
+    optimizer: bool,
+    /// With --optimizer: parameters in all (default 268M, 2^28).
+    #[arg(long, default_value_t = 1 << 28, requires = "optimizer")]
+    params: usize,
+    /// With --optimizer: tensors they are split into.
+    #[arg(long, default_value_t = 64, requires = "optimizer")]
+    tensors: usize,
 }
 
 fn bench(a: BenchArgs) -> CliResult {
-    let text = if a.kernels {
+    if a.output != "md" && a.output != "json" {
+        return Err(Failure::usage(format!(
+            "-o {}: the output is md or json",
+            a.output
+        )));
+    }
+    let text = if a.optimizer {
+        bench_optim::run(&bench_optim::OptimizerBench {
+            device: a.device,
+            threads: a.threads,
+            reps: usize::from(a.reps).max(5),
+            params: a.params,
+            tensors: a.tensors,
+            json: a.output == "json",
+        })?
+    } else if a.kernels {
         bench::kernels(
             &bench::KernelBench {
                 threads: a.threads,
@@ -120,12 +145,6 @@ fn bench(a: BenchArgs) -> CliResult {
             .checked()?,
         )?
     } else {
-        if a.output != "md" && a.output != "json" {
-            return Err(Failure::usage(format!(
-                "-o {}: the output is md or json",
-                a.output
-            )));
-        }
         bench_model::run(&bench_model::ModelBench {
             model: a.model,
             synthetic: a.synthetic,

@@ -303,6 +303,11 @@ pub trait Backend: Send + Sync {
         sample_on_host(self, logits, penalized, params, out)
     }
 
+    /// The fused optimizer step's kernels ([`crate::optim`]), where this backend has them.
+    fn optim(&self) -> Option<&dyn crate::OptimKernels> {
+        None
+    }
+
     /// Record the ops `step` issues, so that they can be replayed as one unit (a CUDA
     /// graph). `Some`: the ops were recorded, not run; replay to run them. `None`: the
     /// backend does not record, and the ops ran as usual. A recording stays valid while

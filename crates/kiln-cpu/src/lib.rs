@@ -31,6 +31,7 @@ mod gemv;
 mod kgemm;
 mod matmul;
 mod norm;
+mod optim;
 mod pool;
 mod profile;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
@@ -414,6 +415,10 @@ impl Backend for CpuBackend {
             || "attention (paged)".into(),
             || attention::paged_attention(&self.pool, q, k_pool, v_pool, pos, pages, params, out),
         )
+    }
+
+    fn optim(&self) -> Option<&dyn kiln_core::OptimKernels> {
+        Some(self)
     }
 
     fn kernel_profile(&self) -> Option<Vec<KernelTime>> {

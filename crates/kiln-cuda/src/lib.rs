@@ -15,6 +15,7 @@ mod kernels;
 mod matmul;
 mod memory;
 mod norm;
+mod optim;
 mod sample;
 
 pub use compile::CacheOutcome;
@@ -587,6 +588,10 @@ impl Backend for CudaBackend {
 
     fn free_memory(&self) -> Result<Option<usize>> {
         Ok(Some(self.memory_info()?.0))
+    }
+
+    fn optim(&self) -> Option<&dyn kiln_core::OptimKernels> {
+        Some(self)
     }
 
     fn capture(&self, step: &mut dyn FnMut() -> Result<()>) -> Result<Option<Box<dyn Replay>>> {
