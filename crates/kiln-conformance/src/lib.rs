@@ -67,6 +67,7 @@ macro_rules! with_cases {
             write_rows
             rope
             rope_write_kv
+            kv_caches_of_other_types_are_refused
             attention
             attention_at_model_shapes
             prompt_attention_in_tiles

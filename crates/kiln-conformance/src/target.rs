@@ -121,6 +121,12 @@ impl Target<'_> {
         quant::dequantize_to_vec(DType::F32, &bytes, t.shape().numel()).unwrap()
     }
 
+    /// A tensor's values in any type, decoded as `quant::dequantize` decodes them.
+    pub(crate) fn read_decoded(&self, t: &Tensor) -> Vec<f32> {
+        let bytes = self.backend.download(t).unwrap();
+        quant::dequantize_to_vec(t.dtype(), &bytes, t.shape().numel()).unwrap()
+    }
+
     pub(crate) fn read_ints(&self, t: &Tensor) -> Vec<i32> {
         self.backend
             .download(t)

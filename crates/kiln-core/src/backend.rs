@@ -128,10 +128,18 @@ pub trait Backend: Send + Sync {
     /// `x = cap · tanh(x / cap)`, in place (Gemma 2's final logit soft-capping).
     fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()>;
 
-    /// Copy row `i` of `src` (its outermost dimension) to row `pos[i]` of `dst`; both F32,
-    /// rows of equal size, `pos` I32 `[rows of src]`. Writes keys and values into a KV
+    /// Copy row `i` of `src` (its outermost dimension) to row `pos[i]` of `dst`, rows of
+    /// equal element count, `pos` I32 `[rows of src]`: writes keys and values into a KV
     /// cache. Positions outside `dst` are an error, or skipped on devices that cannot
-    /// report errors mid-step.
+    /// report errors mid-step. `dst` is one of [`DType::KV_CACHE`]; `src` is F32, each row
+    /// converted to `dst`'s type as it is written, or of `dst`'s type, its rows copied as
+    /// stored (a cache moved to a larger one). From F32:
+    /// - F32: as it is.
+    /// - F16, BF16: each value rounded to the nearest, ties to even (past F16's range, ±∞).
+    /// - Q8_0 (rows of whole blocks: `head_dim` a multiple of 32): ggml's
+    ///   `quantize_row_q8_0`, per block of 32 values the scale `d = max|x| / 127` stored as
+    ///   f16 and each value `round(x · (1/d))` (ties away from zero) with `d` and `1/d` in
+    ///   f32. A GPU's reciprocal may put a value one step (`d`) from where the CPU puts it.
     fn write_rows(&self, src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()>;
 
     /// `dst[i, :] = src[i, col0 .. col0 + dst_cols]` for 2-D F32 tensors: splits the
@@ -141,7 +149,10 @@ pub trait Backend: Send + Sync {
     /// Causal attention of `q` `[n, heads, head_dim]` over the cached keys and values
     /// `[capacity, kv_heads, head_dim]`, into `out` `[n, heads, head_dim]`. Query `i` is at
     /// position `pos[i]` (`pos`: I32 `[n]`) and sees the cache rows `0..=pos[i]`. Query
-    /// head `h` reads KV head `h / (heads / kv_heads)` (grouped-query attention).
+    /// head `h` reads KV head `h / (heads / kv_heads)` (grouped-query attention). The
+    /// caches are one of [`DType::KV_CACHE`], both the same: their values are decoded to
+    /// f32 exactly as [`crate::quant::dequantize`] decodes them, and everything after
+    /// is f32 arithmetic, as over an F32 cache holding those values.
     fn attention(
         &self,
         q: &Tensor,
@@ -253,7 +264,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// Rotate `q` in place and `k` (when `rope` is given), then write `k` and `v` into
-    /// the caches at `pos`.
+    /// the caches at `pos`, converted to the caches' type as [`Backend::write_rows`]
+    /// converts rows.
     #[allow(clippy::too_many_arguments)]
     fn rope_write_kv(
         &self,

@@ -34,6 +34,11 @@ impl DType {
         DType::Q6_K,
     ];
 
+    /// The types a KV cache may hold ([`crate::Backend::write_rows`] writes them,
+    /// [`crate::Backend::attention`] reads them): plain floats, and Q8_0 for heads of a
+    /// whole number of its blocks.
+    pub const KV_CACHE: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::Q8_0];
+
     /// Elements per block (1 for plain floats).
     pub const fn block_size(self) -> usize {
         match self {

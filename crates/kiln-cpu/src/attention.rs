@@ -1,16 +1,18 @@
 //! Causal (optionally windowed, soft-capped) grouped-query attention over a KV cache.
 //!
 //! The keys and values lie in one contiguous cache, or in blocks of a pool shared by many
-//! sequences (a server's paged cache). One task per (token, head): scores against every visible key, a softmax, then the
-//! weighted sum of values. Scores live in a per-task buffer of the visible length.
+//! sequences (a server's paged cache), as f32 or in a smaller type (f16, bf16, q8_0) whose
+//! rows are decoded to f32 as they are read. One task per (token, head): scores against
+//! every visible key, a softmax, then the weighted sum of values. Scores live in a per-task
+//! buffer of the visible length.
 
 use crate::dot;
 #[cfg(target_arch = "x86_64")]
 use crate::dot::Isa;
 use crate::elementwise::exp;
 use crate::pool::Pool;
-use crate::{f32s, f32s_mut, i32s, indices};
-use kiln_core::{AttentionParams, Error, Pages, Result, Tensor};
+use crate::{f32s, f32s_mut, i32s, indices, storage};
+use kiln_core::{quant, AttentionParams, DType, Error, Pages, Result, Tensor};
 
 pub(crate) fn attention(
     pool: &Pool,
@@ -144,6 +146,13 @@ impl Shapes {
                 "{heads} query heads cannot share {kv_heads} KV heads"
             )));
         }
+        if v.dtype() != k.dtype() || !DType::KV_CACHE.contains(&k.dtype()) {
+            return Err(Error::unsupported(format!(
+                "attention over a {} key cache and a {} value cache (both f32, f16, bf16 or q8_0)",
+                k.dtype(),
+                v.dtype()
+            )));
+        }
         Ok(Shapes {
             n,
             heads,
@@ -181,7 +190,7 @@ fn run(
         ..
     } = *shapes;
     let group = heads / kv_heads;
-    let (qs, ks, vs) = (f32s(q)?, f32s(k)?, f32s(v)?);
+    let (qs, ks, vs) = (f32s(q)?, Stored::of(k)?, Stored::of(v)?);
     let o = f32s_mut(out)?;
     if hd == 0 {
         return Ok(());
@@ -213,11 +222,52 @@ fn run(
     Ok(())
 }
 
-/// One query row and the cache rows it sees: key/value j is `k[j·stride + offset..][..hd]`.
+/// A cache's values as stored: F32 read in place, other types decoded a row at a time.
+#[derive(Clone, Copy)]
+enum Stored<'a> {
+    F32(&'a [f32]),
+    Encoded(DType, &'a [u8]),
+}
+
+impl<'a> Stored<'a> {
+    fn of(t: &'a Tensor) -> Result<Self> {
+        Ok(match t.dtype() {
+            DType::F32 => Stored::F32(f32s(t)?),
+            dtype => Stored::Encoded(dtype, storage(t)?.bytes()),
+        })
+    }
+
+    /// Elements `at..at + n` as f32: in place, or decoded into `buf` (`at` is a head's
+    /// first element, so a whole number of blocks in; `n` a head's length).
+    #[inline(always)]
+    fn row<'b>(&'b self, at: usize, n: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        match *self {
+            Stored::F32(values) => &values[at..][..n],
+            Stored::Encoded(dtype, bytes) => {
+                let (bs, bb) = (dtype.block_size(), dtype.block_bytes());
+                let out = &mut buf[..n];
+                let row = &bytes[at / bs * bb..][..n / bs * bb];
+                quant::dequantize(dtype, row, out).expect("heads are whole blocks");
+                out
+            }
+        }
+    }
+
+    /// A buffer for [`Stored::row`]: empty when rows are read in place.
+    fn buffer(&self, hd: usize) -> Vec<f32> {
+        match self {
+            Stored::F32(_) => Vec::new(),
+            Stored::Encoded(..) => vec![0.0; hd],
+        }
+    }
+}
+
+/// One query row and the cache rows it sees: key/value j is element `j·stride + offset`
+/// on, `hd` of them.
 struct Rows<'a> {
     q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    k: Stored<'a>,
+    v: Stored<'a>,
     stride: usize,
     offset: usize,
     visible: std::ops::Range<usize>,
@@ -241,8 +291,9 @@ fn head_with(r: &Rows, p: &AttentionParams, o: &mut [f32], dot: impl Fn(&[f32], 
     // A plain loop, not `map().collect()`: the collecting function would be compiled
     // apart from this one, without the AVX-512 features of its caller.
     let mut scores = vec![0f32; r.visible.len()];
+    let (mut kbuf, mut vbuf) = (r.k.buffer(hd), r.v.buffer(hd));
     for (s, j) in scores.iter_mut().zip(r.visible.clone()) {
-        let v = dot(r.q, &r.k[at(j)..][..hd]) * p.scale;
+        let v = dot(r.q, r.k.row(at(j), hd, &mut kbuf)) * p.scale;
         *s = match p.softcap {
             Some(cap) => cap * (v / cap).tanh(),
             None => v,
@@ -256,9 +307,8 @@ fn head_with(r: &Rows, p: &AttentionParams, o: &mut [f32], dot: impl Fn(&[f32], 
     o.fill(0.0);
     for (s, j) in scores.iter().zip(r.visible.clone()) {
         let w = s / sum;
-        o.iter_mut()
-            .zip(&r.v[at(j)..][..hd])
-            .for_each(|(o, v)| *o += w * v);
+        let value = r.v.row(at(j), hd, &mut vbuf);
+        o.iter_mut().zip(value).for_each(|(o, v)| *o += w * v);
     }
 }
 

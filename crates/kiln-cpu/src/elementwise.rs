@@ -2,8 +2,8 @@ use crate::dot;
 #[cfg(target_arch = "x86_64")]
 use crate::dot::Isa;
 use crate::pool::Pool;
-use crate::{f32s, f32s_mut, i32s_mut, indices, same_shape, storage};
-use kiln_core::{quant, Error, Result, Tensor};
+use crate::{f32s, f32s_mut, i32s_mut, indices, same_shape, storage, storage_mut};
+use kiln_core::{quant, DType, Error, Result, Tensor};
 
 /// Elements per task of the threaded elementwise ops.
 const CHUNK: usize = 1 << 13;
@@ -162,11 +162,21 @@ pub(crate) fn embedding(table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Resul
     Ok(())
 }
 
+/// Rows of `src` into rows `pos` of a KV cache, converted to the cache's type (see
+/// `Backend::write_rows`), or copied as stored when `src` has that type.
 pub(crate) fn write_rows(src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()> {
     let dst_row: usize = dst.dims().iter().skip(1).product();
     let src_row: usize = src.dims().iter().skip(1).product();
     let rows = src.dims().first().copied().unwrap_or(1);
     let dst_rows = dst.dims().first().copied().unwrap_or(1);
+    let dtype = dst.dtype();
+    if !DType::KV_CACHE.contains(&dtype) || (src.dtype() != DType::F32 && src.dtype() != dtype) {
+        return Err(Error::unsupported(format!(
+            "write_rows: {} rows into a {dtype} tensor (a KV cache is f32, f16, bf16 or q8_0, \
+             written from f32 or its own type)",
+            src.dtype()
+        )));
+    }
     if src_row != dst_row {
         return Err(Error::shape(format!(
             "write_rows: {} into {}",
@@ -179,13 +189,24 @@ pub(crate) fn write_rows(src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result
             "write_rows: row {p} is outside the {dst_rows} rows of the destination"
         ))
     })?;
-    let s = f32s(src)?;
-    let d = f32s_mut(dst)?;
-    if dst_row == 0 {
+    let row_bytes = dtype.row_bytes(dst_row)?;
+    // From F32 each row is encoded; from the cache's own type copied.
+    let values = if src.dtype() == dtype {
+        None
+    } else {
+        Some(f32s(src)?)
+    };
+    let s = storage(src)?.bytes();
+    let d = storage_mut(dst)?.bytes_mut();
+    if row_bytes == 0 {
         return Ok(());
     }
-    for (&p, row) in positions.iter().zip(s.chunks_exact(dst_row)) {
-        d[p as usize * dst_row..][..dst_row].copy_from_slice(row);
+    for (i, &p) in positions.iter().enumerate() {
+        let out = &mut d[p as usize * row_bytes..][..row_bytes];
+        match values {
+            Some(v) => quant::quantize_into(dtype, &v[i * dst_row..][..dst_row], out)?,
+            None => out.copy_from_slice(&s[i * row_bytes..][..row_bytes]),
+        }
     }
     Ok(())
 }

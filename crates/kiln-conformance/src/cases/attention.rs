@@ -1,45 +1,15 @@
-//! Rope, the KV cache's writes and attention: small awkward shapes, positions in any
-//! order, windows and soft-caps, and the shapes of real models.
+//! Rope and attention: small awkward shapes, positions in any order, windows and
+//! soft-caps, and the shapes of real models, over caches of every KV type (the reference
+//! reads the values the cache holds, so the bound is the same for all).
 
+use super::kv_cache::kv_types;
 use crate::reference::{self, assert_close, widen, AttentionShape};
-use crate::target::{random, Target};
+use crate::target::{random, stored, Target};
 use kiln_core::{AttentionParams, DType, RopeLayout};
 
-const LAYOUTS: [RopeLayout; 2] = [RopeLayout::Interleaved, RopeLayout::Neox];
+pub(crate) const LAYOUTS: [RopeLayout; 2] = [RopeLayout::Interleaved, RopeLayout::Neox];
 
-/// Rows of `src` (`[rows, row_len]`) written into a cache of `capacity` rows filled
-/// with `before`: what the cache holds after.
-fn cache_after(before: &[f32], src: &[f32], row_len: usize, positions: &[i32]) -> Vec<f64> {
-    let mut want = widen(before);
-    for (row, &p) in src.chunks(row_len).zip(positions) {
-        want[p as usize * row_len..][..row_len].copy_from_slice(&widen(row));
-    }
-    want
-}
-
-pub fn write_rows(t: &Target) {
-    let mut rng = t.rng(0);
-    // (capacity, kv_heads, head_dim, positions): in order, out of order, every row.
-    let all: Vec<i32> = (0..40).collect();
-    for (cap, kvh, hd, positions) in [
-        (6, 2, 5, &[3, 4][..]),
-        (10, 2, 5, &[5, 2, 9][..]),
-        (40, 2, 64, &all[..]),
-    ] {
-        let row_len = kvh * hd;
-        let before = random(&mut rng, cap * row_len, 1.0);
-        let sv = random(&mut rng, positions.len() * row_len, 1.0);
-        let mut cache = t.upload(DType::F32, &[cap, kvh, hd], &before);
-        let src = t.upload(DType::F32, &[positions.len(), kvh, hd], &sv);
-        t.backend
-            .write_rows(&src, &mut cache, &t.ints(positions))
-            .unwrap();
-        let want = cache_after(&before, &sv, row_len, positions);
-        assert_close(&t.read(&cache), &want, 0.0, &format!("at {positions:?}"));
-    }
-}
-
-fn inv_freq(pairs: usize, base: f32) -> Vec<f32> {
+pub(crate) fn inv_freq(pairs: usize, base: f32) -> Vec<f32> {
     (0..pairs)
         .map(|i| base.powf(-(i as f32) / pairs as f32))
         .collect()
@@ -75,54 +45,8 @@ pub fn rope(t: &Target) {
     }
 }
 
-pub fn rope_write_kv(t: &Target) {
-    let mut rng = t.rng(0);
-    let (n, heads, kvh, cap) = (3, 8, 2, 16);
-    let positions = [7, 0, 15];
-    // (head_dim, rotated pairs): all, part, none.
-    for (hd, pairs) in [(64, Some(32)), (64, Some(16)), (80, Some(16)), (64, None)] {
-        let qv = random(&mut rng, n * heads * hd, 1.0);
-        let kv = random(&mut rng, n * kvh * hd, 1.0);
-        let vv = random(&mut rng, n * kvh * hd, 1.0);
-        let before = random(&mut rng, cap * kvh * hd, 1.0);
-        let freqs = inv_freq(pairs.unwrap_or(1), 500.0);
-        for layout in LAYOUTS {
-            let mut q = t.upload(DType::F32, &[n, heads, hd], &qv);
-            let mut k = t.upload(DType::F32, &[n, kvh, hd], &kv);
-            let v = t.upload(DType::F32, &[n, kvh, hd], &vv);
-            let mut kc = t.upload(DType::F32, &[cap, kvh, hd], &before);
-            let mut vc = t.upload(DType::F32, &[cap, kvh, hd], &before);
-            let f = t.upload(DType::F32, &[freqs.len()], &freqs);
-            t.backend
-                .rope_write_kv(
-                    &mut q,
-                    &mut k,
-                    &v,
-                    &t.ints(&positions),
-                    pairs.map(|_| (&f, layout)),
-                    &mut kc,
-                    &mut vc,
-                )
-                .unwrap();
-            let (mut q_want, mut k_want) = (widen(&qv), widen(&kv));
-            if pairs.is_some() {
-                reference::rope(&mut q_want, heads, hd, &positions, &freqs, layout);
-                reference::rope(&mut k_want, kvh, hd, &positions, &freqs, layout);
-            }
-            let k_rotated: Vec<f32> = t.read(&k);
-            let what = format!("hd={hd} pairs={pairs:?} {layout:?}");
-            assert_close(&t.read(&q), &q_want, 2e-5, &format!("{what}: q"));
-            assert_close(&k_rotated, &k_want, 2e-5, &format!("{what}: k"));
-            let row_len = kvh * hd;
-            let k_cache = cache_after(&before, &k_rotated, row_len, &positions);
-            assert_close(&t.read(&kc), &k_cache, 0.0, &format!("{what}: k cache"));
-            let v_cache = cache_after(&before, &vv, row_len, &positions);
-            assert_close(&t.read(&vc), &v_cache, 0.0, &format!("{what}: v cache"));
-        }
-    }
-}
-
-/// One attention call on random q and caches, against float64.
+/// One attention call on random q and caches, against float64: for each KV type the
+/// head size allows, the caches hold the random values as that type stores them.
 fn check_attention(
     t: &Target,
     stream: u64,
@@ -130,14 +54,27 @@ fn check_attention(
     capacity: usize,
     positions: &[i32],
 ) {
+    for kv in kv_types(shape.head_dim) {
+        check_attention_of(t, stream, shape, capacity, positions, kv);
+    }
+}
+
+fn check_attention_of(
+    t: &Target,
+    stream: u64,
+    shape: AttentionShape,
+    capacity: usize,
+    positions: &[i32],
+    dtype: DType,
+) {
     let mut rng = t.rng(stream);
     let (n, heads, kvh, hd) = (positions.len(), shape.heads, shape.kv_heads, shape.head_dim);
     let qv = random(&mut rng, n * heads * hd, 1.5);
-    let kv = random(&mut rng, capacity * kvh * hd, 1.5);
-    let vv = random(&mut rng, capacity * kvh * hd, 1.0);
+    let kv = stored(dtype, &random(&mut rng, capacity * kvh * hd, 1.5));
+    let vv = stored(dtype, &random(&mut rng, capacity * kvh * hd, 1.0));
     let q = t.upload(DType::F32, &[n, heads, hd], &qv);
-    let k = t.upload(DType::F32, &[capacity, kvh, hd], &kv);
-    let v = t.upload(DType::F32, &[capacity, kvh, hd], &vv);
+    let k = t.upload(dtype, &[capacity, kvh, hd], &kv);
+    let v = t.upload(dtype, &[capacity, kvh, hd], &vv);
     let mut out = t.poisoned(&[n, heads, hd]);
     let params = AttentionParams {
         scale: shape.scale,
@@ -149,7 +86,7 @@ fn check_attention(
         .unwrap();
     let want = reference::attention(&qv, &kv, &vv, positions, shape);
     let first = positions.first().copied().unwrap_or(0);
-    let what = format!("{shape:?} capacity {capacity}, {n} queries from {first}");
+    let what = format!("{shape:?} {dtype} capacity {capacity}, {n} queries from {first}");
     assert_close(&t.read(&out), &want, 2e-5, &what);
 }
 

@@ -4,6 +4,7 @@
 mod attention;
 mod buffers;
 mod fused;
+mod kv_cache;
 mod paged;
 mod products;
 mod rows;
@@ -13,6 +14,7 @@ mod tables;
 pub use attention::*;
 pub use buffers::*;
 pub use fused::*;
+pub use kv_cache::*;
 pub use paged::*;
 pub use products::*;
 pub use rows::*;

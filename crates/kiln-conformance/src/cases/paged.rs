@@ -1,9 +1,10 @@
 //! Attention over a paged KV cache: many sequences' keys and values in blocks of one pool,
-//! found through block tables (a server's batch). Each query is checked against float64
-//! attention over its own sequence's rows laid out contiguously.
+//! found through block tables (a server's batch), in every KV type. Each query is checked
+//! against float64 attention over its own sequence's rows laid out contiguously.
 
+use super::kv_cache::kv_types;
 use crate::reference::{self, assert_close, AttentionShape};
-use crate::target::{random, Target};
+use crate::target::{random, stored, Target};
 use kiln_core::{AttentionParams, DType, Pages};
 
 /// One sequence of a paged batch: its block table and the positions of its queries.
@@ -13,7 +14,8 @@ struct Sequence {
 }
 
 /// A pool of `pool_blocks` blocks of `block` rows, random, the sequences' queries run in
-/// one call, each query's output against float64 attention over its sequence alone.
+/// one call, each query's output against float64 attention over its sequence alone; for
+/// every KV type the head size allows.
 fn check_paged(
     t: &Target,
     stream: u64,
@@ -22,12 +24,26 @@ fn check_paged(
     pool_blocks: usize,
     seqs: &[Sequence],
 ) {
+    for dtype in kv_types(shape.head_dim) {
+        check_paged_of(t, stream, shape, block, pool_blocks, seqs, dtype);
+    }
+}
+
+fn check_paged_of(
+    t: &Target,
+    stream: u64,
+    shape: AttentionShape,
+    block: usize,
+    pool_blocks: usize,
+    seqs: &[Sequence],
+    dtype: DType,
+) {
     let mut rng = t.rng(stream);
     let (heads, kvh, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
     let row = kvh * hd;
     let rows = pool_blocks * block;
-    let kv = random(&mut rng, rows * row, 1.5);
-    let vv = random(&mut rng, rows * row, 1.0);
+    let kv = stored(dtype, &random(&mut rng, rows * row, 1.5));
+    let vv = stored(dtype, &random(&mut rng, rows * row, 1.0));
     let positions: Vec<i32> = seqs.iter().flat_map(|s| s.positions.clone()).collect();
     let seq_of: Vec<i32> = seqs
         .iter()
@@ -43,8 +59,8 @@ fn check_paged(
     let n = positions.len();
     let qv = random(&mut rng, n * heads * hd, 1.5);
     let q = t.upload(DType::F32, &[n, heads, hd], &qv);
-    let k = t.upload(DType::F32, &[rows, kvh, hd], &kv);
-    let v = t.upload(DType::F32, &[rows, kvh, hd], &vv);
+    let k = t.upload(dtype, &[rows, kvh, hd], &kv);
+    let v = t.upload(dtype, &[rows, kvh, hd], &vv);
     let (seq_t, tables_t) = (t.ints(&seq_of), t.ints(&tables));
     let mut table_tensor = tables_t;
     table_tensor
@@ -85,7 +101,10 @@ fn check_paged(
             &s.positions,
             shape,
         );
-        let what = format!("{shape:?} block {block}, sequence {i} at {:?}", s.positions);
+        let what = format!(
+            "{shape:?} {dtype} block {block}, sequence {i} at {:?}",
+            s.positions
+        );
         assert_close(
             &got[at * heads * hd..][..m * heads * hd],
             &want,

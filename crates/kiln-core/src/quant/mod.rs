@@ -143,8 +143,15 @@ pub fn quantize_into(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<()> {
     match dtype {
         DType::F32 => dst.copy_from_slice(bytemuck::cast_slice(src)),
         DType::F16 => {
-            for (o, &x) in dst.chunks_exact_mut(2).zip(src) {
-                o.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+            // Whole slices through the vectorised conversion (F16C) where the bytes line
+            // up as f16, as `dequantize` reads them; both round to nearest even.
+            match bytemuck::try_cast_slice_mut::<u8, f16>(dst) {
+                Ok(halves) if cfg!(target_endian = "little") => halves.convert_from_f32_slice(src),
+                _ => {
+                    for (o, &x) in dst.chunks_exact_mut(2).zip(src) {
+                        o.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+                    }
+                }
             }
         }
         DType::BF16 => {
