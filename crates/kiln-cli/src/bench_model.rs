@@ -6,7 +6,7 @@
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
-use kiln_core::KernelTime;
+use kiln_core::{DType, KernelTime};
 use kiln_models::memory::{self, MemoryPlan};
 use kiln_models::{Model, SyntheticShape, SyntheticType};
 use std::collections::HashMap;
@@ -22,12 +22,14 @@ pub struct ModelBench {
     pub reps: usize,
     pub threads: Option<usize>,
     pub device: DeviceChoice,
+    pub kv_type: Option<DType>,
     pub json: bool,
 }
 
 struct Row {
     model: String,
     ty: String,
+    kv: DType,
     device: String,
     test: String,
     mean: f64,
@@ -57,16 +59,17 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
     let backend = model_file::backend(b.device, b.threads)?;
     let profiled = backend.clone();
     let device = backend.describe();
-    let (mut model, name, ty) = match (&b.model, &b.synthetic) {
+    let (mut model, name, ty, kv) = match (&b.model, &b.synthetic) {
         (Some(path), None) => {
             let file = model_file::open(Some(path))?;
-            let plan = file.plan(backend.as_ref(), b.prompt, false);
+            let kv = model_file::kv_type(b.kv_type, backend.as_ref(), file.config(), &file.name)?;
+            let plan = file.plan(backend.as_ref(), b.prompt, false, kv);
             let m = file.load(backend, &plan, ctx)?;
             let name = path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            (m, name, "file".to_string())
+            (m, name, "file".to_string(), kv)
         }
         (None, Some(shape)) => {
             let s = SyntheticShape::from_name(shape).ok_or_else(|| {
@@ -80,8 +83,9 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
                     b.ty
                 ))
             })?;
+            let kv = model_file::kv_type(b.kv_type, backend.as_ref(), &s.config(), s.name())?;
             // Its weights are made in memory: only the context is checked here.
-            let plan = MemoryPlan::new(&s.config(), 0, backend.device(), b.prompt, false);
+            let plan = MemoryPlan::new(&s.config(), 0, backend.device(), b.prompt, false, kv);
             if let Some(free) = memory::free_memory(backend.as_ref())? {
                 plan.check(ctx, &free)
                     .map_err(|no_room| Failure::usage(format!("-p/-n: {no_room}")))?;
@@ -95,6 +99,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
                 Model::synthetic(s, t, backend)?,
                 s.name().to_string(),
                 t.name(),
+                kv,
             )
         }
         _ => return Err(Failure::usage("give either -m MODEL or --synthetic SHAPE")),
@@ -107,7 +112,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             .wrapping_add(1442695040888963407);
         ((seed >> 33) % vocab) as u32
     };
-    let mut cache = model.new_cache(ctx)?;
+    let mut cache = model.new_cache(ctx, kv)?;
     let mut rows = Vec::new();
     // The timed runs' wall time, to set the kernel profile against, and what the
     // warm-ups added to the profile (first touches of mapped weights, kernel builds), which
@@ -132,6 +137,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
         rows.push(Row {
             model: name.clone(),
             ty: ty.clone(),
+            kv,
             device: device.clone(),
             test: format!("pp{}", b.prompt),
             mean,
@@ -158,6 +164,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
         rows.push(Row {
             model: name,
             ty,
+            kv,
             device,
             test: format!("tg{}", b.gen),
             mean,
@@ -169,19 +176,21 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             .iter()
             .map(|r| {
                 serde_json::json!({
-                    "model": r.model, "type": r.ty, "device": r.device, "test": r.test,
+                    "model": r.model, "type": r.ty, "kv_type": r.kv.name(), "device": r.device,
+                    "test": r.test,
                     "tokens_per_s": r.mean, "stddev": r.stddev, "repetitions": b.reps,
                 })
             })
             .collect();
         format!("{}\n", serde_json::Value::Array(rows))
     } else {
-        let mut out =
-            String::from("| model | type | device | test | t/s |\n|---|---|---|---|---:|\n");
+        let mut out = String::from(
+            "| model | type | kv | device | test | t/s |\n|---|---|---|---|---|---:|\n",
+        );
         for r in &rows {
             out += &format!(
-                "| {} | {} | {} | {} | {:.2} ± {:.2} |\n",
-                r.model, r.ty, r.device, r.test, r.mean, r.stddev
+                "| {} | {} | {} | {} | {} | {:.2} ± {:.2} |\n",
+                r.model, r.ty, r.kv, r.device, r.test, r.mean, r.stddev
             );
         }
         // Kernel times of the timed runs above, warm-ups taken out (`-p 0` for decode

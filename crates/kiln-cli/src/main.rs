@@ -96,6 +96,9 @@ struct BenchArgs {
     threads: Option<usize>,
     #[arg(long, default_value_t = DeviceChoice::Auto)]
     device: DeviceChoice,
+    #[arg(long, value_parser = model_file::kv_type_arg, help = model_file::KV_TYPE_HELP,
+          conflicts_with_all = ["kernels", "optimizer"])]
+    kv_type: Option<kiln_core::DType>,
     /// Output: md (a table) or json (an array of rows).
     #[arg(short = 'o', long, default_value = "md")]
     output: String,
@@ -154,6 +157,7 @@ fn bench(a: BenchArgs) -> CliResult {
             reps: usize::from(a.reps),
             threads: a.threads,
             device: a.device,
+            kv_type: a.kv_type,
             json: a.output == "json",
         })?
     };

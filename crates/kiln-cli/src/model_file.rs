@@ -1,7 +1,7 @@
 //! Opening a model and its tokenizer from a path, on the chosen backend.
 
 use crate::console::{CliResult, Failure};
-use kiln_core::{Backend, Error, Result};
+use kiln_core::{Backend, DType, Device, Error, Result};
 use kiln_cpu::CpuBackend;
 use kiln_cuda::CudaBackend;
 use kiln_io::gguf::GgufFile;
@@ -193,16 +193,61 @@ impl ModelFile {
         Ok(model?)
     }
 
-    /// The plan for this model on `backend`'s device (see [`MemoryPlan::new`]).
-    pub fn plan(&self, backend: &dyn Backend, batch: usize, all_logits: bool) -> MemoryPlan {
+    /// The plan for this model on `backend`'s device with its keys and values kept as
+    /// `kv` (see [`MemoryPlan::new`]).
+    pub fn plan(
+        &self,
+        backend: &dyn Backend,
+        batch: usize,
+        all_logits: bool,
+        kv: DType,
+    ) -> MemoryPlan {
         MemoryPlan::new(
             self.config(),
             self.checkpoint.weight_bytes(),
             backend.device(),
             batch,
             all_logits,
+            kv,
         )
     }
+}
+
+/// `--kv-type`'s help: what each type is, and why the defaults differ.
+pub const KV_TYPE_HELP: &str = "Type of the KV cache: f16, bf16, f32 or q8_0 (q8_0 for heads \
+of a multiple of 32 dimensions). Default: f16 on a GPU, half the memory and the attention \
+bandwidth of f32 (llama.cpp's default too); f32 on the CPU, where it keeps output identical \
+to the fixtures kiln is checked against (a batch gives each request the same tokens as \
+alone with either)";
+
+/// Parses `--kv-type`: one of the KV cache types.
+pub fn kv_type_arg(s: &str) -> std::result::Result<DType, String> {
+    DType::KV_CACHE
+        .into_iter()
+        .find(|d| d.name().eq_ignore_ascii_case(s.trim()))
+        .ok_or_else(|| format!("{s:?}: the KV cache types are f16, bf16, f32 and q8_0"))
+}
+
+/// The KV type for `config` on `backend`: `asked`, else f16 on a GPU and f32 on the CPU;
+/// a usage error when the model's heads cannot be kept in it.
+pub fn kv_type(
+    asked: Option<DType>,
+    backend: &dyn Backend,
+    config: &ModelConfig,
+    name: &str,
+) -> CliResult<DType> {
+    let kv = asked.unwrap_or(match backend.device() {
+        Device::Cpu => DType::F32,
+        Device::Cuda(_) | Device::Wgpu(_) => DType::F16,
+    });
+    kiln_models::check_kv_type(config, kv).map_err(|e| {
+        let why = match e {
+            Error::Unsupported(why) => why,
+            e => e.to_string(),
+        };
+        Failure::usage(format!("--kv-type {kv} for {name}: {why}"))
+    })?;
+    Ok(kv)
 }
 
 /// The largest context kiln can address: positions are i32 on the device.

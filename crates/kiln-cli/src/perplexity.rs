@@ -5,6 +5,7 @@
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
+use kiln_core::DType;
 use kiln_models::perplexity;
 use kiln_tokenizer::Tokenizer;
 use std::io::IsTerminal;
@@ -26,6 +27,8 @@ pub struct PerplexityArgs {
     pub chunks: Option<usize>,
     #[arg(long, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    #[arg(long, value_parser = model_file::kv_type_arg, help = model_file::KV_TYPE_HELP)]
+    pub kv_type: Option<DType>,
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
 }
@@ -110,6 +113,7 @@ pub fn run(a: PerplexityArgs, quiet: bool) -> CliResult {
     let backend = model_file::backend(a.device, a.threads)?;
     let file = model_file::open(Some(&a.model))?;
     let ctx = model_file::context_size(Some(a.ctx), file.config(), &file.name, usize::MAX)?;
+    let kv_type = model_file::kv_type(a.kv_type, backend.as_ref(), file.config(), &file.name)?;
     if ctx < 4 {
         return Err(Failure::usage(format!(
             "--ctx-size {ctx}: perplexity needs chunks of at least 4 tokens"
@@ -129,7 +133,7 @@ pub fn run(a: PerplexityArgs, quiet: bool) -> CliResult {
             2 * ctx
         )));
     }
-    let plan = file.plan(backend.as_ref(), ctx, true);
+    let plan = file.plan(backend.as_ref(), ctx, true, kv_type);
     let mut model = file.load(backend, &plan, ctx)?;
     let bos = file
         .tokenizer
@@ -142,7 +146,7 @@ pub fn run(a: PerplexityArgs, quiet: bool) -> CliResult {
         quiet,
     };
     let start = std::time::Instant::now();
-    let p = perplexity(&mut model, &tokens, ctx, bos, |i, running| {
+    let p = perplexity(&mut model, &tokens, ctx, bos, kv_type, |i, running| {
         progress.chunk(i, running)
     })?;
     if progress.terminal && !quiet {
@@ -150,7 +154,7 @@ pub fn run(a: PerplexityArgs, quiet: bool) -> CliResult {
     }
     if !quiet {
         eprintln!(
-            "{} chunks of {ctx} tokens, {} scored, {:.2} s",
+            "{} chunks of {ctx} tokens, {} scored, KV cache {kv_type}, {:.2} s",
             p.chunks,
             p.scored,
             start.elapsed().as_secs_f64()

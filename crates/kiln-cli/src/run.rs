@@ -2,6 +2,7 @@
 
 use crate::console::{self, CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
+use kiln_core::DType;
 use kiln_models::chat::Message;
 use kiln_models::{generate, GenerateOptions, Sampler, SamplerConfig};
 use std::io::Write;
@@ -44,6 +45,8 @@ pub struct RunArgs {
     pub ctx_size: Option<usize>,
     #[arg(long, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    #[arg(long, value_parser = model_file::kv_type_arg, help = model_file::KV_TYPE_HELP)]
+    pub kv_type: Option<DType>,
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
     /// Wrap the prompt in the model's chat template as one user turn.
@@ -104,7 +107,8 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
             file.config().max_positions
         )));
     }
-    let plan = file.plan(backend.as_ref(), prompt.len(), false);
+    let kv_type = model_file::kv_type(a.kv_type, backend.as_ref(), file.config(), &file.name)?;
+    let plan = file.plan(backend.as_ref(), prompt.len(), false, kv_type);
     let mut model = file.load(backend, &plan, context)?;
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -124,6 +128,7 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
     let opts = GenerateOptions {
         max_tokens: a.n_predict,
         context,
+        kv_type,
         stop_strings: &a.stop,
     };
     let streaming = a.output == Output::Text;

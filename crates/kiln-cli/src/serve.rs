@@ -3,7 +3,7 @@
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice, ModelFile};
-use kiln_core::{Backend, Error};
+use kiln_core::{Backend, DType, Error};
 use kiln_models::chat::Message;
 use kiln_models::memory::{self, human_bytes};
 use kiln_serve::engine::blocks::{blocks_for, BLOCK_POSITIONS};
@@ -37,6 +37,8 @@ pub struct ServeArgs {
     /// (suffix K, M, G). Default: room for --max-seqs full contexts, at most half of it.
     #[arg(long, value_parser = kv_memory_arg)]
     pub kv_memory: Option<KvMemory>,
+    #[arg(long, value_parser = model_file::kv_type_arg, help = model_file::KV_TYPE_HELP)]
+    pub kv_type: Option<DType>,
     /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize.
     #[arg(long)]
     pub api_key: Option<String>,
@@ -119,7 +121,8 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     // A step's rows: every running sequence's decode, then prompt chunks up to the budget
     // (the first chunk even past it).
     let step_rows = max_seqs.max(TOKEN_BUDGET) + PREFILL_CHUNK;
-    let plan = file.plan(backend.as_ref(), step_rows, false);
+    let kv_type = model_file::kv_type(a.kv_type, backend.as_ref(), file.config(), &file.name)?;
+    let plan = file.plan(backend.as_ref(), step_rows, false, kv_type);
     let kv_blocks = kv_blocks(
         &file,
         backend.as_ref(),
@@ -127,6 +130,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
         context,
         max_seqs,
         a.kv_memory,
+        kv_type,
     )?;
     let chat = chat_renderer(&file, a.chat_template.as_deref())?;
     // The pool was checked against free memory above; the weights are checked here.
@@ -138,7 +142,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
         prefill_chunk: PREFILL_CHUNK,
     };
     let engine = Engine::start(
-        Box::new(PagedRunner::new(model, kv_blocks)?),
+        Box::new(PagedRunner::new(model, kv_blocks, kv_type)?),
         tokenizer.clone(),
         EngineConfig {
             limits,
@@ -185,7 +189,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
             .map_err(|e| Error::io("reading the listening address", e))?;
         if !quiet {
             eprintln!(
-                "kiln serve: {id} ({}) on {}, context {context}, {max_seqs} sequences at once, KV pool {kv_blocks} blocks of {BLOCK_POSITIONS} positions; listening on http://{bound}",
+                "kiln serve: {id} ({}) on {}, context {context}, {max_seqs} sequences at once, KV pool {kv_blocks} blocks of {BLOCK_POSITIONS} positions ({kv_type}); listening on http://{bound}",
                 file.name,
                 backend.describe(),
             );
@@ -230,8 +234,9 @@ async fn shutdown_signal() {
     tracing::info!("stopping: no new connections; finishing the requests in flight");
 }
 
-/// Blocks in the KV pool, from `--kv-memory`; refused when the pool cannot hold one whole
-/// context or does not fit in free memory.
+/// Blocks in the KV pool, from `--kv-memory`, keys and values kept as `kv` (an f16 pool
+/// holds twice the blocks of an f32 one in the same memory); refused when the pool cannot
+/// hold one whole context or does not fit in free memory.
 fn kv_blocks(
     file: &ModelFile,
     backend: &dyn Backend,
@@ -239,8 +244,9 @@ fn kv_blocks(
     context: usize,
     max_seqs: usize,
     asked: Option<KvMemory>,
+    kv: DType,
 ) -> CliResult<usize> {
-    let per_block = memory::kv_cache_bytes(file.config(), BLOCK_POSITIONS).max(1);
+    let per_block = memory::kv_cache_bytes(file.config(), BLOCK_POSITIONS, kv).max(1);
     let free_after_weights = memory::free_memory(backend)?
         .map(|free| (free.bytes.saturating_sub(plan.total(0)), free.what));
     let everyone = per_block.saturating_mul((max_seqs * blocks_for(context)) as u128);
@@ -266,7 +272,7 @@ fn kv_blocks(
     let one_context = blocks_for(context);
     if blocks < one_context {
         return Err(Failure::usage(format!(
-            "a KV pool of {} holds {blocks} blocks of {BLOCK_POSITIONS} positions, and one context of {context} needs {one_context} ({}): raise --kv-memory or lower --ctx-size",
+            "a KV pool of {} holds {blocks} blocks of {BLOCK_POSITIONS} positions as {kv}, and one context of {context} needs {one_context} ({}): raise --kv-memory or lower --ctx-size",
             human_bytes(bytes),
             human_bytes(per_block * one_context as u128)
         )));

@@ -188,7 +188,70 @@ fn a_context_the_machine_cannot_hold_is_refused_with_what_fits() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no largest context in {err}"));
     assert!(largest > 512 && largest < 2_000_000_000, "{largest}");
+    assert!(err.contains("as f32"), "the CPU's default KV type: {err}");
     assert_eq!(stdout(&o), "");
+
+    // Keys and values as q8_0 take 34 bytes per 32 values instead of 128: about 3.8 times
+    // the context fits.
+    let o = kiln(&[
+        "run",
+        "-p",
+        "hi",
+        "-c",
+        "2000000000",
+        "-n",
+        "2",
+        "--kv-type",
+        "q8_0",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(err.contains("as q8_0"), "{err}");
+    let q8_largest: usize = err
+        .split("the largest context that fits is ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no largest context in {err}"));
+    let ratio = q8_largest as f64 / largest as f64;
+    assert!(ratio > 3.5 && ratio < 3.9, "{q8_largest} vs {largest}");
+}
+
+#[test]
+fn kv_types_are_chosen_and_checked() {
+    let run = |extra: &[&str]| {
+        kiln(
+            &[
+                &["run", "-p", "Permission", "-n", "4", "--temp", "0"][..],
+                extra,
+            ]
+            .concat(),
+        )
+    };
+    for kv in ["f16", "bf16", "q8_0", "F32"] {
+        let o = run(&["--kv-type", kv]);
+        assert!(o.status.success(), "--kv-type {kv}: {}", stderr(&o));
+    }
+    let o = run(&["--kv-type", "q4_0"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(
+        err.contains("f16, bf16, f32 and q8_0") && err.lines().count() == 1,
+        "{err}"
+    );
+    // The fixture's heads have 16 dimensions: not whole q8_0 blocks.
+    let o = run(&[
+        "-m",
+        "tests/fixtures/llama/llama-f32.gguf",
+        "--kv-type",
+        "q8_0",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(
+        err.contains("16 dimensions") && err.lines().count() == 1,
+        "{err}"
+    );
 }
 
 #[test]

@@ -16,7 +16,8 @@ use crate::model::{download_f32, KvTarget, Model, Scratch};
 use kiln_core::{DType, Error, Pages, Result, SampleParams, Shape, Tensor};
 
 /// Keys and values of every layer for many sequences: `[blocks · block, kv_heads,
-/// head_dim]` per layer, F32, made once (a server sizes it at start).
+/// head_dim]` per layer, in one of the types of [`DType::KV_CACHE`], made once (a server
+/// sizes it at start).
 pub struct PagedKvCache {
     pub(crate) k: Vec<Tensor>,
     pub(crate) v: Vec<Tensor>,
@@ -33,6 +34,11 @@ impl PagedKvCache {
     /// Positions a block holds.
     pub fn block_positions(&self) -> usize {
         self.block
+    }
+
+    /// The type its keys and values are stored in.
+    pub fn dtype(&self) -> DType {
+        self.k.first().map_or(DType::F32, Tensor::dtype)
     }
 }
 
@@ -108,10 +114,14 @@ fn i32_of(v: usize, what: &str) -> Result<i32> {
 }
 
 impl Model {
-    /// A paged KV cache of `blocks` blocks of `block` positions, checked against free
-    /// memory first.
-    pub fn new_paged_cache(&self, blocks: usize, block: usize) -> Result<PagedKvCache> {
-        let c = &self.config;
+    /// A paged KV cache of `blocks` blocks of `block` positions, its keys and values kept
+    /// as `dtype` (see [`crate::check_kv_type`]), checked against free memory first.
+    pub fn new_paged_cache(
+        &self,
+        blocks: usize,
+        block: usize,
+        dtype: DType,
+    ) -> Result<PagedKvCache> {
         let rows = blocks
             .checked_mul(block)
             .filter(|&r| block > 0 && i32::try_from(r).is_ok())
@@ -120,25 +130,8 @@ impl Model {
                     "a KV pool of {blocks} blocks of {block} positions (rows are i32 on the device)"
                 ))
             })?;
-        let need = crate::memory::kv_cache_bytes(c, rows);
-        if let Some(free) = crate::memory::free_memory(self.backend().as_ref())? {
-            if need > free.bytes {
-                return Err(Error::Device(format!(
-                    "a KV pool of {blocks} blocks ({rows} positions) needs {}; {} is free in {}",
-                    crate::memory::human_bytes(need),
-                    crate::memory::human_bytes(free.bytes),
-                    free.what
-                )));
-            }
-        }
-        let b = self.backend().as_ref();
-        let dims = Shape::new(vec![rows, c.n_kv_heads, c.head_dim])?;
-        let mut k = Vec::with_capacity(c.n_layers);
-        let mut v = Vec::with_capacity(c.n_layers);
-        for _ in 0..c.n_layers {
-            k.push(b.zeros(DType::F32, dims.clone())?);
-            v.push(b.zeros(DType::F32, dims.clone())?);
-        }
+        let what = format!("a KV pool of {blocks} blocks ({rows} positions)");
+        let (k, v) = crate::kv_cache::layer_tensors(self, rows, dtype, &what)?;
         Ok(PagedKvCache {
             k,
             v,

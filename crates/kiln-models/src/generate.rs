@@ -33,6 +33,8 @@ pub struct GenerateOptions<'a> {
     pub max_tokens: usize,
     /// Context size (positions in the KV cache).
     pub context: usize,
+    /// The type the KV cache keeps keys and values in (see [`crate::check_kv_type`]).
+    pub kv_type: kiln_core::DType,
     pub stop_strings: &'a [String],
 }
 
@@ -147,7 +149,7 @@ pub fn generate(
             opts.context,
         )));
     }
-    let mut cache = model.new_cache(opts.context)?;
+    let mut cache = model.new_cache(opts.context, opts.kv_type)?;
     let eos = tokenizer.eos_ids();
     let mut history = prompt.to_vec();
     let mut stream = TextStream::new(opts.stop_strings.to_vec());

@@ -4,11 +4,9 @@
 //! in the middle of an allocation (or aborting the process on the host).
 
 use crate::config::ModelConfig;
-use kiln_core::{Backend, Device, Result};
+use kiln_core::{Backend, DType, Device, Result};
 use std::fmt;
 
-/// Keys and values are kept as f32 (see [`crate::KvCache`]).
-const KV_BYTES: u128 = 4;
 /// Room kept free beside the planned buffers: backend workspaces (cuBLAS), per-op
 /// temporaries, the allocator's own overhead.
 const DEVICE_MARGIN: u128 = 256 << 20;
@@ -23,7 +21,9 @@ pub struct MemoryPlan {
     pub weights: u128,
     /// Activation buffers that do not grow with the context, plus a working margin.
     pub buffers: u128,
-    /// KV cache bytes per position.
+    /// The type keys and values are kept in.
+    pub kv: DType,
+    /// KV cache bytes per position, in that type.
     pub kv_per_position: u128,
     /// Other bytes per position: activations when a batch spans the whole context.
     pub other_per_position: u128,
@@ -41,6 +41,7 @@ pub struct FreeMemory {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NoRoom {
     pub context: usize,
+    pub kv: DType,
     pub kv_bytes: u128,
     /// Free after the weights and fixed buffers (0 when even they do not fit).
     pub free_after_weights: u128,
@@ -75,10 +76,11 @@ impl fmt::Display for NoRoom {
         }
         write!(
             f,
-            "a context of {} tokens does not fit in {}: its KV cache needs {}, and {} is free after the weights and buffers ({} of {free}); the largest context that fits is {} (--ctx-size)",
+            "a context of {} tokens does not fit in {}: its KV cache needs {} as {}, and {} is free after the weights and buffers ({} of {free}); the largest context that fits is {} (--ctx-size)",
             self.context,
             self.free.what,
             human_bytes(self.kv_bytes),
+            self.kv,
             human_bytes(self.free_after_weights),
             human_bytes(self.fixed),
             self.largest
@@ -86,33 +88,40 @@ impl fmt::Display for NoRoom {
     }
 }
 
-/// Bytes of a KV cache of `context` positions.
-pub fn kv_cache_bytes(config: &ModelConfig, context: usize) -> u128 {
-    kv_per_position(config).saturating_mul(context as u128)
+/// Bytes of a KV cache of `context` positions whose keys and values are kept as `kv`.
+pub fn kv_cache_bytes(config: &ModelConfig, context: usize, kv: DType) -> u128 {
+    kv_per_position(config, kv).saturating_mul(context as u128)
 }
 
-fn kv_per_position(c: &ModelConfig) -> u128 {
+/// Keys and values of every layer at one position: each head a row of `head_dim` values
+/// in `kv`'s encoding (for block types, `head_dim / block` blocks; a head that is not
+/// whole blocks is refused when the cache is made, and counted here as if rounded up).
+fn kv_per_position(c: &ModelConfig, kv: DType) -> u128 {
+    let head =
+        (c.head_dim.div_ceil(kv.block_size()) as u128).saturating_mul(kv.block_bytes() as u128);
     (c.n_layers as u128)
-        .saturating_mul(2 * KV_BYTES)
-        .saturating_mul((c.n_kv_heads as u128).saturating_mul(c.head_dim as u128))
+        .saturating_mul(2)
+        .saturating_mul((c.n_kv_heads as u128).saturating_mul(head))
 }
 
 impl MemoryPlan {
     /// The plan for `config` on `device`, whose weights take `weight_bytes` as stored,
-    /// running batches of up to `batch` tokens; `all_logits` when a batch returns the logits
-    /// of every position and the batch is the whole context (perplexity).
+    /// running batches of up to `batch` tokens, keys and values kept as `kv`; `all_logits`
+    /// when a batch returns the logits of every position and the batch is the whole
+    /// context (perplexity).
     pub fn new(
         config: &ModelConfig,
         weight_bytes: u64,
         device: Device,
         batch: usize,
         all_logits: bool,
+        kv: DType,
     ) -> MemoryPlan {
         let c = config;
         let u = |v: usize| v as u128;
         let kv_dim = u(c.n_kv_heads).saturating_mul(u(c.head_dim));
         let q_dim = u(c.n_heads).saturating_mul(u(c.head_dim));
-        let kv_per_position = kv_per_position(c);
+        let kv_per_position = kv_per_position(c, kv);
         // f32 buffers of one token in a batch (an upper bound: fused and split layouts'
         // buffers both counted), see `Scratch` in model.rs.
         let per_token = (5 * u(c.dim))
@@ -148,6 +157,7 @@ impl MemoryPlan {
         MemoryPlan {
             weights,
             buffers,
+            kv,
             kv_per_position,
             other_per_position,
         }
@@ -176,6 +186,7 @@ impl MemoryPlan {
         let largest = (after / self.per_position()).min(i32::MAX as u128) as usize;
         Err(NoRoom {
             context,
+            kv: self.kv,
             kv_bytes: self.kv_per_position.saturating_mul(context as u128),
             free_after_weights: after,
             fixed,
@@ -253,9 +264,36 @@ mod tests {
     }
 
     #[test]
+    fn kv_cache_bytes_follow_the_shape_and_type() {
+        let c = SyntheticShape::TinyLlama.config();
+        // 22 layers, K and V, 4 KV heads of 64: 4, 2, 2 bytes a value, 34 bytes per 32.
+        for (kv, head) in [
+            (DType::F32, 64 * 4),
+            (DType::F16, 64 * 2),
+            (DType::BF16, 64 * 2),
+            (DType::Q8_0, 2 * 34),
+        ] {
+            assert_eq!(kv_cache_bytes(&c, 3, kv), 3 * 22 * 2 * 4 * head, "{kv}");
+            let plan = MemoryPlan::new(&c, 1 << 30, Device::Cuda(0), 16, false, kv);
+            assert_eq!(plan.kv_per_position, 22 * 2 * 4 * head, "{kv}");
+        }
+        // An f16 cache holds twice the context of an f32 one in the same memory.
+        let avail = free(2 << 30);
+        let largest = |kv| {
+            let plan = MemoryPlan::new(&c, 1 << 30, Device::Cuda(0), 16, false, kv);
+            plan.check(10_000_000, &avail).unwrap_err().largest
+        };
+        let (f32_ctx, f16_ctx) = (largest(DType::F32), largest(DType::F16));
+        assert!(
+            f16_ctx >= 2 * f32_ctx && f16_ctx <= 2 * f32_ctx + 1,
+            "{f32_ctx} {f16_ctx}"
+        );
+    }
+
+    #[test]
     fn kv_cache_bytes_follow_the_shape_and_the_largest_context_fits() {
         let c = SyntheticShape::TinyLlama.config();
-        let plan = MemoryPlan::new(&c, 1 << 30, Device::Cuda(0), 16, false);
+        let plan = MemoryPlan::new(&c, 1 << 30, Device::Cuda(0), 16, false, DType::F32);
         // 22 layers, K and V, 4 KV heads of 64, f32.
         assert_eq!(plan.kv_per_position, 22 * 2 * 4 * 64 * 4);
         assert_eq!(plan.weights, 1 << 30);
@@ -267,6 +305,7 @@ mod tests {
         assert!(plan.check(err.largest + 1, &avail).is_err());
         let msg = err.to_string();
         assert!(msg.contains("a context of 2000000 tokens"), "{msg}");
+        assert!(msg.contains("KV cache needs 83.92 GiB as f32"), "{msg}");
         assert!(msg.contains(&format!("largest context that fits is {}", err.largest)));
         assert!(!msg.contains('\n'));
     }
@@ -274,11 +313,11 @@ mod tests {
     #[test]
     fn weights_that_do_not_fit_are_named_and_host_weights_are_mapped() {
         let c = SyntheticShape::TinyLlama.config();
-        let gpu = MemoryPlan::new(&c, 8 << 30, Device::Cuda(0), 1, false);
+        let gpu = MemoryPlan::new(&c, 8 << 30, Device::Cuda(0), 1, false, DType::F16);
         let err = gpu.check(512, &free(4 << 30)).unwrap_err();
         assert_eq!(err.largest, 0);
         assert!(err.to_string().contains("does not fit"), "{err}");
-        let cpu = MemoryPlan::new(&c, 8 << 30, Device::Cpu, 1, false);
+        let cpu = MemoryPlan::new(&c, 8 << 30, Device::Cpu, 1, false, DType::F32);
         assert_eq!(cpu.weights, 0);
         assert!(cpu.check(512, &free(4 << 30)).is_ok());
     }
@@ -288,7 +327,7 @@ mod tests {
         let mut c = SyntheticShape::TinyLlama.config();
         c.head_dim = usize::MAX / 2;
         c.vocab_size = usize::MAX;
-        let plan = MemoryPlan::new(&c, u64::MAX, Device::Cuda(0), usize::MAX, true);
+        let plan = MemoryPlan::new(&c, u64::MAX, Device::Cuda(0), usize::MAX, true, DType::F32);
         assert!(plan.check(usize::MAX, &free(1 << 40)).is_err());
     }
 
@@ -302,13 +341,27 @@ mod tests {
         let cpu = std::sync::Arc::new(kiln_cpu::CpuBackend::new(Some(1)).unwrap());
         let model = crate::Model::from_gguf(&file, cpu, None).unwrap();
         // 2 layers, K and V, 2 KV heads of 64, f32: 2 KiB a position, 4 TiB in all.
-        let err = model.new_cache(i32::MAX as usize).err().expect("refused");
+        let err = model
+            .new_cache(i32::MAX as usize, DType::F32)
+            .err()
+            .expect("refused");
         assert!(
             err.to_string()
-                .contains("KV cache of 2147483647 positions needs"),
+                .contains("KV cache of 2147483647 positions needs 4096.00 GiB as f32"),
             "{err}"
         );
-        assert!(model.new_cache(64).is_ok());
+        // As f16, half of it.
+        let err = model
+            .new_cache(i32::MAX as usize, DType::F16)
+            .err()
+            .expect("refused");
+        assert!(
+            err.to_string().contains("needs 2048.00 GiB as f16"),
+            "{err}"
+        );
+        assert!(model.new_cache(64, DType::Q8_0).is_ok());
+        let err = model.new_cache(64, DType::Q4_0).err().expect("refused");
+        assert!(err.to_string().contains("f32, f16, bf16 and q8_0"), "{err}");
     }
 
     #[test]

@@ -3,12 +3,12 @@
 
 use crate::batch::{PagedKvCache, PagedRows};
 use crate::config::{Ffn, ModelConfig, Norm};
+use crate::kv_cache::KvCache;
 use crate::weights::{FfnWeights, GateUp, Linear, ModelWeights, NormWeights, Qkv};
 use kiln_core::{
     quant, AttentionParams, Backend, DType, Error, Replay, Result, RmsNorm, SampleParams, Shape,
     Tensor,
 };
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Which positions' logits a forward pass returns.
@@ -18,25 +18,6 @@ pub enum Logits {
     Last,
     /// Every position (perplexity, tests).
     All,
-}
-
-/// Keys and values of every layer, `[capacity, kv_heads, head_dim]` each, on the device.
-pub struct KvCache {
-    k: Vec<Tensor>,
-    v: Vec<Tensor>,
-    capacity: usize,
-    /// Unique to this cache: a recorded decode step writes into this cache's tensors, so
-    /// it may be replayed only on this cache.
-    id: u64,
-}
-
-static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
-
-impl KvCache {
-    /// Positions the cache holds.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
 }
 
 /// Where a step's keys and values go and come from.
@@ -177,75 +158,6 @@ impl Model {
         if !on && !matches!(self.graph, Graph::Unsupported) {
             self.graph = Graph::Cold;
         }
-    }
-
-    /// A KV cache for `capacity` positions (at most the model's trained context).
-    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
-        if i32::try_from(capacity).is_err() {
-            return Err(Error::shape(format!(
-                "a context of {capacity} positions (positions are i32 on the device)"
-            )));
-        }
-        let c = &self.config;
-        // Asked before allocating: a failed host allocation aborts the process.
-        let need = crate::memory::kv_cache_bytes(c, capacity);
-        if let Some(free) = crate::memory::free_memory(self.backend.as_ref())? {
-            if need > free.bytes {
-                return Err(Error::Device(format!(
-                    "a KV cache of {capacity} positions needs {}; {} is free in {}",
-                    crate::memory::human_bytes(need),
-                    crate::memory::human_bytes(free.bytes),
-                    free.what
-                )));
-            }
-        }
-        let mut k = Vec::with_capacity(c.n_layers);
-        let mut v = Vec::with_capacity(c.n_layers);
-        for _ in 0..c.n_layers {
-            k.push(f32_tensor(
-                self.backend.as_ref(),
-                &[capacity, c.n_kv_heads, c.head_dim],
-            )?);
-            v.push(f32_tensor(
-                self.backend.as_ref(),
-                &[capacity, c.n_kv_heads, c.head_dim],
-            )?);
-        }
-        Ok(KvCache {
-            k,
-            v,
-            capacity,
-            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
-        })
-    }
-
-    /// Make `cache` hold `capacity` positions, keeping the rows it has: a server hands a
-    /// sequence's cache more room as it grows instead of a whole context up front. The rows
-    /// are copied on the device, and the cache gets a new identity, since a recorded step
-    /// refers to the old tensors. Not checked against free memory: the caller sizes its
-    /// pool of positions once, at start.
-    pub fn grow_cache(&self, cache: &mut KvCache, capacity: usize) -> Result<()> {
-        if capacity <= cache.capacity {
-            return Ok(());
-        }
-        if i32::try_from(capacity).is_err() {
-            return Err(Error::shape(format!(
-                "a context of {capacity} positions (positions are i32 on the device)"
-            )));
-        }
-        let c = &self.config;
-        let b = self.backend.as_ref();
-        let kept = cache.capacity;
-        let mut rows = b.zeros(DType::I32, Shape::new(vec![kept])?)?;
-        b.write(&mut rows, &i32_bytes(0..kept))?;
-        for t in cache.k.iter_mut().chain(cache.v.iter_mut()) {
-            let mut grown = f32_tensor(b, &[capacity, c.n_kv_heads, c.head_dim])?;
-            b.write_rows(t, &mut grown, &rows)?;
-            *t = grown;
-        }
-        cache.capacity = capacity;
-        cache.id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(())
     }
 
     pub(crate) fn new_scratch(&self, n: usize) -> Result<Scratch> {

@@ -4,7 +4,7 @@
 //! `ctx/2 .. ctx-2` against the next token).
 
 use crate::model::{Logits, Model};
-use kiln_core::{Error, Result};
+use kiln_core::{DType, Error, Result};
 
 pub struct Perplexity {
     pub ppl: f64,
@@ -14,12 +14,14 @@ pub struct Perplexity {
     pub scored: usize,
 }
 
-/// `on_chunk(i, running_ppl)` is called after each chunk.
+/// `on_chunk(i, running_ppl)` is called after each chunk; keys and values are kept as
+/// `kv` (see [`crate::check_kv_type`]).
 pub fn perplexity(
     model: &mut Model,
     tokens: &[u32],
     ctx: usize,
     bos: Option<u32>,
+    kv: DType,
     mut on_chunk: impl FnMut(usize, f64),
 ) -> Result<Perplexity> {
     if ctx < 4 {
@@ -36,7 +38,7 @@ pub fn perplexity(
     }
     let vocab = model.config.vocab_size;
     let first = ctx / 2;
-    let mut cache = model.new_cache(ctx)?;
+    let mut cache = model.new_cache(ctx, kv)?;
     let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
     let chunks = tokens.len() / ctx;
     for (i, chunk) in tokens.chunks_exact(ctx).enumerate() {

@@ -3,7 +3,7 @@
 //! CPU the logits must be bit-equal (a batch's rows are multiplied as one-row products,
 //! however its prompts are cut into chunks), on a GPU within the products' rounding.
 
-use kiln_core::{Backend, SampleParams};
+use kiln_core::{Backend, DType, SampleParams};
 use kiln_cpu::CpuBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_models::{BatchItem, Logits, Model, PagedKvCache, StepOutput, StepWant};
@@ -112,10 +112,10 @@ fn run_batched(model: &mut Model, cache: &mut PagedKvCache, seqs: &mut [Seq], ne
     }
 }
 
-/// The same sequence alone, on a contiguous cache, one token a step: the logits after its
-/// prompt and after each generated token.
-fn run_alone(model: &mut Model, seq: &Seq) -> Vec<Vec<f32>> {
-    let mut cache = model.new_cache(seq.tokens.len()).unwrap();
+/// The same sequence alone, on a contiguous cache of type `kv`, one token a step: the
+/// logits after its prompt and after each generated token.
+fn run_alone(model: &mut Model, seq: &Seq, kv: DType) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache(seq.tokens.len(), kv).unwrap();
     let mut logits = Vec::new();
     for (p, t) in seq.tokens.iter().enumerate() {
         let l = model.forward(&[*t], p, &mut cache, Logits::Last).unwrap();
@@ -126,16 +126,17 @@ fn run_alone(model: &mut Model, seq: &Seq) -> Vec<Vec<f32>> {
     logits
 }
 
-fn batched_matches_alone(backend: Arc<dyn Backend>, file: &str, exact: bool) {
+fn batched_matches_alone(backend: Arc<dyn Backend>, file: &str, kv: DType, exact: bool) {
     let mut model = load(file, backend);
     let new_tokens = 6;
-    let mut cache = model.new_paged_cache(48, BLOCK).unwrap();
+    let mut cache = model.new_paged_cache(48, BLOCK, kv).unwrap();
+    assert_eq!(cache.dtype(), kv);
     let mut seqs = sequences(model.config.vocab_size, cache.blocks(), new_tokens);
     run_batched(&mut model, &mut cache, &mut seqs, new_tokens);
     for (s, seq) in seqs.iter().enumerate() {
         assert_eq!(seq.tokens.len(), seq.prompt + new_tokens);
-        let alone = run_alone(&mut model, seq);
-        assert_eq!(alone.len(), seq.logits.len(), "{file} sequence {s}");
+        let alone = run_alone(&mut model, seq, kv);
+        assert_eq!(alone.len(), seq.logits.len(), "{file} {kv} sequence {s}");
         for (step, (a, b)) in alone.iter().zip(&seq.logits).enumerate() {
             let worst = a
                 .iter()
@@ -146,12 +147,12 @@ fn batched_matches_alone(backend: Arc<dyn Backend>, file: &str, exact: bool) {
             if exact {
                 assert!(
                     worst == 0.0,
-                    "{file} sequence {s} step {step}: logits differ by {worst}"
+                    "{file} {kv} sequence {s} step {step}: logits differ by {worst}"
                 );
             } else {
                 assert!(
                     worst <= 1e-3 * scale.max(1.0),
-                    "{file} sequence {s} step {step}: {worst}"
+                    "{file} {kv} sequence {s} step {step}: {worst}"
                 );
             }
         }
@@ -171,8 +172,24 @@ fn batched_steps_equal_each_sequence_alone_on_the_cpu() {
         "llama/llama-q4_k_m.gguf",
         "mistral/mistral-q8_0.gguf",
     ] {
-        batched_matches_alone(cpu.clone(), file, true);
+        batched_matches_alone(cpu.clone(), file, DType::F32, true);
     }
+}
+
+/// The same with keys and values kept as f16 (and bf16): rows are rounded as they are
+/// written, the same way whatever the step, so a batch still gives every sequence the
+/// bits it gets alone.
+#[test]
+fn batched_steps_equal_each_sequence_alone_over_an_f16_pool_on_the_cpu() {
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(Some(2)).unwrap());
+    for file in [
+        "llama/llama-f32.gguf",
+        "gemma2/gemma2-f32.gguf",
+        "phi3/phi3-f32.gguf",
+    ] {
+        batched_matches_alone(cpu.clone(), file, DType::F16, true);
+    }
+    batched_matches_alone(cpu, "gpt2/gpt2-f32.gguf", DType::BF16, true);
 }
 
 #[test]
@@ -184,7 +201,8 @@ fn batched_steps_match_each_sequence_alone_on_cuda() {
         "gemma2/gemma2-f32.gguf",
         "llama/llama-q8_0.gguf",
     ] {
-        batched_matches_alone(cuda.clone(), file, false);
+        batched_matches_alone(cuda.clone(), file, DType::F32, false);
+        batched_matches_alone(cuda.clone(), file, DType::F16, false);
     }
 }
 
@@ -196,7 +214,7 @@ fn tokens_per_row_and_errors_per_item() {
         "llama/llama-f32.gguf",
         Arc::new(CpuBackend::new(Some(2)).unwrap()),
     );
-    let mut cache = model.new_paged_cache(8, BLOCK).unwrap();
+    let mut cache = model.new_paged_cache(8, BLOCK, DType::F32).unwrap();
     let vocab = model.config.vocab_size as u32;
     let params = SampleParams {
         temperature: 0.8,
@@ -249,7 +267,7 @@ fn tokens_per_row_and_errors_per_item() {
     assert!(msg(3).contains("exceed"), "{}", msg(3));
     // Alone, one token a step (a batch's rows are one-row products).
     let mut last_logits = |tokens: &[u32]| {
-        let mut alone = model.new_cache(16).unwrap();
+        let mut alone = model.new_cache(16, DType::F32).unwrap();
         let mut logits = Vec::new();
         for (p, &t) in tokens.iter().enumerate() {
             logits = model.forward(&[t], p, &mut alone, Logits::Last).unwrap();

@@ -4,7 +4,7 @@
 //! loads: the prompt's token ids, the logits of every prompt position (max |Δ|), the 16
 //! greedy tokens, and the perplexity of scripts/fixtures/ppl.txt by llama.cpp's method.
 
-use kiln_core::Backend;
+use kiln_core::{Backend, DType};
 use kiln_cpu::CpuBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_models::{perplexity, Logits, Model};
@@ -83,7 +83,7 @@ fn run_source(
     );
 
     let vocab = model.config.vocab_size;
-    let mut cache = model.new_cache(256).unwrap();
+    let mut cache = model.new_cache(256, DType::F32).unwrap();
     let logits = model
         .forward(&prompt_ids, 0, &mut cache, Logits::All)
         .unwrap();
@@ -118,6 +118,7 @@ fn run_source(
         &text_ids,
         ctx,
         bos.filter(|_| replace),
+        DType::F32,
         |_, _| {},
     )
     .unwrap()
@@ -274,7 +275,7 @@ fn quantized_files_match_llama_cpp_perplexity_on(backend: Arc<dyn Backend>) {
             let mut model = Model::from_gguf(&f, backend.clone(), None).unwrap();
             let tokens = tokenizer.encode(&text, true).unwrap();
             let bos = tokenizer.add_bos().then(|| tokenizer.bos_id()).flatten();
-            let got = perplexity(&mut model, &tokens, 128, bos, |_, _| {})
+            let got = perplexity(&mut model, &tokens, 128, bos, DType::F32, |_, _| {})
                 .unwrap()
                 .ppl;
             let rel = (got - want).abs() / want;

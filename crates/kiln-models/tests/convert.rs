@@ -30,7 +30,7 @@ fn backend() -> Arc<CpuBackend> {
 }
 
 fn logits(mut model: Model, ids: &[u32]) -> Vec<f32> {
-    let mut cache = model.new_cache(64).unwrap();
+    let mut cache = model.new_cache(64, DType::F32).unwrap();
     model.forward(ids, 0, &mut cache, Logits::All).unwrap()
 }
 

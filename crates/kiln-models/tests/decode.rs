@@ -58,7 +58,10 @@ fn greedy_with_and_without_graphs(backend: Arc<dyn Backend>) {
         let prompt = prompt_ids(name);
 
         // Step by step, each pick both ways, on a cache of its own each.
-        let (mut host, mut device) = (model.new_cache(96).unwrap(), model.new_cache(96).unwrap());
+        let (mut host, mut device) = (
+            model.new_cache(96, DType::F32).unwrap(),
+            model.new_cache(96, DType::F32).unwrap(),
+        );
         let mut want = Vec::new();
         let mut ids = prompt.clone();
         let mut pos = 0;
@@ -74,6 +77,7 @@ fn greedy_with_and_without_graphs(backend: Arc<dyn Backend>) {
         let opts = GenerateOptions {
             max_tokens: 8,
             context: 96,
+            kv_type: DType::F32,
             stop_strings: &[],
         };
         let run = |model: &mut Model| {
@@ -306,7 +310,10 @@ fn one_token_steps_are_recorded_once_per_cache_and_replayed() {
     let rec = Arc::new(Recorder::new(true));
     let (mut model, _) = load("llama", rec.clone());
     model.set_graphs(true);
-    let (mut a, mut b) = (model.new_cache(32).unwrap(), model.new_cache(32).unwrap());
+    let (mut a, mut b) = (
+        model.new_cache(32, DType::F32).unwrap(),
+        model.new_cache(32, DType::F32).unwrap(),
+    );
     rec.take();
     let replayed = |token: i32, pos: i32| {
         vec![
@@ -389,7 +396,10 @@ fn a_backend_that_does_not_record_is_asked_once() {
     let rec = Arc::new(Recorder::new(false));
     let (mut model, _) = load("llama", rec.clone());
     model.set_graphs(true);
-    let (mut a, mut b) = (model.new_cache(32).unwrap(), model.new_cache(32).unwrap());
+    let (mut a, mut b) = (
+        model.new_cache(32, DType::F32).unwrap(),
+        model.new_cache(32, DType::F32).unwrap(),
+    );
     rec.take();
     model.forward_argmax(&[1], 0, &mut a).unwrap();
     let ops = eager_ops(&rec.take());
@@ -408,34 +418,36 @@ fn a_backend_that_does_not_record_is_asked_once() {
     }
 }
 
-/// A cache grown mid-sequence keeps its rows: the steps after the growth see the same keys
-/// and values as on a cache that had the room from the start (the server grows caches
-/// block by block).
+/// A cache grown mid-sequence keeps its rows, as stored in its type: the steps after the
+/// growth see the same keys and values as on a cache that had the room from the start.
 #[test]
 fn a_grown_cache_continues_as_a_full_one() {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(Some(2)).unwrap());
     let (mut model, _) = load("llama", backend);
     let prompt = prompt_ids("llama");
     let full_capacity = prompt.len() + 8;
-    let mut full = model.new_cache(full_capacity).unwrap();
-    let mut grown = model.new_cache(prompt.len()).unwrap();
-    let a = model.forward_argmax(&prompt, 0, &mut full).unwrap();
-    let b = model.forward_argmax(&prompt, 0, &mut grown).unwrap();
-    assert_eq!(a, b);
-    model.grow_cache(&mut grown, full_capacity).unwrap();
-    assert_eq!(grown.capacity(), full_capacity);
-    let mut next = a;
-    for pos in prompt.len()..full_capacity {
-        let want = model
-            .forward(&[next], pos, &mut full, Logits::Last)
-            .unwrap();
-        let got = model
-            .forward(&[next], pos, &mut grown, Logits::Last)
-            .unwrap();
-        assert_eq!(want, got, "position {pos}");
-        next = argmax(&want);
+    for kv in [DType::F32, DType::F16, DType::BF16] {
+        let mut full = model.new_cache(full_capacity, kv).unwrap();
+        let mut grown = model.new_cache(prompt.len(), kv).unwrap();
+        let a = model.forward_argmax(&prompt, 0, &mut full).unwrap();
+        let b = model.forward_argmax(&prompt, 0, &mut grown).unwrap();
+        assert_eq!(a, b);
+        model.grow_cache(&mut grown, full_capacity).unwrap();
+        assert_eq!(grown.capacity(), full_capacity);
+        assert_eq!(grown.dtype(), kv);
+        let mut next = a;
+        for pos in prompt.len()..full_capacity {
+            let want = model
+                .forward(&[next], pos, &mut full, Logits::Last)
+                .unwrap();
+            let got = model
+                .forward(&[next], pos, &mut grown, Logits::Last)
+                .unwrap();
+            assert_eq!(want, got, "{kv} position {pos}");
+            next = argmax(&want);
+        }
+        // Shrinking is not growing: the cache is left as it is.
+        model.grow_cache(&mut grown, 4).unwrap();
+        assert_eq!(grown.capacity(), full_capacity);
     }
-    // Shrinking is not growing: the cache is left as it is.
-    model.grow_cache(&mut grown, 4).unwrap();
-    assert_eq!(grown.capacity(), full_capacity);
 }

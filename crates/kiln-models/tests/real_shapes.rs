@@ -169,8 +169,8 @@ struct Sweep {
 fn sweep(reference: &mut Model, gpu: &mut Model, ids: &[u32], bound: f32) -> Sweep {
     let mut s = Sweep::default();
     let (mut cpu_cache, mut gpu_cache) = (
-        reference.new_cache(CONTEXT).unwrap(),
-        gpu.new_cache(CONTEXT).unwrap(),
+        reference.new_cache(CONTEXT, DType::F32).unwrap(),
+        gpu.new_cache(CONTEXT, DType::F32).unwrap(),
     );
     for len in PROMPT_LENGTHS.into_iter().flatten() {
         let mut step = ids[..len].to_vec();

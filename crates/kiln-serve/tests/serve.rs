@@ -1,6 +1,7 @@
 //! `kiln serve` from the outside: a server on a loopback port with the embedded model on the
 //! CPU, spoken to over HTTP as OpenAI's clients do.
 
+use kiln_core::DType;
 use kiln_cpu::CpuBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_models::chat::Message;
@@ -69,7 +70,7 @@ async fn start(o: Options) -> Server {
     let (model, tokenizer) = load();
     let tokenizer = Arc::new(tokenizer);
     let engine = Engine::start(
-        Box::new(PagedRunner::new(model, o.kv_blocks).unwrap()),
+        Box::new(PagedRunner::new(model, o.kv_blocks, DType::F32).unwrap()),
         tokenizer.clone(),
         EngineConfig {
             limits: Limits {
@@ -222,6 +223,7 @@ async fn greedy_completions_match_kiln_run() {
         &GenerateOptions {
             max_tokens: 24,
             context: CONTEXT,
+            kv_type: DType::F32,
             stop_strings: &[],
         },
         |_| {},

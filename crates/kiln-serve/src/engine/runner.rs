@@ -9,7 +9,7 @@
 
 use super::blocks::BlockId;
 use super::sequence::SeqId;
-use kiln_core::Result;
+use kiln_core::{DType, Result};
 use kiln_models::{BatchItem, Model, PagedKvCache};
 
 pub use kiln_models::{StepOutput, StepWant as Want};
@@ -38,9 +38,10 @@ pub struct PagedRunner {
 
 impl PagedRunner {
     /// The runner over `model`, with a KV pool of `blocks` blocks of
-    /// [`super::blocks::BLOCK_POSITIONS`] positions (checked against free memory).
-    pub fn new(model: Model, blocks: usize) -> Result<Self> {
-        let cache = model.new_paged_cache(blocks, super::blocks::BLOCK_POSITIONS)?;
+    /// [`super::blocks::BLOCK_POSITIONS`] positions whose keys and values are kept as `kv`
+    /// (checked against free memory).
+    pub fn new(model: Model, blocks: usize, kv: DType) -> Result<Self> {
+        let cache = model.new_paged_cache(blocks, super::blocks::BLOCK_POSITIONS, kv)?;
         Ok(PagedRunner { model, cache })
     }
 }
