@@ -25,17 +25,68 @@ const MAX_GROUP: usize = 32;
 /// Warps per block that query tiles aim at.
 const TILE_WARPS: usize = 16;
 
-/// By output dimensions per lane (1..8) and queries per warp (1, 2).
-const KERNELS: [[&str; 2]; 8] = [
-    ["attention_1_1", "attention_1_2"],
-    ["attention_2_1", "attention_2_2"],
-    ["attention_3_1", "attention_3_2"],
-    ["attention_4_1", "attention_4_2"],
-    ["attention_5_1", "attention_5_2"],
-    ["attention_6_1", "attention_6_2"],
-    ["attention_7_1", "attention_7_2"],
-    ["attention_8_1", "attention_8_2"],
+/// The attention kernels of one KV type, by output dimensions per lane (1..8) and
+/// queries per warp (1, 2).
+macro_rules! kernels_of {
+    ($kv:literal) => {
+        [
+            [
+                concat!("attention_", $kv, "_1_1"),
+                concat!("attention_", $kv, "_1_2"),
+            ],
+            [
+                concat!("attention_", $kv, "_2_1"),
+                concat!("attention_", $kv, "_2_2"),
+            ],
+            [
+                concat!("attention_", $kv, "_3_1"),
+                concat!("attention_", $kv, "_3_2"),
+            ],
+            [
+                concat!("attention_", $kv, "_4_1"),
+                concat!("attention_", $kv, "_4_2"),
+            ],
+            [
+                concat!("attention_", $kv, "_5_1"),
+                concat!("attention_", $kv, "_5_2"),
+            ],
+            [
+                concat!("attention_", $kv, "_6_1"),
+                concat!("attention_", $kv, "_6_2"),
+            ],
+            [
+                concat!("attention_", $kv, "_7_1"),
+                concat!("attention_", $kv, "_7_2"),
+            ],
+            [
+                concat!("attention_", $kv, "_8_1"),
+                concat!("attention_", $kv, "_8_2"),
+            ],
+        ]
+    };
+}
+
+/// By KV type (in the order of [`DType::KV_CACHE`]), output dimensions per lane and
+/// queries per warp.
+const KERNELS: [[[&str; 2]; 8]; 4] = [
+    kernels_of!("f32"),
+    kernels_of!("f16"),
+    kernels_of!("bf16"),
+    kernels_of!("q8_0"),
 ];
+
+/// The index of a KV cache type in [`DType::KV_CACHE`] (and in the kernel tables named by
+/// it), or an error for another type.
+pub(crate) fn kv_index(dtype: DType) -> Result<usize> {
+    DType::KV_CACHE
+        .iter()
+        .position(|&d| d == dtype)
+        .ok_or_else(|| {
+            Error::unsupported(format!(
+                "a KV cache of {dtype} (the KV cache types are f32, f16, bf16 and q8_0)"
+            ))
+        })
+}
 
 /// Queries per warp and query tiles of a block for `n` queries of `group` heads a KV
 /// head, where the kernels for 1 and 2 queries a warp run at most `max_warps` warps a
@@ -68,11 +119,14 @@ fn shared_bytes(d: usize, queries: usize) -> usize {
 /// group their blocks cannot hold goes to the 1-query kernel); both, shared memory for
 /// heads of their largest size and the most queries a block takes (32 either way).
 pub(crate) fn launch_need(name: &str) -> Option<LaunchNeed> {
-    let (dv, per_warp) = KERNELS.iter().enumerate().find_map(|(i, pair)| {
-        pair.iter()
-            .position(|&k| k == name)
-            .map(|qw| (i + 1, qw + 1))
-    })?;
+    let (dv, per_warp) = KERNELS
+        .iter()
+        .flat_map(|by_dv| by_dv.iter().enumerate())
+        .find_map(|(i, pair)| {
+            pair.iter()
+                .position(|&k| k == name)
+                .map(|qw| (i + 1, qw + 1))
+        })?;
     Some(LaunchNeed {
         threads: if per_warp == 1 {
             32 * MAX_GROUP as u32
@@ -156,14 +210,17 @@ fn run(
     params: &AttentionParams,
     out: &mut Tensor,
 ) -> Result<()> {
-    for (t, what) in [
-        (q, "queries"),
-        (k_cache, "keys"),
-        (v_cache, "values"),
-        (&*out, "output"),
-    ] {
-        expect(t, DType::F32, &format!("attention {what}"))?;
+    expect(q, DType::F32, "attention queries")?;
+    expect(out, DType::F32, "attention output")?;
+    let kv = kv_index(k_cache.dtype())?;
+    if v_cache.dtype() != k_cache.dtype() {
+        return Err(Error::unsupported(format!(
+            "attention over a {} key cache and a {} value cache (one type for both)",
+            k_cache.dtype(),
+            v_cache.dtype()
+        )));
     }
+    let kernels = &KERNELS[kv];
     expect(pos, DType::I32, "attention positions")?;
     let (&[n, heads, d], &[cap, kv_heads, kd]) = (q.dims(), k_cache.dims()) else {
         return Err(Error::shape(format!(
@@ -198,14 +255,14 @@ fn run(
         )));
     }
     let dv = d.div_ceil(32);
-    if dv == 0 || dv > KERNELS.len() {
+    if dv == 0 || dv > kernels.len() {
         return Err(Error::unsupported(format!(
             "attention heads of {d} dimensions (at most 256)"
         )));
     }
     let max_warps = [
-        b.kernels.max_threads(KERNELS[dv - 1][0])? as usize / 32,
-        b.kernels.max_threads(KERNELS[dv - 1][1])? as usize / 32,
+        b.kernels.max_threads(kernels[dv - 1][0])? as usize / 32,
+        b.kernels.max_threads(kernels[dv - 1][1])? as usize / 32,
     ];
     let (per_warp, tiles) = match paged {
         Some(_) => (1, 1),
@@ -235,7 +292,7 @@ fn run(
         .transpose()?;
     let [xq, xd] = int8.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
     b.launch(
-        KERNELS[dv - 1][per_warp - 1],
+        kernels[dv - 1][per_warp - 1],
         (
             to_i32(n.div_ceil(qt), "query tiles")? as u32,
             kv_heads as u32,
@@ -304,8 +361,8 @@ mod tests {
     /// and at most the 32 queries the shared-memory need was checked for.
     #[test]
     fn attention_blocks_fit_the_kernels_they_launch() {
-        let least_qw2 = launch_need(KERNELS[7][1]).unwrap().threads as usize / 32;
-        let qw1 = launch_need(KERNELS[7][0]).unwrap().threads as usize / 32;
+        let least_qw2 = launch_need(KERNELS[0][7][1]).unwrap().threads as usize / 32;
+        let qw1 = launch_need(KERNELS[0][7][0]).unwrap().threads as usize / 32;
         for max_qw2 in least_qw2..=32 {
             for group in 1..=MAX_GROUP {
                 for n in 1..=80 {
@@ -328,15 +385,31 @@ mod tests {
 
     #[test]
     fn every_attention_kernel_has_a_need() {
-        for (i, pair) in KERNELS.iter().enumerate() {
-            for name in pair {
-                let need = launch_need(name).unwrap();
-                assert_eq!(
-                    need.dynamic_shared as usize,
-                    shared_bytes(32 * (i + 1), MAX_GROUP)
-                );
+        for (kv, by_dv) in KERNELS.iter().enumerate() {
+            for (i, pair) in by_dv.iter().enumerate() {
+                for (qw, name) in pair.iter().enumerate() {
+                    assert_eq!(
+                        *name,
+                        format!("attention_{}_{}_{}", DType::KV_CACHE[kv], i + 1, qw + 1)
+                    );
+                    let need = launch_need(name).unwrap();
+                    assert_eq!(
+                        need.dynamic_shared as usize,
+                        shared_bytes(32 * (i + 1), MAX_GROUP)
+                    );
+                }
             }
         }
         assert_eq!(launch_need("attention_combine"), None);
+    }
+
+    /// Every kernel the tables name is in the source, once per KV type.
+    #[test]
+    fn the_kernel_source_defines_each_kv_type() {
+        let source = include_str!("kernels/attention.cu");
+        for kv in DType::KV_CACHE {
+            let kernel = format!("ATTENTION_KV(KV_{}, {kv})", kv.name().to_uppercase());
+            assert!(source.contains(&kernel), "{kernel}");
+        }
     }
 }

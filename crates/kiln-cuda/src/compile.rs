@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// Every kernel file, in the order they are joined (the shared header first).
-const SOURCES: [(&str, &str); 11] = [
+const SOURCES: [(&str, &str); 12] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dot_float.cu", include_str!("kernels/dot_float.cu")),
     ("dot_q8.cu", include_str!("kernels/dot_q8.cu")),
@@ -20,6 +20,7 @@ const SOURCES: [(&str, &str); 11] = [
     ("convert.cu", include_str!("kernels/convert.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("kv_cache.cu", include_str!("kernels/kv_cache.cu")),
     ("rope.cu", include_str!("kernels/rope.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("sample.cu", include_str!("kernels/sample.cu")),

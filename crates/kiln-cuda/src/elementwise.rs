@@ -1,5 +1,6 @@
 //! Element-wise ops, row copies, rope and argmax.
 
+use crate::attention::kv_index;
 use crate::kernels::Arg;
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{DType, Error, Result, RopeLayout, Tensor};
@@ -84,41 +85,101 @@ fn check_positions(pos: &Tensor, n: usize, op: &str) -> Result<()> {
     Ok(())
 }
 
+/// The row-writing kernels by KV type (kernels/kv_cache.cu), in the order of
+/// [`DType::KV_CACHE`].
+const WRITE_ROWS: [&str; 4] = [
+    "write_rows_f32",
+    "write_rows_f16",
+    "write_rows_bf16",
+    "write_rows_q8_0",
+];
+const ROPE_WRITE_KV: [&str; 4] = [
+    "rope_write_kv_f32",
+    "rope_write_kv_f16",
+    "rope_write_kv_bf16",
+    "rope_write_kv_q8_0",
+];
+
+/// Rows of `src` into rows `pos` of a KV cache: F32 rows converted to the cache's type,
+/// or rows of its own type copied as stored (see `Backend::write_rows`).
 pub(crate) fn write_rows(
     b: &CudaBackend,
     src: &Tensor,
     dst: &mut Tensor,
     pos: &Tensor,
 ) -> Result<()> {
-    expect(src, DType::F32, "write_rows source")?;
-    expect(dst, DType::F32, "write_rows destination")?;
+    let kv = kv_index(dst.dtype())?;
     let rows = src.dims().first().copied().unwrap_or(1);
     let dst_rows = dst.dims().first().copied().unwrap_or(1);
     let row_len = src.shape().numel() / rows.max(1);
+    if src.dtype() != DType::F32 && src.dtype() != dst.dtype() {
+        return Err(Error::unsupported(format!(
+            "write_rows: {} rows into a {} cache (from f32 or its own type)",
+            src.dtype(),
+            dst.dtype()
+        )));
+    }
     if rows == 0 {
         return Ok(());
     }
-    if dst.shape().numel() != dst_rows * row_len {
+    if dst.shape().numel() != dst_rows * row_len || src.shape().numel() != rows * row_len {
         return Err(Error::shape(format!(
             "write_rows: rows of {} do not fit {}",
             src.shape(),
             dst.shape()
         )));
     }
+    // Rows of whole blocks (a tensor of a block type holds whole blocks per row).
+    let row_bytes = dst.dtype().row_bytes(row_len)?;
     check_positions(pos, rows, "write_rows")?;
-    b.launch(
-        "write_rows",
-        (to_i32(rows, "rows")? as u32, 1, 1),
-        (256, 1, 1),
-        0,
-        &[
-            Arg::Ptr(ptr(src)?),
-            Arg::Ptr(ptr(dst)?),
-            Arg::Ptr(ptr(pos)?),
-            Arg::I32(to_i32(row_len, "row length")?),
-            Arg::I32(to_i32(dst_rows, "rows")?),
-        ],
-    )
+    let grid = (to_i32(rows, "rows")? as u32, 1, 1);
+    let (src_ptr, dst_ptr, pos_ptr) = (ptr(src)?, ptr(dst)?, ptr(pos)?);
+    let dst_rows = to_i32(dst_rows, "rows")?;
+    if src.dtype() == DType::F32 {
+        return b.launch(
+            WRITE_ROWS[kv],
+            grid,
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(src_ptr),
+                Arg::Ptr(dst_ptr),
+                Arg::Ptr(pos_ptr),
+                Arg::I32(to_i32(row_len, "row length")?),
+                Arg::I32(dst_rows),
+            ],
+        );
+    }
+    // Copied as stored: a Q8_0 cache's quants (a byte a value), then its scales, each
+    // region laid out by rows (see kernels/kv_cache.cu); other types in one piece.
+    let quant_bytes = match dst.dtype() {
+        DType::Q8_0 => row_len,
+        _ => row_bytes,
+    };
+    let mut regions = vec![(0, 0, quant_bytes)];
+    if quant_bytes != row_bytes {
+        regions.push((
+            rows * row_len,
+            dst_rows as usize * row_len,
+            row_bytes - quant_bytes,
+        ));
+    }
+    for (src_at, dst_at, bytes) in regions {
+        b.launch(
+            "copy_rows",
+            grid,
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(src_ptr + src_at as u64),
+                Arg::Ptr(dst_ptr + dst_at as u64),
+                Arg::Ptr(pos_ptr),
+                Arg::I32(to_i32(bytes, "row bytes")?),
+                Arg::I32(dst_rows),
+            ],
+        )?;
+    }
+    Ok(())
 }
 
 pub(crate) fn slice_cols(
@@ -249,7 +310,8 @@ pub(crate) fn argmax(b: &CudaBackend, x: &Tensor, out: &mut Tensor) -> Result<()
     )
 }
 
-/// Rope on q and k, and k, v into the caches, in one launch (see kernels/rope.cu).
+/// Rope on q and k, and k, v into the caches in their type, in one launch (see
+/// kernels/rope.cu).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_write_kv(
     b: &CudaBackend,
@@ -261,14 +323,16 @@ pub(crate) fn rope_write_kv(
     k_cache: &mut Tensor,
     v_cache: &mut Tensor,
 ) -> Result<()> {
-    for (t, what) in [
-        (&*q, "q"),
-        (&*k, "k"),
-        (v, "v"),
-        (&*k_cache, "k cache"),
-        (&*v_cache, "v cache"),
-    ] {
+    for (t, what) in [(&*q, "q"), (&*k, "k"), (v, "v")] {
         expect(t, DType::F32, &format!("rope_write_kv {what}"))?;
+    }
+    let kv = kv_index(k_cache.dtype())?;
+    if v_cache.dtype() != k_cache.dtype() {
+        return Err(Error::unsupported(format!(
+            "rope_write_kv into a {} key cache and a {} value cache (one type for both)",
+            k_cache.dtype(),
+            v_cache.dtype()
+        )));
     }
     let (&[tokens, heads, d], &[kt, kv_heads, kd], &[cap, ch, cd]) =
         (q.dims(), k.dims(), k_cache.dims())
@@ -313,7 +377,7 @@ pub(crate) fn rope_write_kv(
         return Ok(());
     }
     b.launch(
-        "rope_write_kv",
+        ROPE_WRITE_KV[kv],
         (to_i32(tokens * (heads + kv_heads), "rows")? as u32, 1, 1),
         (64, 1, 1),
         0,

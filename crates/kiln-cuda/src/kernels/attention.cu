@@ -4,6 +4,9 @@
 //
 // q [n, heads, D], k/v cache [cap, kv_heads, D], out [n, heads, D]; query i is at
 // position pos[i] and sees keys at positions p with p <= pos[i] and p > pos[i] - window.
+// The caches are of any KV type (kv_cache.cu; a kernel per type): their values are
+// decoded to f32 as they are loaded into shared memory, and everything after is as for
+// an f32 cache.
 //
 // A block serves one KV head and a tile of `qt` queries: its warps are the (query, head)
 // pairs of that tile that read this KV head, QW queries of one head to a warp (group *
@@ -25,9 +28,10 @@
 // Launch: grid (ceil(n / qt), kv_heads, splits), block (32, group * qt / QW), dynamic
 // shared memory (32 * (D + 4) + 32 * D + group * qt * D) floats; qt a multiple of QW.
 
-template <int DV, int QW>  // ceil(D / 32): output dimensions per lane; queries per warp
-__device__ void attention_body(const float* __restrict__ q, const float* __restrict__ kc,
-                               const float* __restrict__ vc, const int* __restrict__ pos,
+// KV: the caches' type; DV = ceil(D / 32): output dimensions per lane; QW: queries per warp
+template <int KV, int DV, int QW>
+__device__ void attention_body(const float* __restrict__ q, const u8* __restrict__ kc,
+                               const u8* __restrict__ vc, const int* __restrict__ pos,
                                float* __restrict__ out, float* __restrict__ part,
                                i8* __restrict__ xq, float* __restrict__ xd,
                                const int* __restrict__ seq, const int* __restrict__ tables,
@@ -70,6 +74,8 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
     }
     lo = max(lo, split * span);
     hi = min(hi, (split + 1) * span - 1);
+    // Values in each cache (the Q8_0 scales follow them).
+    const size_t elements = (size_t)pool_rows * kv_heads * D;
     // Pool row of position kp: the cache row itself, or through the query's block table.
     const int* table = tables != nullptr ? tables + (size_t)seq[q0] * max_blocks : nullptr;
     const size_t NO_ROW = ~(size_t)0;
@@ -110,8 +116,8 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
                 const size_t row = kp <= hi ? kv_row(kp) : NO_ROW;
                 if (row != NO_ROW) {
                     const size_t off = (row * kv_heads + kvh) * D + d;
-                    kv = *(const float4*)(kc + off);
-                    vv = *(const float4*)(vc + off);
+                    kv = kv_load4<KV>(kc, off, elements);
+                    vv = kv_load4<KV>(vc, off, elements);
                 }
                 *(float4*)(Ks + j * ks + d) = kv;
                 *(float4*)(Vs + j * D + d) = vv;
@@ -123,8 +129,8 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
                 const size_t row = kp <= hi ? kv_row(kp) : NO_ROW;
                 if (row != NO_ROW) {
                     const size_t off = (row * kv_heads + kvh) * D + d;
-                    kv = kc[off];
-                    vv = vc[off];
+                    kv = kv_load1<KV>(kc, off, elements);
+                    vv = kv_load1<KV>(vc, off, elements);
                 }
                 Ks[j * ks + d] = kv;
                 Vs[j * D + d] = vv;
@@ -242,26 +248,27 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
 // The 1-query kernels are compiled for blocks of 1024 threads (at most 64 registers a
 // thread): one block holds a whole group of up to 32 heads (attention.rs checks each
 // kernel's limit at load). The 2-query kernels are left their registers; attention.rs
-// sizes their blocks to what each runs.
-#define ATTENTION(DV, QW, BOUNDS)                                                            \
-    extern "C" __global__ void BOUNDS attention_##DV##_##QW(                                 \
-        const float* q, const float* kc, const float* vc, const int* pos, float* out,        \
+// sizes their blocks to what each runs. Named attention_<KV type>_<DV>_<QW>.
+#define ATTENTION(KV, NAME, DV, QW, BOUNDS)                                                  \
+    extern "C" __global__ void BOUNDS attention_##NAME##_##DV##_##QW(                        \
+        const float* q, const u8* kc, const u8* vc, const int* pos, float* out,              \
         float* part, i8* xq, float* xd, const int* seq, const int* tables, int max_blocks,   \
         int block, int pool_rows, int n, int heads, int kv_heads, int D, float scale,        \
         float cap, int window, int qt, int span) {                                           \
-        attention_body<DV, QW>(q, kc, vc, pos, out, part, xq, xd, seq, tables, max_blocks,   \
-                               block, pool_rows, n, heads, kv_heads, D, scale, cap, window,  \
-                               qt, span);                                                    \
+        attention_body<KV, DV, QW>(q, kc, vc, pos, out, part, xq, xd, seq, tables,           \
+                                   max_blocks, block, pool_rows, n, heads, kv_heads, D,      \
+                                   scale, cap, window, qt, span);                            \
     }
-#define ATTENTION_QW(DV) ATTENTION(DV, 1, __launch_bounds__(1024)) ATTENTION(DV, 2, )
-ATTENTION_QW(1)
-ATTENTION_QW(2)
-ATTENTION_QW(3)
-ATTENTION_QW(4)
-ATTENTION_QW(5)
-ATTENTION_QW(6)
-ATTENTION_QW(7)
-ATTENTION_QW(8)
+#define ATTENTION_QW(KV, NAME, DV) \
+    ATTENTION(KV, NAME, DV, 1, __launch_bounds__(1024)) ATTENTION(KV, NAME, DV, 2, )
+#define ATTENTION_KV(KV, NAME)                                                               \
+    ATTENTION_QW(KV, NAME, 1) ATTENTION_QW(KV, NAME, 2) ATTENTION_QW(KV, NAME, 3)            \
+    ATTENTION_QW(KV, NAME, 4) ATTENTION_QW(KV, NAME, 5) ATTENTION_QW(KV, NAME, 6)            \
+    ATTENTION_QW(KV, NAME, 7) ATTENTION_QW(KV, NAME, 8)
+ATTENTION_KV(KV_F32, f32)
+ATTENTION_KV(KV_F16, f16)
+ATTENTION_KV(KV_BF16, bf16)
+ATTENTION_KV(KV_Q8_0, q8_0)
 
 // Merge the splits' partial results of each (query, head); with xq non-null also the
 // int8 copy, as attention_body writes it. Launch: grid (n * heads), block 32.

@@ -49,18 +49,6 @@ extern "C" __global__ void softcap(float* x, size_t n, float cap) {
     if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }
 
-// dst[pos[r], :] = src[r, :]; rows whose position is outside dst are skipped (the host
-// checks positions it wrote; a recorded step cannot report).   Launch: grid (rows), block 256.
-extern "C" __global__ void write_rows(const float* src, float* dst, const int* pos, int row_len,
-                                      int dst_rows) {
-    follow_previous();
-    const int p = pos[blockIdx.x];
-    if (p < 0 || p >= dst_rows) return;
-    const float* s = src + (size_t)blockIdx.x * row_len;
-    float* d = dst + (size_t)p * row_len;
-    for (int i = threadIdx.x; i < row_len; i += blockDim.x) d[i] = s[i];
-}
-
 // dst[r, :] = src[r, col0 : col0 + dst_cols].   Launch: grid (rows), block 256.
 extern "C" __global__ void slice_cols(const float* src, float* dst, int src_cols, int col0,
                                       int dst_cols) {
