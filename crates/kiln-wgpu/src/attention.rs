@@ -1,8 +1,9 @@
-//! Rotary embeddings and causal attention over the KV cache: one sequence's contiguous
-//! cache, or a pool of blocks shared by a server's sequences.
+//! Rotary embeddings and causal attention over the KV cache, in any of its types: one
+//! sequence's contiguous cache, or a pool of blocks shared by a server's sequences.
 
 use crate::elementwise::count;
 use crate::kernels::{ATTENTION, ATTENTION_TILES, ROPE, ROPE_WRITE_KV};
+use crate::kv_cache::kv_tensor;
 use crate::{f32_tensor, i32_tensor, WgpuBackend};
 use kiln_core::{AttentionParams, Error, Pages, Result, RopeLayout, Tensor};
 
@@ -136,6 +137,15 @@ fn run(
             "{heads} query heads cannot share {kv_heads} KV heads"
         )));
     }
+    if v_cache.dtype() != k_cache.dtype() {
+        return Err(Error::unsupported(format!(
+            "attention over a {} key cache and a {} value cache (one type for both)",
+            k_cache.dtype(),
+            v_cache.dtype()
+        )));
+    }
+    let (k_binding, kv) = kv_tensor(k_cache, "k cache")?;
+    let (v_binding, _) = kv_tensor(v_cache, "v cache")?;
     if hd > 256 {
         return Err(Error::shape(format!(
             "attention on wgpu takes heads of at most 256 dimensions, got {hd}"
@@ -157,8 +167,8 @@ fn run(
     };
     let bindings = [
         f32_tensor(q, "attention queries")?,
-        f32_tensor(k_cache, "k cache")?,
-        f32_tensor(v_cache, "v cache")?,
+        k_binding,
+        v_binding,
         i32_tensor(pos, n, "attention positions")?,
         f32_tensor(out, "attention output")?,
         seq,
@@ -178,7 +188,9 @@ fn run(
         (&ATTENTION, n * heads)
     };
     let (groups, groups_x) = b.grid(tasks)?;
-    let kernel = b.kernel(spec, &[])?;
+    let kernel = b.kernel(spec, &[("KV", kv)])?;
+    // The shaders index the caches' values in u32.
+    count(capacity * kv_heads * hd, what)?;
     b.stream.dispatch(
         &kernel,
         &bindings,
@@ -249,6 +261,18 @@ pub(crate) fn rope_write_kv(
         }
         None => (0, false),
     };
+    if hd > 256 {
+        return Err(Error::shape(format!(
+            "rope_write_kv on wgpu takes heads of at most 256 dimensions, got {hd}"
+        )));
+    }
+    if v_cache.dtype() != k_cache.dtype() {
+        return Err(Error::unsupported(format!(
+            "rope_write_kv into a {} key cache and a {} value cache (one type for both)",
+            k_cache.dtype(),
+            v_cache.dtype()
+        )));
+    }
     let what = "rope_write_kv";
     let kb = f32_tensor(k, "keys")?;
     // Without rotation the frequencies are never read; v stands in for the binding.
@@ -262,13 +286,16 @@ pub(crate) fn rope_write_kv(
         f32_tensor(v, "values")?,
         i32_tensor(pos, tokens, "positions")?,
         freqs,
-        f32_tensor(k_cache, "k cache")?,
-        f32_tensor(v_cache, "v cache")?,
+        kv_tensor(k_cache, "k cache")?.0,
+        kv_tensor(v_cache, "v cache")?.0,
     ];
-    let total = tokens * (heads + kv_heads) * hd;
-    count(total, what)?;
-    let (groups, groups_x) = b.grid(total.div_ceil(256))?;
-    let kernel = b.kernel(&ROPE_WRITE_KV, &[])?;
+    let kv = crate::kv_cache::kv_constant(k_cache.dtype())?;
+    // Workgroups of 256 lanes over q's elements, then one a token's KV head.
+    let q_groups = (tokens * heads * hd).div_ceil(256);
+    count(tokens * heads * hd, what)?;
+    count(capacity * kv_heads * hd, what)?;
+    let (groups, groups_x) = b.grid(q_groups + tokens * kv_heads)?;
+    let kernel = b.kernel(&ROPE_WRITE_KV, &[("KV", kv)])?;
     b.stream.dispatch(
         &kernel,
         &bindings,
@@ -281,6 +308,7 @@ pub(crate) fn rope_write_kv(
             u32::from(neox),
             count(capacity, what)?,
             groups_x,
+            count(q_groups, what)?,
         ],
         groups,
     )

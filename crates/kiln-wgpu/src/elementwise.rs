@@ -1,7 +1,7 @@
-//! Element-wise ops and row/column moves: one lane per element.
+//! Element-wise ops and column slices: one lane per element.
 
-use crate::kernels::{BINARY, FILL, GATED, SLICE_COLS, UNARY, WRITE_ROWS};
-use crate::{f32_tensor, i32_tensor, WgpuBackend};
+use crate::kernels::{BINARY, FILL, GATED, SLICE_COLS, UNARY};
+use crate::{f32_tensor, WgpuBackend};
 use kiln_core::{Error, Result, Tensor};
 
 /// Element count as the shaders' u32, or an error for tensors past 2^32 elements.
@@ -121,37 +121,6 @@ pub(crate) fn gated(
         ..Default::default()
     };
     launch(b, &GATED, &bindings, p, "gated activation")
-}
-
-pub(crate) fn write_rows(
-    b: &WgpuBackend,
-    src: &Tensor,
-    dst: &mut Tensor,
-    pos: &Tensor,
-) -> Result<()> {
-    let rows = src.dims().first().copied().unwrap_or(0);
-    let dst_rows = dst.dims().first().copied().unwrap_or(0);
-    let row = src.shape().numel().checked_div(rows).unwrap_or(0);
-    if dst_rows == 0 || dst.shape().numel() / dst_rows != row || src.shape().numel() != rows * row {
-        return Err(Error::shape(format!(
-            "write_rows: rows of {} do not fit rows of {}",
-            src.shape(),
-            dst.shape()
-        )));
-    }
-    let bindings = [
-        f32_tensor(src, "write_rows source")?,
-        f32_tensor(dst, "write_rows destination")?,
-        i32_tensor(pos, rows, "write_rows positions")?,
-    ];
-    let what = "write_rows";
-    let p = Elementwise {
-        n: rows * row,
-        len: count(row.max(1), what)?,
-        cols: count(dst_rows, what)?,
-        ..Default::default()
-    };
-    launch(b, &WRITE_ROWS, &bindings, p, what)
 }
 
 pub(crate) fn slice_cols(

@@ -38,8 +38,10 @@ pub(crate) const FILL: KernelSpec = spec("elementwise", "fill", &[Write]);
 pub(crate) const BINARY: KernelSpec = spec("elementwise", "binary", &[Write, Read]);
 pub(crate) const UNARY: KernelSpec = spec("elementwise", "unary", &[Write]);
 pub(crate) const GATED: KernelSpec = spec("gated", "gated", &[Read, Read, Write]);
-pub(crate) const WRITE_ROWS: KernelSpec = spec("rows", "write_rows", &[Read, Write, Read]);
-pub(crate) const SLICE_COLS: KernelSpec = spec("rows", "slice_cols", &[Read, Write]);
+/// Rows into a KV cache (specialised by the override `KV`, the cache's type).
+pub(crate) const WRITE_ROWS: KernelSpec = spec("kv_rows", "write_rows", &[Read, Write, Read]);
+pub(crate) const COPY_ROWS: KernelSpec = spec("kv_rows", "copy_rows", &[Read, Write, Read]);
+pub(crate) const SLICE_COLS: KernelSpec = spec("cols", "slice_cols", &[Read, Write]);
 pub(crate) const ROPE: KernelSpec = spec("rope", "rope", &[Write, Read, Read]);
 pub(crate) const RMS_NORM: KernelSpec = spec("norm", "rms_norm", &[Read, Read, Read, Write]);
 pub(crate) const LAYER_NORM: KernelSpec = spec("norm", "layer_norm", &[Read, Read, Read, Write]);
@@ -77,7 +79,8 @@ pub(crate) const ATTENTION_TILES: KernelSpec =
 const SHADERS: &[(&str, &str)] = &[
     ("elementwise", include_str!("shaders/elementwise.wgsl")),
     ("gated", include_str!("shaders/gated.wgsl")),
-    ("rows", include_str!("shaders/rows.wgsl")),
+    ("cols", include_str!("shaders/cols.wgsl")),
+    ("kv_rows", include_str!("shaders/kv_rows.wgsl")),
     ("softmax", include_str!("shaders/softmax.wgsl")),
     ("argmax", include_str!("shaders/argmax.wgsl")),
     ("rope", include_str!("shaders/rope.wgsl")),
@@ -118,6 +121,7 @@ fn module_source(file: &str, subgroups: bool) -> String {
         "matvec" => &[WPARAMS, WEIGHTS, EPILOGUE, MATVEC_IO],
         "matvec_q8" | "matvec_f16" => &[WPARAMS, EPILOGUE, MATVEC_ITEMS],
         "gemm" | "gemm_coop" | "embedding" => &[WPARAMS, WEIGHTS],
+        "attention" | "rope_kv" | "kv_rows" => &[KV_CACHE],
         _ => &[],
     };
     // f16 arithmetic and cooperative matrices are WGSL extensions, declared before
@@ -143,6 +147,7 @@ pub(crate) fn all_sources() -> Vec<&'static str> {
         EPILOGUE,
         MATVEC_IO,
         MATVEC_ITEMS,
+        KV_CACHE,
         REDUCE_SUBGROUP,
         REDUCE_WORKGROUP,
     ];
@@ -156,6 +161,7 @@ const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
 const EPILOGUE: &str = include_str!("shaders/epilogue.wgsl");
 const MATVEC_IO: &str = include_str!("shaders/matvec_io.wgsl");
 const MATVEC_ITEMS: &str = include_str!("shaders/matvec_items.wgsl");
+const KV_CACHE: &str = include_str!("shaders/kv_cache.wgsl");
 const REDUCE_SUBGROUP: &str = include_str!("shaders/reduce_subgroup.wgsl");
 const REDUCE_WORKGROUP: &str = include_str!("shaders/reduce_workgroup.wgsl");
 

@@ -12,6 +12,7 @@ mod attention;
 mod device;
 mod elementwise;
 mod kernels;
+mod kv_cache;
 mod matmul;
 mod memory;
 mod norm;
@@ -486,7 +487,7 @@ impl Backend for WgpuBackend {
     }
 
     fn write_rows(&self, src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()> {
-        elementwise::write_rows(self, src, dst, pos)
+        kv_cache::write_rows(self, src, dst, pos)
     }
 
     fn slice_cols(&self, src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()> {

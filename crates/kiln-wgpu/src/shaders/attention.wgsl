@@ -2,6 +2,8 @@
 // for the scores, an online softmax across tiles, and the weighted sum of values split over
 // WG / head_dim groups of lanes (a lane per dimension, each group a share of the tile's
 // keys), summed at the end: with one group, 64-dimension heads left 3/4 of the lanes idle.
+// The caches are of any KV type (kv_cache.wgsl; a pipeline per type), decoded to f32 as
+// they are read (k_at, v_at); everything after is as for an f32 cache.
 
 struct AParams {
     n: u32,
@@ -22,12 +24,34 @@ struct AParams {
 @group(1) @binding(0) var<uniform> ap: AParams;
 
 @group(0) @binding(0) var<storage, read> q: array<f32>;
-@group(0) @binding(1) var<storage, read> k_cache: array<f32>;
-@group(0) @binding(2) var<storage, read> v_cache: array<f32>;
+@group(0) @binding(1) var<storage, read> k_cache: array<u32>;
+@group(0) @binding(2) var<storage, read> v_cache: array<u32>;
 @group(0) @binding(3) var<storage, read> pos: array<i32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read> seq: array<i32>;
 @group(0) @binding(6) var<storage, read> tables: array<i32>;
+
+// Values in each cache (the q8_0 scales follow them).
+fn cache_elements() -> u32 {
+    return ap.capacity * ap.kv_heads * ap.head_dim;
+}
+
+// Element e of the k cache, as f32.
+fn k_at(e: u32) -> f32 {
+    var s = 0u;
+    if KV == KV_Q8_0 {
+        s = k_cache[kv_scale_word(e, cache_elements())];
+    }
+    return kv_value(e, k_cache[kv_word(e)], s);
+}
+
+fn v_at(e: u32) -> f32 {
+    var s = 0u;
+    if KV == KV_Q8_0 {
+        s = v_cache[kv_scale_word(e, cache_elements())];
+    }
+    return kv_value(e, v_cache[kv_word(e)], s);
+}
 
 // A finite "minus infinity": WGSL leaves arithmetic on infinities undefined.
 const LOWEST: f32 = -3.4028235e38;
@@ -106,7 +130,7 @@ fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
             let kb = row * stride + g * hd;
             var dot = 0.0;
             for (var c = 0u; c < hd; c++) {
-                dot += q_row[c] * k_cache[kb + c];
+                dot += q_row[c] * k_at(kb + c);
             }
             s = dot * ap.scale;
             if ap.softcap > 0.0 {
@@ -131,7 +155,7 @@ fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
             for (var jj = grp; jj < count; jj += groups) {
                 let r = kv_row(i, t0 + jj);
                 if r != NO_ROW {
-                    acc += probs[jj] * v_cache[r * stride + g * hd + d];
+                    acc += probs[jj] * v_at(r * stride + g * hd + d);
                 }
             }
         }
@@ -237,8 +261,8 @@ fn attention_tiles(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
             var vv = 0.0;
             if t0 + key < hi {
                 let at = (t0 + key) * stride + g * hd + d;
-                kv = k_cache[at];
-                vv = v_cache[at];
+                kv = k_at(at);
+                vv = v_at(at);
             }
             k_tile[key * (hd + 1u) + d] = kv;
             v_tile[c / 4u][c % 4u] = vv;

@@ -1,11 +1,11 @@
-// Moving rows and columns: keys and values into the cache, slices of fused projections.
+// Moving columns: slices of fused projections (rows into a KV cache: kv_rows.wgsl).
 
 struct EParams {
     n: u32,      // elements to write
     op: u32,     // which variant (per kernel)
     a: f32,      // a scalar operand
-    len: u32,    // binary: elements of the right operand; rows: row length
-    cols: u32,   // slice_cols: source columns; write_rows: destination rows
+    len: u32,    // binary: elements of the right operand; slice_cols: row length
+    cols: u32,   // slice_cols: source columns
     col0: u32,   // slice_cols: first source column
     groups_x: u32,
     p7: u32, p8: u32, p9: u32, p10: u32, p11: u32, p12: u32, p13: u32, p14: u32, p15: u32,
@@ -18,22 +18,6 @@ fn element(lane: Lane, wg: vec3<u32>) -> u32 {
 
 @group(0) @binding(0) var<storage, read> src: array<f32>;
 @group(0) @binding(1) var<storage, read_write> dst: array<f32>;
-@group(0) @binding(2) var<storage, read> pos: array<i32>;
-
-// dst[pos[i]] = src[i] for rows of `len`; positions outside the `cols` rows of dst are
-// skipped (a device cannot report them mid-step).
-@compute @workgroup_size(WG)
-fn write_rows(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
-    let e = element(lane, wg);
-    if e >= ep.n {
-        return;
-    }
-    let i = e / ep.len;
-    let p = pos[i];
-    if p >= 0 && u32(p) < ep.cols {
-        dst[u32(p) * ep.len + e % ep.len] = src[e];
-    }
-}
 
 // dst[i, c] = src[i, col0 + c], dst rows of `len`, src rows of `cols`.
 @compute @workgroup_size(WG)
