@@ -176,15 +176,15 @@ impl MemoryPlan {
             .saturating_add(self.per_position().saturating_mul(context as u128))
     }
 
-    /// Refuse a context whose buffers do not fit in `free`.
-    pub fn check(&self, context: usize, free: &FreeMemory) -> Result<(), NoRoom> {
+    /// Refuse a context whose buffers do not fit in `free` (boxed: the numbers are many).
+    pub fn check(&self, context: usize, free: &FreeMemory) -> Result<(), Box<NoRoom>> {
         if self.total(context) <= free.bytes {
             return Ok(());
         }
         let fixed = self.weights.saturating_add(self.buffers);
         let after = free.bytes.saturating_sub(fixed);
         let largest = (after / self.per_position()).min(i32::MAX as u128) as usize;
-        Err(NoRoom {
+        Err(Box::new(NoRoom {
             context,
             kv: self.kv,
             kv_bytes: self.kv_per_position.saturating_mul(context as u128),
@@ -192,7 +192,7 @@ impl MemoryPlan {
             fixed,
             free: free.clone(),
             largest,
-        })
+        }))
     }
 }
 

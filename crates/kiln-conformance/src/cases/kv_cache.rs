@@ -44,9 +44,9 @@ pub(crate) fn assert_cache(t: &Target, cache: &Tensor, want: &(Vec<f64>, Vec<f64
     let got = t.read_decoded(cache);
     let (want, slack) = want;
     assert_eq!(got.len(), want.len(), "{what}: length");
-    let bad: Vec<usize> = (0..got.len())
-        .filter(|&i| !((got[i] as f64 - want[i]).abs() <= slack[i]))
-        .collect();
+    // Written so that NaN is never within.
+    let within = |i: usize| (got[i] as f64 - want[i]).abs() <= slack[i];
+    let bad: Vec<usize> = (0..got.len()).filter(|&i| !within(i)).collect();
     if let Some(&i) = bad.first() {
         panic!(
             "{what} ({}): {} of {} values off; first [{i}]: got {}, want {} ± {:e}",
