@@ -126,7 +126,10 @@ fn run_alone(model: &mut Model, seq: &Seq) -> Vec<Vec<f32>> {
     logits
 }
 
-fn batched_matches_alone(backend: Arc<dyn Backend>, file: &str, exact: bool) {
+/// How far a batched step may be from the same sequence alone: `None`, bit-equal (the CPU's
+/// exact rows); else a bound on `max |batched - alone|` over the vocabulary divided by the
+/// RMS of the logits, as `real_shapes.rs` measures a GPU's error.
+fn batched_matches_alone(backend: Arc<dyn Backend>, file: &str, bound: Option<f32>) {
     let mut model = load(file, backend);
     let new_tokens = 6;
     let mut cache = model.new_paged_cache(48, BLOCK).unwrap();
@@ -142,17 +145,16 @@ fn batched_matches_alone(backend: Arc<dyn Backend>, file: &str, exact: bool) {
                 .zip(b)
                 .map(|(x, y)| (x - y).abs())
                 .fold(0f32, f32::max);
-            let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
-            if exact {
-                assert!(
+            let rms = (a.iter().map(|x| x * x).sum::<f32>() / a.len() as f32).sqrt();
+            match bound {
+                None => assert!(
                     worst == 0.0,
                     "{file} sequence {s} step {step}: logits differ by {worst}"
-                );
-            } else {
-                assert!(
-                    worst <= 1e-3 * scale.max(1.0),
-                    "{file} sequence {s} step {step}: {worst}"
-                );
+                ),
+                Some(bound) => assert!(
+                    worst <= bound * rms,
+                    "{file} sequence {s} step {step}: {worst} against RMS {rms}"
+                ),
             }
         }
     }
@@ -171,20 +173,26 @@ fn batched_steps_equal_each_sequence_alone_on_the_cpu() {
         "llama/llama-q4_k_m.gguf",
         "mistral/mistral-q8_0.gguf",
     ] {
-        batched_matches_alone(cpu.clone(), file, true);
+        batched_matches_alone(cpu.clone(), file, None);
     }
 }
 
+/// On CUDA the batch is not bit-equal to a sequence alone: a product of more than 8 rows
+/// goes to cuBLAS with the activations rounded to f16 (quantized weights decoded to f16),
+/// while one row reads f32 (float weights) or int8-rounded (quantized) activations. The
+/// bounds are twice `real_shapes.rs`'s per-type bounds on each path's error against the
+/// CPU; the F32 files hold the paged attention to 5e-5.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn batched_steps_match_each_sequence_alone_on_cuda() {
     let cuda: Arc<dyn Backend> = Arc::new(kiln_cuda::CudaBackend::new(0).unwrap());
-    for file in [
-        "llama/llama-f32.gguf",
-        "gemma2/gemma2-f32.gguf",
-        "llama/llama-q8_0.gguf",
+    for (file, bound) in [
+        ("llama/llama-f32.gguf", 5e-5),
+        ("gemma2/gemma2-f32.gguf", 5e-5),
+        ("gpt2/gpt2-f32.gguf", 5e-5),
+        ("llama/llama-q8_0.gguf", 0.5),
     ] {
-        batched_matches_alone(cuda.clone(), file, false);
+        batched_matches_alone(cuda.clone(), file, Some(bound));
     }
 }
 

@@ -20,7 +20,6 @@
 //! by operation, with every scalar computed in double precision and rounded to f32 where
 //! PyTorch rounds it (see each [`Rule`] variant).
 
-
 mod control;
 mod rule;
 mod schedule;
@@ -259,4 +258,3 @@ mod tests {
         assert_eq!([step.lr(2.0), step.lr(3.0), step.lr(6.0)], [1.0, 0.5, 0.25]);
     }
 }
-
