@@ -10,6 +10,7 @@ pub mod device;
 pub mod disk_cache;
 pub mod dtype;
 pub mod error;
+pub mod grad;
 pub mod quant;
 pub mod sampling;
 pub mod shape;
@@ -19,6 +20,7 @@ pub use backend::{to_device, AttentionParams, Backend, KernelTime, Replay, RmsNo
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use grad::GradOps;
 pub use sampling::SampleParams;
 pub use shape::Shape;
 pub use tensor::{HostBytes, Storage, Tensor};
