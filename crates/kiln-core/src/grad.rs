@@ -10,8 +10,8 @@
 use crate::{AttentionParams, Result, RopeLayout, Tensor};
 
 pub trait GradOps: Send + Sync {
-    /// `dst = src`, both F32 of one element count: keeps a value the forward pass is about
-    /// to overwrite.
+    /// `dst = src`, of one dtype and element count (F32 activations, I32 ids and
+    /// positions): keeps a value the forward pass is about to overwrite.
     fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()>;
 
     /// `acc += a · x`, element-wise, both F32 of one element count.

@@ -4,6 +4,7 @@
 
 use crate::config::{Arch, ModelConfig, Norm, Rope};
 use crate::config_hf::config_from_hf;
+use crate::model_gguf::matrix_type;
 use kiln_core::{quant, DType, Error, Result};
 use kiln_io::gguf::{GgufWriter, Value};
 use kiln_io::hf_config::HfConfig;
@@ -26,7 +27,7 @@ fn file_type(dtype: DType) -> Result<u32> {
 }
 
 /// llama.cpp's `permute`: within each head, rows `[i, i + d/2]` become `[2i, 2i + 1]`.
-fn permute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+pub(crate) fn permute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
     let hd = rows / heads;
     let mut out = vec![0f32; w.len()];
     for h in 0..heads {
@@ -327,15 +328,6 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
     }
     write_replacing(&w, out)?;
     Ok(count)
-}
-
-/// Rows that are not whole blocks of the requested type stay f16, as llama.cpp does.
-fn matrix_type(dtype: DType, shape: &[usize]) -> DType {
-    if shape.last().is_some_and(|&k| k % dtype.block_size() == 0) {
-        dtype
-    } else {
-        DType::F16
-    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! gradients of `slice_cols` and `write_rows`.
 
 use crate::pool::Pool;
-use crate::{f32s, f32s_mut, indices, same_shape};
+use crate::{f32s, f32s_mut, indices, same_shape, storage, storage_mut};
 use kiln_core::{Error, Result, RopeLayout, Tensor};
 
 /// Elements per task of the threaded loops.
@@ -22,7 +22,16 @@ fn same_len(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
 
 pub(crate) fn copy(src: &Tensor, dst: &mut Tensor) -> Result<()> {
     same_len(src, dst, "copy")?;
-    f32s_mut(dst)?.copy_from_slice(f32s(src)?);
+    if src.dtype() != dst.dtype() {
+        return Err(Error::shape(format!(
+            "copy: {} into {}",
+            src.dtype(),
+            dst.dtype()
+        )));
+    }
+    storage_mut(dst)?
+        .bytes_mut()
+        .copy_from_slice(storage(src)?.bytes());
     Ok(())
 }
 
