@@ -205,35 +205,6 @@ fn check_output(out: &Path, dir: &Path, shards: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
-/// Write to a temporary file beside `out` and rename it over `out` once complete: a
-/// failure or a crash leaves no partial file at `out`, and whatever was there stays
-/// intact until the rename.
-fn write_replacing(w: &GgufWriter, out: &Path) -> Result<()> {
-    let name = out.file_name().ok_or_else(|| {
-        Error::format(format!("{}: the output path names no file", out.display()))
-    })?;
-    let tmp = out.with_file_name(format!(
-        ".{}.{}.partial",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .map_err(|e| Error::io(tmp.display(), e))?;
-    let written = (|| {
-        let mut b = std::io::BufWriter::new(file);
-        w.write_to(&mut b)?;
-        b.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&tmp, out)
-    })();
-    written.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::io(out.display(), e)
-    })
-}
-
 /// Convert the Hugging Face directory `dir` to a GGUF file at `out`, matrices in `dtype`
 /// (norms stay f32). Returns the number of tensors written.
 pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> Result<usize> {
@@ -326,7 +297,7 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
         w.add_tensor("rope_freqs.weight", DType::F32, &[divisors.len()], bytes)?;
         count += 1;
     }
-    write_replacing(&w, out)?;
+    kiln_io::file::write_replacing(out, |b| w.write_to(b))?;
     Ok(count)
 }
 

@@ -5,7 +5,7 @@
 use crate::rng::Rng;
 use kiln_core::{quant, DType, Error, Result};
 use kiln_io::gguf::{GgufFile, Value};
-use kiln_models::{gguf_writer, Arch, Ffn, ModelConfig, Norm};
+use kiln_models::{gguf_writer, Arch, Ffn, Model, ModelConfig, Norm};
 
 /// One tensor: its GGUF name, shape (outermost first) and values.
 pub struct NamedTensor {
@@ -97,6 +97,33 @@ pub fn fresh_tensors(
         tensors.push(matrix("output.weight".into(), c.vocab_size, c.dim));
     }
     tensors
+}
+
+/// A fresh model of `config` to start a run from (see [`fresh_tensors`]), as an F32 GGUF
+/// file in memory with `extra` metadata (the tokenizer's).
+pub fn scratch_start(
+    config: &ModelConfig,
+    tied: bool,
+    std: f32,
+    seed: u64,
+    name: &str,
+    extra: Vec<(String, Value)>,
+) -> Result<GgufFile> {
+    let tensors = fresh_tensors(config, tied, std, &mut Rng::new(seed));
+    gguf_of(config, &tensors, name, extra)
+}
+
+/// `model` (any weight types, any file it came from) as an F32 GGUF file in memory with
+/// `extra` metadata, to start a run from: a full fine-tune.
+pub fn model_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Result<GgufFile> {
+    let mut w = model.to_gguf(name, DType::F32)?;
+    for (k, v) in extra {
+        w.set(&k, v)?;
+    }
+    let mut bytes = Vec::new();
+    w.write_to(&mut bytes)
+        .map_err(|e| Error::Device(format!("writing a model to memory: {e}")))?;
+    GgufFile::from_bytes(format!("<{name}>"), bytes)
 }
 
 /// A GGUF file (in memory) of `config` holding `tensors` as F32, named `name`, with

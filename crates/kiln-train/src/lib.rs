@@ -9,8 +9,13 @@
 //! and never makes the `[tokens, vocab]` logits whole.
 
 mod backward;
+pub mod checkpoint;
+pub mod data;
 pub mod init;
+pub mod optimizer;
 pub mod rng;
 mod tape;
+mod trainer;
 
 pub use tape::Tape;
+pub use trainer::{Settings, StepReport, Trainer};

@@ -192,8 +192,8 @@ impl Tape {
         Ok(())
     }
 
-    /// Add every trainable parameter's gradient into `out` (F32 values in registration
-    /// order, frozen parameters skipped), as one flat buffer for the optimizer.
+    /// Read every trainable parameter's gradient into `out`, one flat buffer for the
+    /// optimizer (registration order, frozen parameters skipped).
     pub fn read_grads(&self, out: &mut [f32]) -> Result<()> {
         let st = self.state();
         let mut at = 0;
