@@ -15,6 +15,7 @@ mod load;
 pub mod memory;
 mod model;
 mod model_gguf;
+mod model_hf;
 mod parameters;
 mod perplexity;
 pub mod sampler;

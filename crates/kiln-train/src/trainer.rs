@@ -16,6 +16,7 @@ use crate::tape::Tape;
 use kiln_core::{quant, Backend, DType, Error, Result, Tensor};
 use kiln_io::gguf::{GgufFile, GgufWriter, Value};
 use kiln_models::{KvCache, Model};
+use kiln_tokenizer::Tokenizer;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
 use std::path::Path;
@@ -264,20 +265,29 @@ impl Trainer {
         }
         let loss = sum / tokens as f64;
         if !loss.is_finite() {
-            return Err(Error::Device(format!(
+            return Err(Error::format(format!(
                 "step {number}: the training loss is {loss}; the run stops here (nothing of this step is kept or saved)"
             )));
         }
         self.tape.read_grads(&mut self.grads)?;
         let grad_norm = clip_global_norm(&mut self.grads, s.clip);
         if !grad_norm.is_finite() {
-            return Err(Error::Device(format!(
+            return Err(Error::format(format!(
                 "step {number}: the gradient's norm is {grad_norm}; the run stops here (nothing of this step is kept or saved)"
             )));
         }
         let lr = learning_rate(s.schedule, s.lr, s.min_lr, s.warmup, self.step, s.steps);
+        let before = (self.params.clone(), self.opt.m.clone(), self.opt.v.clone());
         self.opt
             .step(&mut self.params, &self.grads, lr, &self.decay);
+        if let Some(i) = self.params.iter().position(|p| !p.is_finite()) {
+            let bad = self.params[i];
+            (self.params, self.opt.m, self.opt.v) = before;
+            self.opt.t -= 1;
+            return Err(Error::format(format!(
+                "step {number}: the update made parameter value {i} {bad} (learning rate {lr:e}); the run stops here (nothing of this step is kept or saved)"
+            )));
+        }
         self.write_params()?;
         self.step = number;
         Ok(StepReport {
@@ -339,7 +349,7 @@ impl Trainer {
     /// anything is written, when a parameter is not finite.
     pub fn save_checkpoint(&self, path: &Path) -> Result<()> {
         if let Some(i) = self.params.iter().position(|p| !p.is_finite()) {
-            return Err(Error::Device(format!(
+            return Err(Error::format(format!(
                 "after step {}: parameter value {i} is {}; no checkpoint is written",
                 self.step, self.params[i]
             )));
@@ -364,6 +374,24 @@ impl Trainer {
     pub fn export_gguf(&self, path: &Path, dtype: DType) -> Result<()> {
         let w = self.model_gguf(dtype)?;
         kiln_io::file::write_replacing(path, |b| w.write_to(b))
+    }
+
+    /// Write the model to the directory `dir` as Hugging Face lays a model out
+    /// (`config.json`, `model.safetensors` in F32, and `tokenizer`'s files), each file
+    /// atomically; llama and mistral models with SentencePiece vocabularies.
+    pub fn export_hf(&self, dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
+        let mut files = self
+            .model
+            .to_hf(tokenizer.bos_id(), tokenizer.eos_ids().first().copied())?;
+        files.extend(tokenizer.hf_files()?);
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir.display(), e))?;
+        for (name, bytes) in files {
+            kiln_io::file::write_replacing(&dir.join(name), |w| {
+                use std::io::Write;
+                w.write_all(&bytes)
+            })?;
+        }
+        Ok(())
     }
 
     /// The flat parameters (for comparing runs).
