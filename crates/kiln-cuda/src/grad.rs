@@ -27,7 +27,13 @@ fn outer_rows(t: &Tensor) -> (usize, usize) {
 }
 
 impl CudaBackend {
-    fn launch_rows(&self, name: &'static str, rows: usize, threads: u32, args: &[Arg]) -> Result<()> {
+    fn launch_rows(
+        &self,
+        name: &'static str,
+        rows: usize,
+        threads: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         if rows == 0 {
             return Ok(());
         }
@@ -62,12 +68,21 @@ impl GradOps for CudaBackend {
         f32s(&[acc, x], "add_scaled")?;
         let n = acc.shape().numel();
         if x.shape().numel() != n {
-            return Err(Error::shape(format!("add_scaled: {} into {}", x.shape(), acc.shape())));
+            return Err(Error::shape(format!(
+                "add_scaled: {} into {}",
+                x.shape(),
+                acc.shape()
+            )));
         }
         self.launch_1d(
             "grad_add_scaled",
             n,
-            &[Arg::Ptr(ptr(acc)?), Arg::Ptr(ptr(x)?), Arg::U64(n as u64), Arg::F32(a)],
+            &[
+                Arg::Ptr(ptr(acc)?),
+                Arg::Ptr(ptr(x)?),
+                Arg::U64(n as u64),
+                Arg::F32(a),
+            ],
         )
     }
 
@@ -75,7 +90,11 @@ impl GradOps for CudaBackend {
         f32s(&[x, acc], "sum_rows")?;
         let (rows, cols) = rows_of(x);
         if acc.shape().numel() != cols {
-            return Err(Error::shape(format!("sum_rows: rows of {} into {}", x.shape(), acc.shape())));
+            return Err(Error::shape(format!(
+                "sum_rows: rows of {} into {}",
+                x.shape(),
+                acc.shape()
+            )));
         }
         self.launch_1d(
             "grad_sum_rows",
@@ -153,7 +172,10 @@ impl GradOps for CudaBackend {
         f32s(&[dy, dtable], "embedding gradient")?;
         expect(ids, DType::I32, "token ids")?;
         let &[vocab, dim] = dtable.dims() else {
-            return Err(Error::shape(format!("embedding gradient: table {}", dtable.shape())));
+            return Err(Error::shape(format!(
+                "embedding gradient: table {}",
+                dtable.shape()
+            )));
         };
         let (n, row) = rows_of(dy);
         if row != dim || ids.shape().numel() != n {
@@ -230,7 +252,10 @@ impl GradOps for CudaBackend {
         f32s(&[d, inv_freq], "rope gradient")?;
         expect(pos, DType::I32, "rope positions")?;
         let &[tokens, heads, head_dim] = d.dims() else {
-            return Err(Error::shape(format!("rope gradient takes [tokens, heads, head_dim], got {}", d.shape())));
+            return Err(Error::shape(format!(
+                "rope gradient takes [tokens, heads, head_dim], got {}",
+                d.shape()
+            )));
         };
         let rot = 2 * inv_freq.shape().numel();
         if rot > head_dim || pos.shape().numel() != tokens {
@@ -269,7 +294,10 @@ impl GradOps for CudaBackend {
         dk: &mut Tensor,
         dv: &mut Tensor,
     ) -> Result<()> {
-        f32s(&[q, k_cache, v_cache, dout, dq, dk, dv], "attention gradient")?;
+        f32s(
+            &[q, k_cache, v_cache, dout, dq, dk, dv],
+            "attention gradient",
+        )?;
         expect(pos, DType::I32, "attention positions")?;
         let (&[n, heads, d], &[cap, kv_heads, kd]) = (q.dims(), k_cache.dims()) else {
             return Err(Error::shape(format!(
@@ -404,7 +432,12 @@ impl GradOps for CudaBackend {
         self.launch_1d(
             "grad_gelu",
             n,
-            &[Arg::Ptr(ptr(x)?), Arg::Ptr(ptr(dy)?), Arg::Ptr(ptr(dx)?), Arg::U64(n as u64)],
+            &[
+                Arg::Ptr(ptr(x)?),
+                Arg::Ptr(ptr(dy)?),
+                Arg::Ptr(ptr(dx)?),
+                Arg::U64(n as u64),
+            ],
         )
     }
 
@@ -413,7 +446,10 @@ impl GradOps for CudaBackend {
         same_shape(y, dy, "softcap gradient")?;
         let n = y.shape().numel();
         if dx.shape().numel() != n {
-            return Err(Error::shape(format!("softcap gradient into {}", dx.shape())));
+            return Err(Error::shape(format!(
+                "softcap gradient into {}",
+                dx.shape()
+            )));
         }
         self.launch_1d(
             "grad_softcap",
@@ -515,7 +551,10 @@ impl GradOps for CudaBackend {
         f32s(&[h, w, losses], "cross_entropy")?;
         expect(targets, DType::I32, "targets")?;
         let &[vocab, dim] = w.dims() else {
-            return Err(Error::shape(format!("cross_entropy: projection {}", w.shape())));
+            return Err(Error::shape(format!(
+                "cross_entropy: projection {}",
+                w.shape()
+            )));
         };
         let (n, hd) = rows_of(h);
         let grads_fit = dh.as_deref().is_none_or(|d| d.shape() == h.shape())
@@ -543,7 +582,15 @@ impl GradOps for CudaBackend {
             let h_blk = h_ptr + (r0 * dim * 4) as u64;
             // z[rows, vocab] = h·wᵀ: column-major zᵀ (vocab × rows) = w (read as dim ×
             // vocab, transposed) · hᵀ (read as dim × rows).
-            sgemm(self, (true, false), (vocab, rows, dim), (w_ptr, dim), (h_blk, dim), 0.0, (z, vocab))?;
+            sgemm(
+                self,
+                (true, false),
+                (vocab, rows, dim),
+                (w_ptr, dim),
+                (h_blk, dim),
+                0.0,
+                (z, vocab),
+            )?;
             self.launch_rows(
                 "grad_cross_entropy_rows",
                 rows,
@@ -561,11 +608,27 @@ impl GradOps for CudaBackend {
             if let Some(dh) = dh_ptr {
                 // dh[rows, dim] += dz[rows, vocab]·w[vocab, dim] (as matmul_dx).
                 let dh_blk = dh + (r0 * dim * 4) as u64;
-                sgemm(self, (false, false), (dim, rows, vocab), (w_ptr, dim), (z, vocab), 1.0, (dh_blk, dim))?;
+                sgemm(
+                    self,
+                    (false, false),
+                    (dim, rows, vocab),
+                    (w_ptr, dim),
+                    (z, vocab),
+                    1.0,
+                    (dh_blk, dim),
+                )?;
             }
             if let Some(dw) = dw_ptr {
                 // dw[vocab, dim] += dzᵀ·h (as matmul_dw).
-                sgemm(self, (false, true), (dim, vocab, rows), (h_blk, dim), (z, vocab), 1.0, (dw, dim))?;
+                sgemm(
+                    self,
+                    (false, true),
+                    (dim, vocab, rows),
+                    (h_blk, dim),
+                    (z, vocab),
+                    1.0,
+                    (dw, dim),
+                )?;
             }
         }
         Ok(())
@@ -585,14 +648,21 @@ fn norm_backward(
     dx: &mut Tensor,
     dweight: Option<&mut Tensor>,
 ) -> Result<()> {
-    let op = if layer { "layer_norm gradient" } else { "rms_norm gradient" };
+    let op = if layer {
+        "layer_norm gradient"
+    } else {
+        "rms_norm gradient"
+    };
     f32s(&[x, weight, dy, dx], op)?;
     same_shape(x, dy, op)?;
     same_shape(x, dx, op)?;
     let (rows, dim) = rows_of(x);
     let dw_fits = dweight.as_deref().is_none_or(|d| d.shape().numel() == dim);
     if weight.shape().numel() != dim || !dw_fits {
-        return Err(Error::shape(format!("{op}: weight {} for rows of {dim}", weight.shape())));
+        return Err(Error::shape(format!(
+            "{op}: weight {} for rows of {dim}",
+            weight.shape()
+        )));
     }
     if rows == 0 || dim == 0 {
         return Ok(());
