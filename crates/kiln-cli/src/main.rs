@@ -12,6 +12,7 @@ mod model_file;
 mod perplexity;
 mod run;
 mod serve;
+mod train;
 
 use clap::{ArgAction, Parser, Subcommand};
 use console::{CliResult, Failure};
@@ -53,6 +54,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Load a server on this machine: concurrency sweep of streamed completions.
     BenchServe(bench_serve::BenchServeArgs),
+    /// Train a model on text: from scratch, or fine-tune a model file.
+    Train(Box<train::TrainArgs>),
     /// List the devices kiln can use.
     Devices,
     /// Convert a Hugging Face LLaMA-family directory to GGUF (llama.cpp's conventions).
@@ -200,6 +203,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench(a),
         Command::Serve(a) => serve::run(a, cli.quiet),
         Command::BenchServe(a) => bench_serve::run(a),
+        Command::Train(a) => train::run(*a, cli.quiet),
         Command::Devices => devices::run().map_err(Failure::from),
         Command::Convert { dir, out, ty, name } => match kiln_core::DType::from_name(&ty) {
             Some(dtype) => kiln_models::convert_hf_to_gguf(&dir, &out, dtype, &name)

@@ -24,6 +24,7 @@ const SOURCES: [(&str, &str); 11] = [
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("sample.cu", include_str!("kernels/sample.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
+    ("grad.cu", include_str!("kernels/grad.cu")),
 ];
 
 const MAGIC: &[u8; 8] = b"KILNCUBN";

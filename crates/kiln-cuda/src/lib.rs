@@ -11,6 +11,7 @@ mod attention;
 mod compile;
 mod device;
 mod elementwise;
+mod grad;
 mod kernels;
 mod matmul;
 mod memory;
@@ -25,8 +26,8 @@ pub use memory::CudaStorage;
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use kernels::{Arg, Kernels};
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, HostBytes, Pages, Replay, Result, RmsNorm,
-    RopeLayout, SampleParams, Shape, Tensor,
+    AttentionParams, Backend, DType, Device, Error, GradOps, HostBytes, Pages, Replay, Result,
+    RmsNorm, RopeLayout, SampleParams, Shape, Tensor,
 };
 use memory::{DeviceBuffer, Pool};
 use std::collections::HashMap;
@@ -584,6 +585,10 @@ impl Backend for CudaBackend {
         v_cache: &mut Tensor,
     ) -> Result<()> {
         elementwise::rope_write_kv(self, q, k, v, pos, rope, k_cache, v_cache)
+    }
+
+    fn grad(&self) -> Option<&dyn GradOps> {
+        Some(self)
     }
 
     fn free_memory(&self) -> Result<Option<usize>> {
