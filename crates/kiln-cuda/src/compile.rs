@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// Every kernel file, in the order they are joined (the shared header first).
-const SOURCES: [(&str, &str); 11] = [
+const SOURCES: [(&str, &str); 12] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dot_float.cu", include_str!("kernels/dot_float.cu")),
     ("dot_q8.cu", include_str!("kernels/dot_q8.cu")),
