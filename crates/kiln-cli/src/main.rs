@@ -95,6 +95,11 @@ struct BenchArgs {
     #[arg(short = 'r', long, default_value_t = 3,
           value_parser = clap::value_parser!(u16).range(1..=1000))]
     reps: u16,
+    /// Sequences decoded together in the tg test, as a server steps them (one batch over a
+    /// paged KV cache); the speed is all sequences' tokens per second.
+    #[arg(short = 'b', long, default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    batch: u16,
     #[arg(short = 't', long)]
     threads: Option<usize>,
     #[arg(long, default_value_t = DeviceChoice::Auto)]
@@ -154,6 +159,7 @@ fn bench(a: BenchArgs) -> CliResult {
             ty: a.ty,
             prompt: a.prompt,
             gen: a.gen,
+            batch: usize::from(a.batch),
             reps: usize::from(a.reps),
             threads: a.threads,
             device: a.device,
