@@ -142,7 +142,7 @@ pub fn paged_attention(t: &Target) {
     }
     // A real model's heads (32 on 8) over long tables: a decode of 700 positions among
     // short ones, blocks of 16 taken from a large pool in a scattered order.
-    let long: Vec<i32> = (0..44).map(|b| (b * 37 % 61) as i32).collect();
+    let long: Vec<i32> = (0..44).map(|b| b * 37 % 61).collect();
     let shape = AttentionShape {
         heads: 32,
         kv_heads: 8,
