@@ -1,7 +1,7 @@
 //! The forward pass, written once for every architecture: one straight sequence of
 //! backend ops, steered by [`ModelConfig`].
 
-use crate::batch::{PagedKvCache, PagedRows};
+use crate::batch::{DecodeGraphs, PagedKvCache, PagedRows};
 use crate::config::{Ffn, ModelConfig, Norm};
 use crate::weights::{FfnWeights, GateUp, Linear, ModelWeights, NormWeights, Qkv};
 use kiln_core::{
@@ -23,7 +23,7 @@ pub enum Logits {
 /// What a step ends with: logits, or (for training, which fuses the output projection
 /// into its loss) the final normed hidden states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Output {
+pub(crate) enum Output {
     Logits(Logits),
     Hidden,
 }
@@ -38,7 +38,7 @@ pub struct KvCache {
     id: u64,
 }
 
-static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
+pub(crate) static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
 
 impl KvCache {
     /// Positions the cache holds.
@@ -123,6 +123,8 @@ pub struct Model {
     prefill: Option<Scratch>,
     graphs: bool,
     graph: Graph,
+    /// Recorded decode steps of a server's batches (see `batch::graphs`).
+    pub(crate) decode_graphs: DecodeGraphs,
 }
 
 fn f32_tensor(b: &dyn Backend, dims: &[usize]) -> Result<Tensor> {
@@ -152,11 +154,17 @@ impl Model {
             prefill: None,
             graphs: std::env::var_os("KILN_NO_GRAPHS").is_none_or(|v| v != "1"),
             graph: Graph::Cold,
+            decode_graphs: DecodeGraphs::default(),
         }
     }
 
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// Whether steps are recorded and replayed where the backend can (see `set_graphs`).
+    pub(crate) fn graphs_on(&self) -> bool {
+        self.graphs
     }
 
     /// Rows of the embedding table: token ids must be below it.
@@ -192,6 +200,9 @@ impl Model {
         self.graphs = on;
         if !on && !matches!(self.graph, Graph::Unsupported) {
             self.graph = Graph::Cold;
+        }
+        if !on {
+            self.decode_graphs = DecodeGraphs::default();
         }
     }
 
@@ -672,7 +683,7 @@ impl Model {
     }
 
     /// The final norm and the output head over the last layer's output `s.x`.
-    fn head(&self, s: &mut Scratch, which: Output) -> Result<()> {
+    pub(crate) fn head(&self, s: &mut Scratch, which: Output) -> Result<()> {
         let c = &self.config;
         let b = self.backend.as_ref();
         let w = &self.weights;
