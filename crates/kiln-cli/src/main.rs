@@ -12,6 +12,7 @@ mod model_file;
 mod perplexity;
 mod run;
 mod serve;
+mod train;
 
 use clap::{ArgAction, Parser, Subcommand};
 use console::{CliResult, Failure};
@@ -53,6 +54,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Load a server on this machine: concurrency sweep of streamed completions.
     BenchServe(bench_serve::BenchServeArgs),
+    /// Train a model on text: from scratch, or fine-tune a model file.
+    Train(Box<train::TrainArgs>),
     /// List the devices kiln can use.
     Devices,
     /// Convert a Hugging Face LLaMA-family directory to GGUF (llama.cpp's conventions).
@@ -92,6 +95,11 @@ struct BenchArgs {
     #[arg(short = 'r', long, default_value_t = 3,
           value_parser = clap::value_parser!(u16).range(1..=1000))]
     reps: u16,
+    /// Sequences decoded together in the tg test, as a server steps them (one batch over a
+    /// paged KV cache); the speed is all sequences' tokens per second.
+    #[arg(short = 'b', long, default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    batch: u16,
     #[arg(short = 't', long)]
     threads: Option<usize>,
     #[arg(long, default_value_t = DeviceChoice::Auto)]
@@ -154,6 +162,7 @@ fn bench(a: BenchArgs) -> CliResult {
             ty: a.ty,
             prompt: a.prompt,
             gen: a.gen,
+            batch: usize::from(a.batch),
             reps: usize::from(a.reps),
             threads: a.threads,
             device: a.device,
@@ -204,6 +213,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench(a),
         Command::Serve(a) => serve::run(a, cli.quiet),
         Command::BenchServe(a) => bench_serve::run(a),
+        Command::Train(a) => train::run(*a, cli.quiet),
         Command::Devices => devices::run().map_err(Failure::from),
         Command::Convert { dir, out, ty, name } => match kiln_core::DType::from_name(&ty) {
             Some(dtype) => kiln_models::convert_hf_to_gguf(&dir, &out, dtype, &name)

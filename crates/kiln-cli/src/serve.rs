@@ -27,6 +27,13 @@ pub struct ServeArgs {
     /// Sequences running at once.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub max_seqs: u16,
+    /// Tokens a step computes at most: every running sequence's decode, then prompt chunks
+    /// of up to 256 tokens until this budget (the first chunk even past it). Larger steps
+    /// read the weights fewer times per prompt token; smaller ones keep decodes waiting
+    /// less behind prompts.
+    #[arg(long, default_value_t = 2048,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub max_batch_tokens: u32,
     /// New sequences that may wait for a place; beyond it requests get 429.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_waiting: u32,
@@ -120,7 +127,8 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     let max_seqs = usize::from(a.max_seqs);
     // A step's rows: every running sequence's decode, then prompt chunks up to the budget
     // (the first chunk even past it).
-    let step_rows = max_seqs.max(TOKEN_BUDGET) + PREFILL_CHUNK;
+    let budget = a.max_batch_tokens as usize;
+    let step_rows = max_seqs.max(budget) + PREFILL_CHUNK;
     let kv_type = model_file::kv_type(a.kv_type, backend.as_ref(), file.config(), &file.name)?;
     let plan = file.plan(backend.as_ref(), step_rows, false, kv_type);
     let kv_blocks = kv_blocks(
@@ -138,7 +146,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     let tokenizer = Arc::new(file.tokenizer);
     let limits = Limits {
         max_seqs,
-        token_budget: TOKEN_BUDGET,
+        token_budget: budget,
         prefill_chunk: PREFILL_CHUNK,
     };
     let engine = Engine::start(
@@ -204,8 +212,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     Ok(())
 }
 
-/// Tokens a step computes at most, and the longest prompt chunk in it.
-const TOKEN_BUDGET: usize = 512;
+/// The longest prompt chunk a step takes of one sequence.
 const PREFILL_CHUNK: usize = 256;
 
 /// SIGTERM or Ctrl-C.

@@ -26,6 +26,7 @@
 
 #[doc(hidden)]
 pub mod cases;
+pub mod grad;
 mod reference;
 mod rounding;
 mod target;

@@ -6,7 +6,9 @@
 //! written once per step, so that a recorded step (see [`Backend::capture`]) can be
 //! replayed for the next token with nothing but those two small writes.
 
-use crate::{sampling, DType, Device, Error, HostBytes, Result, SampleParams, Shape, Tensor};
+use crate::{
+    sampling, DType, Device, Error, GradOps, HostBytes, Result, SampleParams, Shape, Tensor,
+};
 
 /// How rope pairs the dimensions it rotates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -283,6 +285,12 @@ pub trait Backend: Send + Sync {
         }
         self.write_rows(k, k_cache, pos)?;
         self.write_rows(v, v_cache, pos)
+    }
+
+    /// The backward kernels, where this backend can train (see [`GradOps`]); `None`
+    /// makes training on it an error that names the device.
+    fn grad(&self) -> Option<&dyn GradOps> {
+        None
     }
 
     /// Bytes of device memory free for weights and buffers; `None` where the

@@ -10,6 +10,7 @@ pub mod device;
 pub mod disk_cache;
 pub mod dtype;
 pub mod error;
+pub mod grad;
 pub mod optim;
 pub mod quant;
 pub mod sampling;
@@ -22,6 +23,7 @@ pub use backend::{
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use grad::GradOps;
 pub use optim::OptimKernels;
 pub use sampling::SampleParams;
 pub use shape::Shape;

@@ -27,6 +27,7 @@ mod fgemm;
     allow(dead_code, unused, unreachable_code)
 )]
 mod gemv;
+mod grad;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
 mod kgemm;
 mod matmul;
@@ -45,7 +46,7 @@ use profile::Profile;
 pub use storage::CpuStorage;
 
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime, Pages, Result,
+    AttentionParams, Backend, DType, Device, Error, GradOps, HostBytes, KernelTime, Pages, Result,
     RopeLayout, Shape, Tensor,
 };
 
@@ -423,6 +424,10 @@ impl Backend for CpuBackend {
 
     fn kernel_profile(&self) -> Option<Vec<KernelTime>> {
         self.profile.report()
+    }
+
+    fn grad(&self) -> Option<&dyn GradOps> {
+        Some(self)
     }
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -18,6 +18,9 @@ const SPAN: usize = 64;
 const MAX_SPLITS: usize = 128;
 /// Queries up to which the key range is split.
 const SPLIT_MAX_QUERIES: usize = 8;
+/// Queries of a paged batch up to which the key range is split: with more, the (query,
+/// KV head) blocks fill the GPU's 132 SMs several times over.
+const PAGED_SPLIT_MAX_QUERIES: usize = 64;
 
 /// The most query heads a KV head may have: one block holds them all.
 const MAX_GROUP: usize = 32;
@@ -272,7 +275,10 @@ fn run(
     let shared = shared_bytes(d, rows * per_warp);
     // The positions a query may see: the cache's, or the longest block table's.
     let reach = paged.map_or(cap, |p| p.max_blocks * p.block);
-    let (splits, span) = if (n <= SPLIT_MAX_QUERIES || paged.is_some()) && reach > SPAN {
+    // A paged batch splits its keys while its queries alone would leave the GPU idle (a
+    // server's decodes); a batch of prompt chunks has queries enough.
+    let split = n <= SPLIT_MAX_QUERIES || (paged.is_some() && n <= PAGED_SPLIT_MAX_QUERIES);
+    let (splits, span) = if split && reach > SPAN {
         // Long caches get longer pieces: at most MAX_SPLITS to merge.
         let span = SPAN.max(reach.div_ceil(MAX_SPLITS).next_multiple_of(32));
         (reach.div_ceil(span), span)

@@ -18,7 +18,7 @@ pub struct KvCache {
     pub(crate) id: u64,
 }
 
-static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
+pub(crate) static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
 
 impl KvCache {
     /// Positions the cache holds.

@@ -1,7 +1,7 @@
 //! The forward pass, written once for every architecture: one straight sequence of
 //! backend ops, steered by [`ModelConfig`].
 
-use crate::batch::{PagedKvCache, PagedRows};
+use crate::batch::{DecodeGraphs, PagedKvCache, PagedRows};
 use crate::config::{Ffn, ModelConfig, Norm};
 use crate::kv_cache::KvCache;
 use crate::weights::{FfnWeights, GateUp, Linear, ModelWeights, NormWeights, Qkv};
@@ -18,6 +18,14 @@ pub enum Logits {
     Last,
     /// Every position (perplexity, tests).
     All,
+}
+
+/// What a step ends with: logits, or (for training, which fuses the output projection
+/// into its loss) the final normed hidden states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Output {
+    Logits(Logits),
+    Hidden,
 }
 
 /// Where a step's keys and values go and come from.
@@ -96,6 +104,8 @@ pub struct Model {
     prefill: Option<Scratch>,
     graphs: bool,
     graph: Graph,
+    /// Recorded decode steps of a server's batches (see `batch::graphs`).
+    pub(crate) decode_graphs: DecodeGraphs,
 }
 
 fn f32_tensor(b: &dyn Backend, dims: &[usize]) -> Result<Tensor> {
@@ -125,11 +135,17 @@ impl Model {
             prefill: None,
             graphs: std::env::var_os("KILN_NO_GRAPHS").is_none_or(|v| v != "1"),
             graph: Graph::Cold,
+            decode_graphs: DecodeGraphs::default(),
         }
     }
 
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// Whether steps are recorded and replayed where the backend can (see `set_graphs`).
+    pub(crate) fn graphs_on(&self) -> bool {
+        self.graphs
     }
 
     /// Rows of the embedding table: token ids must be below it.
@@ -151,12 +167,23 @@ impl Model {
         self.weights.output.as_ref().unwrap_or(&self.weights.embed)
     }
 
+    pub(crate) fn weights(&self) -> &ModelWeights {
+        &self.weights
+    }
+
+    pub(crate) fn weights_mut(&mut self) -> &mut ModelWeights {
+        &mut self.weights
+    }
+
     /// Record one-token steps and replay them (CUDA graphs) where the backend can. On by
     /// default; `KILN_NO_GRAPHS=1` turns it off.
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on;
         if !on && !matches!(self.graph, Graph::Unsupported) {
             self.graph = Graph::Cold;
+        }
+        if !on {
+            self.decode_graphs = DecodeGraphs::default();
         }
     }
 
@@ -223,15 +250,33 @@ impl Model {
     ) -> Result<Vec<f32>> {
         // One token's logits are the last position's: a decode step either way.
         let which = if ids.len() == 1 { Logits::Last } else { which };
-        self.run(ids, pos0, cache, which, |b, s| {
-            download_f32(b, s.logits(which))
+        self.run(ids, pos0, cache, Output::Logits(which), |m, s| {
+            download_f32(m.backend.as_ref(), s.logits(which))
+        })
+    }
+
+    /// Run `ids` at positions `pos0..` like [`Model::forward`], but stop at the final
+    /// norm: `f` gets the normed hidden states `[n, dim]` and the output projection
+    /// `[vocab, dim]` (the embeddings, when tied). Training fuses the projection into its
+    /// loss, so that the `[n, vocab]` logits never exist whole. The final softcap, when the
+    /// model has one, is `config.final_softcap`.
+    pub fn forward_hidden<T>(
+        &mut self,
+        ids: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        f: impl FnOnce(&Tensor, &Tensor) -> Result<T>,
+    ) -> Result<T> {
+        self.run(ids, pos0, cache, Output::Hidden, |m, s| {
+            f(&s.h, m.weights.output.as_ref().unwrap_or(&m.weights.embed))
         })
     }
 
     /// Like [`Model::forward`] with [`Logits::Last`], but return only the most likely next
     /// token (the first, on ties), found on the device: greedy decoding reads back 4 bytes.
     pub fn forward_argmax(&mut self, ids: &[u32], pos0: usize, cache: &mut KvCache) -> Result<u32> {
-        self.run(ids, pos0, cache, Logits::Last, |b, s| {
+        self.run(ids, pos0, cache, Output::Logits(Logits::Last), |m, s| {
+            let b = m.backend.as_ref();
             b.argmax(&s.logits, &mut s.next)?;
             read_token(b, &s.next)
         })
@@ -248,7 +293,8 @@ impl Model {
         penalized: &[u32],
         params: &SampleParams,
     ) -> Result<u32> {
-        self.run(ids, pos0, cache, Logits::Last, |b, s| {
+        self.run(ids, pos0, cache, Output::Logits(Logits::Last), |m, s| {
+            let b = m.backend.as_ref();
             b.sample(&mut s.logits, penalized, params, &mut s.next)?;
             read_token(b, &s.next)
         })
@@ -261,8 +307,8 @@ impl Model {
         ids: &[u32],
         pos0: usize,
         cache: &mut KvCache,
-        which: Logits,
-        read: impl FnOnce(&dyn Backend, &mut Scratch) -> Result<T>,
+        which: Output,
+        read: impl FnOnce(&Model, &mut Scratch) -> Result<T>,
     ) -> Result<T> {
         let n = ids.len();
         if n == 0 {
@@ -302,7 +348,7 @@ impl Model {
         };
         let result = self
             .step(&mut s, ids, pos0, cache, which)
-            .and_then(|()| read(self.backend.as_ref(), &mut s));
+            .and_then(|()| read(self, &mut s));
         if n == 1 {
             self.decode = Some(s);
         } else {
@@ -319,16 +365,16 @@ impl Model {
         ids: &[u32],
         pos0: usize,
         cache: &mut KvCache,
-        which: Logits,
+        which: Output,
     ) -> Result<()> {
         let b = self.backend.clone();
         let n = ids.len();
         b.write(&mut s.ids, &i32_bytes(ids.iter().map(|&id| id as usize)))?;
         b.write(&mut s.positions, &i32_bytes(pos0..pos0 + n))?;
-        if which == Logits::All && s.all_logits.is_none() {
+        if which == Output::Logits(Logits::All) && s.all_logits.is_none() {
             s.all_logits = Some(f32_tensor(b.as_ref(), &[n, self.config.vocab_size])?);
         }
-        if !(self.graphs && n == 1 && which == Logits::Last) {
+        if !(self.graphs && n == 1 && which == Output::Logits(Logits::Last)) {
             return self.ops(s, cache, which);
         }
         // Taken out while the step runs: an error leaves `Cold`, and the next steps start
@@ -364,7 +410,7 @@ impl Model {
 
     /// The step's ops, from the embedding to the logits. Nothing here allocates: the ops
     /// may be recorded.
-    fn ops(&self, s: &mut Scratch, cache: &mut KvCache, which: Logits) -> Result<()> {
+    fn ops(&self, s: &mut Scratch, cache: &mut KvCache, which: Output) -> Result<()> {
         self.layers(s, &mut KvTarget::Contiguous(cache))?;
         self.head(s, which)
     }
@@ -549,12 +595,16 @@ impl Model {
     }
 
     /// The final norm and the output head over the last layer's output `s.x`.
-    fn head(&self, s: &mut Scratch, which: Logits) -> Result<()> {
+    pub(crate) fn head(&self, s: &mut Scratch, which: Output) -> Result<()> {
         let c = &self.config;
         let b = self.backend.as_ref();
         let w = &self.weights;
         let n = s.n;
         self.norm(&w.out_norm, &s.x, &mut s.h)?;
+        let which = match which {
+            Output::Hidden => return Ok(()),
+            Output::Logits(which) => which,
+        };
         let head = w.output.as_ref().unwrap_or(&w.embed);
         let logits = match which {
             Logits::All => {

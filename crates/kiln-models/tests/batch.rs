@@ -126,7 +126,11 @@ fn run_alone(model: &mut Model, seq: &Seq, kv: DType) -> Vec<Vec<f32>> {
     logits
 }
 
-fn batched_matches_alone(backend: Arc<dyn Backend>, file: &str, kv: DType, exact: bool) {
+/// How far a batched step over a pool of `kv` may be from the same sequence alone over a
+/// cache of `kv`: `None`, bit-equal (the CPU's exact rows); else a bound on `max |batched -
+/// alone|` over the vocabulary divided by the RMS of the logits, as `real_shapes.rs`
+/// measures a GPU's error.
+fn batched_matches_alone(backend: Arc<dyn Backend>, file: &str, kv: DType, bound: Option<f32>) {
     let mut model = load(file, backend);
     let new_tokens = 6;
     let mut cache = model.new_paged_cache(48, BLOCK, kv).unwrap();
@@ -143,17 +147,16 @@ fn batched_matches_alone(backend: Arc<dyn Backend>, file: &str, kv: DType, exact
                 .zip(b)
                 .map(|(x, y)| (x - y).abs())
                 .fold(0f32, f32::max);
-            let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
-            if exact {
-                assert!(
+            let rms = (a.iter().map(|x| x * x).sum::<f32>() / a.len() as f32).sqrt();
+            match bound {
+                None => assert!(
                     worst == 0.0,
                     "{file} {kv} sequence {s} step {step}: logits differ by {worst}"
-                );
-            } else {
-                assert!(
-                    worst <= 1e-3 * scale.max(1.0),
-                    "{file} {kv} sequence {s} step {step}: {worst}"
-                );
+                ),
+                Some(bound) => assert!(
+                    worst <= bound * rms,
+                    "{file} {kv} sequence {s} step {step}: {worst} against RMS {rms}"
+                ),
             }
         }
     }
@@ -172,7 +175,7 @@ fn batched_steps_equal_each_sequence_alone_on_the_cpu() {
         "llama/llama-q4_k_m.gguf",
         "mistral/mistral-q8_0.gguf",
     ] {
-        batched_matches_alone(cpu.clone(), file, DType::F32, true);
+        batched_matches_alone(cpu.clone(), file, DType::F32, None);
     }
 }
 
@@ -187,22 +190,35 @@ fn batched_steps_equal_each_sequence_alone_over_an_f16_pool_on_the_cpu() {
         "gemma2/gemma2-f32.gguf",
         "phi3/phi3-f32.gguf",
     ] {
-        batched_matches_alone(cpu.clone(), file, DType::F16, true);
+        batched_matches_alone(cpu.clone(), file, DType::F16, None);
     }
-    batched_matches_alone(cpu, "gpt2/gpt2-f32.gguf", DType::BF16, true);
+    batched_matches_alone(cpu, "gpt2/gpt2-f32.gguf", DType::BF16, None);
 }
 
+/// On CUDA the batch is not bit-equal to a sequence alone: a product of more than 8 rows
+/// goes to cuBLAS with the activations rounded to f16 (quantized weights decoded to f16),
+/// while one row reads f32 (float weights) or int8-rounded (quantized) activations. The
+/// bounds are twice `real_shapes.rs`'s per-type bounds on each path's error against the
+/// CPU; the F32 files hold the paged attention to 5e-5.
+///
+/// Over an f16 pool a key that differs in its last bits may round to another f16, so the
+/// bound grows by twice how far the f16 rounding moves these logits from an f32 cache's
+/// (batched and alone each lie about that close to their f32 runs): measured on the CPU
+/// (AMD EPYC Zen 3, 2026-11-25) at most 0.0021 × RMS for the F32 files and 0.071 × RMS for
+/// the Q8_0 one, whose int8-rounded activations amplify it.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn batched_steps_match_each_sequence_alone_on_cuda() {
     let cuda: Arc<dyn Backend> = Arc::new(kiln_cuda::CudaBackend::new(0).unwrap());
-    for file in [
-        "llama/llama-f32.gguf",
-        "gemma2/gemma2-f32.gguf",
-        "llama/llama-q8_0.gguf",
+    for (file, bound, f16_rounding) in [
+        ("llama/llama-f32.gguf", 5e-5, 0.0025),
+        ("gemma2/gemma2-f32.gguf", 5e-5, 0.0025),
+        ("gpt2/gpt2-f32.gguf", 5e-5, 0.0025),
+        ("llama/llama-q8_0.gguf", 0.5, 0.075),
     ] {
-        batched_matches_alone(cuda.clone(), file, DType::F32, false);
-        batched_matches_alone(cuda.clone(), file, DType::F16, false);
+        batched_matches_alone(cuda.clone(), file, DType::F32, Some(bound));
+        let f16_bound = bound + 2.0 * f16_rounding;
+        batched_matches_alone(cuda.clone(), file, DType::F16, Some(f16_bound));
     }
 }
 

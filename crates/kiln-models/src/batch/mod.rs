@@ -12,18 +12,27 @@
 //! at temperature 0 do not depend on what else runs, how its prompt was cut into chunks,
 //! or whether its prefix came from the cache.
 
-use crate::model::{download_f32, KvTarget, Model, Scratch};
+mod graphs;
+mod outputs;
+
+pub(crate) use graphs::DecodeGraphs;
+
+use crate::model::{KvTarget, Model, Scratch};
 use kiln_core::{DType, Error, Pages, Result, SampleParams, Shape, Tensor};
 
-/// Keys and values of every layer for many sequences: `[blocks · block, kv_heads,
+/// Keys and values of every layer for many sequences: `[(blocks + 1) · block, kv_heads,
 /// head_dim]` per layer, in one of the types of [`DType::KV_CACHE`], made once (a server
-/// sizes it at start).
+/// sizes it at start). Block `blocks`, past those sequences may hold, takes the writes of
+/// a recorded step's padding rows.
 pub struct PagedKvCache {
     pub(crate) k: Vec<Tensor>,
     pub(crate) v: Vec<Tensor>,
+    /// Blocks sequences may hold (ids `0..blocks`).
     pub(crate) blocks: usize,
     /// Positions a block holds.
     pub(crate) block: usize,
+    /// Unique to this cache: recorded steps write into its tensors.
+    pub(crate) id: u64,
 }
 
 impl PagedKvCache {
@@ -114,15 +123,16 @@ fn i32_of(v: usize, what: &str) -> Result<i32> {
 }
 
 impl Model {
-    /// A paged KV cache of `blocks` blocks of `block` positions, its keys and values kept
-    /// as `dtype` (see [`crate::check_kv_type`]), checked against free memory first.
+    /// A paged KV cache of `blocks` blocks of `block` positions (and one more for the
+    /// padding of recorded steps), its keys and values kept as `dtype` (see
+    /// [`crate::check_kv_type`]), checked against free memory first.
     pub fn new_paged_cache(
         &self,
         blocks: usize,
         block: usize,
         dtype: DType,
     ) -> Result<PagedKvCache> {
-        let rows = blocks
+        let rows = (blocks + 1)
             .checked_mul(block)
             .filter(|&r| block > 0 && i32::try_from(r).is_ok())
             .ok_or_else(|| {
@@ -137,6 +147,7 @@ impl Model {
             v,
             blocks,
             block,
+            id: crate::kv_cache::NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -260,6 +271,9 @@ impl Model {
         items: &[&BatchItem],
         cache: &mut PagedKvCache,
     ) -> Result<Vec<StepOutput>> {
+        if let Some(outs) = self.step_recorded(items, cache)? {
+            return Ok(outs);
+        }
         let l = self.layout(items, cache.block)?;
         let n = l.ids.len();
         let b = self.backend().clone();
@@ -294,9 +308,8 @@ impl Model {
         l: &Layout,
     ) -> Result<Vec<StepOutput>> {
         let rows: Vec<i32> = l.outputs.iter().flatten().map(|&r| r as i32).collect();
-        let mut outs: Vec<StepOutput> = items.iter().map(|_| StepOutput::Nothing).collect();
         if rows.is_empty() {
-            return Ok(outs);
+            return Ok(items.iter().map(|_| StepOutput::Nothing).collect());
         }
         let c = &self.config;
         let b = self.backend().as_ref();
@@ -315,57 +328,23 @@ impl Model {
         if let Some(cap) = c.final_softcap {
             b.softcap(&mut logits, cap)?;
         }
-
-        let wants: Vec<(usize, &StepWant)> = items
+        // Row r of `logits` is the r-th item that wants a result.
+        let mut r = 0;
+        let row_of: Vec<Option<usize>> = items
             .iter()
-            .enumerate()
-            .filter(|(_, it)| it.want != StepWant::Nothing)
-            .map(|(i, it)| (i, &it.want))
+            .map(|it| {
+                (it.want != StepWant::Nothing).then(|| {
+                    r += 1;
+                    r - 1
+                })
+            })
             .collect();
-        if wants.iter().any(|(_, w)| **w == StepWant::Argmax) {
-            let mut ids = b.zeros(DType::I32, Shape::new(vec![m])?)?;
-            b.argmax(&logits, &mut ids)?;
-            let ids = b.download(&ids)?;
-            for (r, (i, w)) in wants.iter().enumerate() {
-                if **w == StepWant::Argmax {
-                    let id = i32::from_le_bytes(ids[4 * r..4 * r + 4].try_into().expect("4 bytes"));
-                    outs[*i] = StepOutput::Token(token(id)?);
-                }
-            }
-        }
-        let all = if wants.iter().any(|(_, w)| **w == StepWant::Logits) {
-            Some(download_f32(b, &logits)?)
-        } else {
-            None
-        };
-        let mut row = f32_tensor(vec![1, c.vocab_size])?;
-        let mut one = b.zeros(DType::I32, Shape::new(vec![1])?)?;
-        let mut next = b.zeros(DType::I32, Shape::new(vec![1])?)?;
-        for (r, (i, w)) in wants.iter().enumerate() {
-            match w {
-                StepWant::Logits => {
-                    let all = all.as_ref().expect("downloaded above");
-                    outs[*i] = StepOutput::Logits(all[r * c.vocab_size..][..c.vocab_size].to_vec());
-                }
-                StepWant::Sample { params, penalized } => {
-                    b.write(&mut one, &(r as i32).to_le_bytes())?;
-                    b.embedding(&logits, &one, &mut row)?;
-                    b.sample(&mut row, penalized, params, &mut next)?;
-                    let bytes = b.download(&next)?;
-                    let id = i32::from_le_bytes(bytes[..4].try_into().map_err(|_| {
-                        Error::Device(format!("a token read back as {} bytes", bytes.len()))
-                    })?);
-                    outs[*i] = StepOutput::Token(token(id)?);
-                }
-                StepWant::Argmax | StepWant::Nothing => {}
-            }
-        }
-        Ok(outs)
+        self.read_outputs(items, &logits, &row_of, None)
     }
 }
 
 /// Mark every activation buffer that feeds a product as exact rows.
-fn exact_rows(s: &mut Scratch) {
+pub(crate) fn exact_rows(s: &mut Scratch) {
     for t in [
         &mut s.x,
         &mut s.h,
@@ -386,10 +365,6 @@ fn exact_rows(s: &mut Scratch) {
     }
 }
 
-fn i32_bytes(v: &[i32]) -> Vec<u8> {
+pub(crate) fn i32_bytes(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn token(id: i32) -> Result<u32> {
-    u32::try_from(id).map_err(|_| Error::Device(format!("the device picked token {id}")))
 }
