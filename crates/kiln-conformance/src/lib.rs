@@ -68,6 +68,7 @@ macro_rules! with_cases {
             write_rows
             rope
             rope_write_kv
+            padding_rows_write_only_their_row
             kv_caches_of_other_types_are_refused
             attention
             attention_at_model_shapes

@@ -6,7 +6,7 @@ use super::attention::{inv_freq, LAYOUTS};
 use crate::reference::{self, assert_close, widen};
 use crate::target::{random, stored, Target};
 use half::f16;
-use kiln_core::{quant, AttentionParams, DType, Tensor};
+use kiln_core::{quant, AttentionParams, DType, RopeLayout, Tensor};
 
 /// What a cache of `dtype` holds after rows of `src` (`[rows, row_len]`, F32) are written
 /// at `positions` into one that held `before` (already values of `dtype`): the values,
@@ -166,6 +166,95 @@ pub fn rope_write_kv(t: &Target) {
             assert_cache(t, &kc, &k_cache, &format!("{what}: k cache"));
             let v_cache = cache_after(dtype, &before, &vv, row_len, &positions);
             assert_cache(t, &vc, &v_cache, &format!("{what}: v cache"));
+        }
+    }
+}
+
+/// A recorded batch step pads itself with rows that all write into one spare row (the
+/// paged pool's spare block, see kiln-models' `batch::graphs`), at the same time and past
+/// the last row of a real block. Those writes must stay within their row: the rows beside
+/// it read back exactly as written, on every KV type, with rows of an odd length (f16 and
+/// bf16 pairs sharing a word) and of an odd number of Q8_0 blocks (scales sharing a
+/// word). What the spare row ends up holding is not checked: nothing reads it.
+pub fn padding_rows_write_only_their_row(t: &Target) {
+    let mut rng = t.rng(0);
+    // Real rows (the spare's neighbours on both sides) and padding rows, mixed.
+    let (cap, spare) = (8, 5);
+    let positions = [4, spare, 0, spare, 6, spare, spare];
+    let real: Vec<usize> = (0..positions.len())
+        .filter(|&i| positions[i] != spare)
+        .collect();
+    let real_positions: Vec<i32> = real.iter().map(|&i| positions[i]).collect();
+    let n = positions.len();
+    // (kv_heads, head_dim, rotated pairs)
+    for (kvh, hd, pairs) in [(1, 5, None), (3, 32, Some(16)), (2, 64, Some(32))] {
+        let row_len = kvh * hd;
+        let heads = 2 * kvh;
+        let freqs = inv_freq(pairs.unwrap_or(1), 500.0);
+        for dtype in kv_types(hd) {
+            let before = stored(dtype, &random(&mut rng, cap * row_len, 1.0));
+            let kv = random(&mut rng, n * row_len, 1.0);
+            let vv = random(&mut rng, n * row_len, 1.0);
+            let what = format!("{kvh}x{hd} {dtype} with padding rows");
+            let real_rows = |values: &[f32]| -> Vec<f32> {
+                real.iter()
+                    .flat_map(|&i| values[i * row_len..][..row_len].to_vec())
+                    .collect()
+            };
+            let check = |cache: &Tensor, written: &[f32], what: &str| {
+                let (want, slack) = cache_after(
+                    dtype,
+                    &before,
+                    &real_rows(written),
+                    row_len,
+                    &real_positions,
+                );
+                let got = t.read_decoded(cache);
+                for i in (0..spare as usize * row_len)
+                    .chain((spare as usize + 1) * row_len..cap * row_len)
+                {
+                    assert!(
+                        (got[i] as f64 - want[i]).abs() <= slack[i],
+                        "{what}: row {} [{}]: got {}, want {} ± {:e}",
+                        i / row_len,
+                        i % row_len,
+                        got[i],
+                        want[i],
+                        slack[i]
+                    );
+                }
+            };
+
+            let mut cache = t.upload(dtype, &[cap, kvh, hd], &before);
+            let src = t.upload(DType::F32, &[n, kvh, hd], &kv);
+            t.backend
+                .write_rows(&src, &mut cache, &t.ints(&positions))
+                .unwrap();
+            check(&cache, &kv, &format!("{what}: write_rows"));
+
+            let mut q = t.upload(
+                DType::F32,
+                &[n, heads, hd],
+                &random(&mut rng, n * heads * hd, 1.0),
+            );
+            let mut k = t.upload(DType::F32, &[n, kvh, hd], &kv);
+            let v = t.upload(DType::F32, &[n, kvh, hd], &vv);
+            let mut kc = t.upload(dtype, &[cap, kvh, hd], &before);
+            let mut vc = t.upload(dtype, &[cap, kvh, hd], &before);
+            let f = t.upload(DType::F32, &[freqs.len()], &freqs);
+            t.backend
+                .rope_write_kv(
+                    &mut q,
+                    &mut k,
+                    &v,
+                    &t.ints(&positions),
+                    pairs.map(|_| (&f, RopeLayout::Neox)),
+                    &mut kc,
+                    &mut vc,
+                )
+                .unwrap();
+            check(&kc, &t.read(&k), &format!("{what}: rope_write_kv k"));
+            check(&vc, &vv, &format!("{what}: rope_write_kv v"));
         }
     }
 }
