@@ -256,7 +256,9 @@ fn kv_blocks(
     let per_block = memory::kv_cache_bytes(file.config(), BLOCK_POSITIONS, kv).max(1);
     let free_after_weights = memory::free_memory(backend)?
         .map(|free| (free.bytes.saturating_sub(plan.total(0)), free.what));
-    let everyone = per_block.saturating_mul((max_seqs * blocks_for(context)) as u128);
+    // The pool holds one block more than sequences may use: the spare that the padding rows
+    // of recorded steps write into (kiln_models::PagedKvCache). It is counted in the bytes.
+    let everyone = per_block.saturating_mul((max_seqs * blocks_for(context) + 1) as u128);
     let bytes = match (asked, &free_after_weights) {
         (Some(KvMemory::Bytes(b)), _) => b,
         (Some(KvMemory::Fraction(f)), Some((free, _))) => (*free as f64 * f) as u128,
@@ -275,13 +277,15 @@ fn kv_blocks(
             )));
         }
     }
-    let blocks = usize::try_from(bytes / per_block).unwrap_or(usize::MAX);
+    let blocks = usize::try_from(bytes / per_block)
+        .unwrap_or(usize::MAX)
+        .saturating_sub(1);
     let one_context = blocks_for(context);
     if blocks < one_context {
         return Err(Failure::usage(format!(
-            "a KV pool of {} holds {blocks} blocks of {BLOCK_POSITIONS} positions as {kv}, and one context of {context} needs {one_context} ({}): raise --kv-memory or lower --ctx-size",
+            "a KV pool of {} holds {blocks} blocks of {BLOCK_POSITIONS} positions as {kv} (and a spare), and one context of {context} needs {one_context} ({}): raise --kv-memory or lower --ctx-size",
             human_bytes(bytes),
-            human_bytes(per_block * one_context as u128)
+            human_bytes(per_block * (one_context as u128 + 1))
         )));
     }
     Ok(blocks)
