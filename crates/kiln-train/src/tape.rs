@@ -673,6 +673,13 @@ impl Backend for Tape {
         self.record(|rec| {
             let (sr, dr) = (rec.read(src), rec.read(dst));
             let grad = rec.needs(&dr) || rec.needs(&sr);
+            if grad && dst.dtype() != DType::F32 {
+                // Backward reads the rows as written: rounded ones have no gradient here.
+                return Err(Error::unsupported(format!(
+                    "training through a {} KV cache (train over an F32 cache)",
+                    dst.dtype()
+                )));
+            }
             let out = rec.write(dst, grad);
             if grad {
                 let pr = rec.read(pos);

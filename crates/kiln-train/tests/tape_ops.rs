@@ -101,3 +101,29 @@ fn in_place_chain_gradients_match_differences() {
         );
     }
 }
+
+/// Rows rounded into an f16 cache have no gradient the tape could follow: writing a
+/// trained value there while recording is refused, naming the type; an F32 cache records.
+#[test]
+fn writing_trained_rows_into_a_rounded_kv_cache_is_refused() {
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(Some(1)).unwrap());
+    let tape = Tape::new(cpu.clone()).unwrap();
+    let rows = upload(cpu.as_ref(), &[2, 1, 32], &[0.5; 64]);
+    tape.set_parameters(&[&rows], &[true]).unwrap();
+    let pos = cpu
+        .upload(
+            DType::I32,
+            Shape::new(vec![2]).unwrap(),
+            HostBytes::from_vec([1i32, 3].iter().flat_map(|p| p.to_le_bytes()).collect()),
+        )
+        .unwrap();
+    let cache = |dtype| tape.zeros(dtype, Shape::new(vec![4, 1, 32]).unwrap());
+    tape.begin();
+    let err = tape
+        .write_rows(&rows, &mut cache(DType::F16).unwrap(), &pos)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("f16 KV cache"), "{err}");
+    tape.write_rows(&rows, &mut cache(DType::F32).unwrap(), &pos)
+        .unwrap();
+}
