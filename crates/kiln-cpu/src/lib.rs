@@ -31,6 +31,7 @@ mod gemv;
 mod kgemm;
 mod matmul;
 mod norm;
+mod panels;
 mod pool;
 mod profile;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
@@ -39,6 +40,7 @@ mod quantize;
 mod rope;
 mod storage;
 
+use panels::Panels;
 use pool::Pool;
 use profile::Profile;
 pub use storage::CpuStorage;
@@ -89,12 +91,12 @@ pub(crate) fn storage_mut(t: &mut Tensor) -> Result<&mut CpuStorage> {
 /// An F32 tensor's values.
 pub(crate) fn f32s(t: &Tensor) -> Result<&[f32]> {
     expect_f32(t)?;
-    Ok(bytemuck::cast_slice(storage(t)?.bytes()))
+    Ok(bytemuck::cast_slice(storage(t)?.bytes()?))
 }
 
 pub(crate) fn f32s_mut(t: &mut Tensor) -> Result<&mut [f32]> {
     expect_f32(t)?;
-    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()))
+    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()?))
 }
 
 fn expect_f32(t: &Tensor) -> Result<()> {
@@ -133,7 +135,7 @@ pub(crate) fn indices<'a>(
             t.shape()
         )));
     }
-    let v: &[i32] = bytemuck::cast_slice(storage(t)?.bytes());
+    let v: &[i32] = bytemuck::cast_slice(storage(t)?.bytes()?);
     match v
         .iter()
         .find(|&&i| usize::try_from(i).map_or(true, |i| i >= limit))
@@ -145,7 +147,7 @@ pub(crate) fn indices<'a>(
 
 pub(crate) fn i32s_mut(t: &mut Tensor) -> Result<&mut [i32]> {
     expect_i32(t, "the output")?;
-    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()))
+    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()?))
 }
 
 pub(crate) fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
@@ -204,11 +206,11 @@ impl Backend for CpuBackend {
             .rows()
             .checked_mul(dtype.row_bytes(shape.row_len())?)
             .ok_or_else(|| Error::shape(format!("{shape} of {dtype} does not fit in memory")))?;
-        Ok(Tensor::from_storage(
-            Box::new(CpuStorage::try_zeroed(bytes)?),
-            dtype,
-            shape,
-        ))
+        let storage = match panels::Format::for_dtype(dtype) {
+            Some(format) => CpuStorage::Panels(Panels::zeroed(format, shape.rows(), shape.row_len())?),
+            None => CpuStorage::try_zeroed(bytes)?,
+        };
+        Ok(Tensor::from_storage(Box::new(storage), dtype, shape))
     }
 
     fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor> {
@@ -222,15 +224,26 @@ impl Backend for CpuBackend {
                 data.len()
             )));
         }
-        Ok(Tensor::from_storage(
-            Box::new(CpuStorage::from_host(data)),
-            dtype,
-            shape,
-        ))
+        // Weights the kernels read interleaved are repacked once, here; the mapped
+        // bytes are then dropped (a model file's pages stay in the page cache only).
+        let storage = match panels::Format::for_dtype(dtype) {
+            Some(format) => CpuStorage::Panels(Panels::from_file(
+                &self.pool,
+                format,
+                shape.rows(),
+                shape.row_len(),
+                data.as_slice(),
+            )?),
+            None => CpuStorage::from_host(data),
+        };
+        Ok(Tensor::from_storage(Box::new(storage), dtype, shape))
     }
 
     fn download(&self, t: &Tensor) -> Result<Vec<u8>> {
-        Ok(storage(t)?.bytes().to_vec())
+        match storage(t)? {
+            CpuStorage::Panels(p) => Ok(p.to_file()),
+            s => Ok(s.bytes()?.to_vec()),
+        }
     }
 
     fn write(&self, t: &mut Tensor, data: &[u8]) -> Result<()> {
@@ -243,7 +256,10 @@ impl Backend for CpuBackend {
                 data.len()
             )));
         }
-        storage_mut(t)?.bytes_mut().copy_from_slice(data);
+        match storage_mut(t)? {
+            CpuStorage::Panels(p) => p.write_file(&self.pool, data),
+            s => s.bytes_mut()?.copy_from_slice(data),
+        }
         Ok(())
     }
 

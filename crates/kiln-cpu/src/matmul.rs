@@ -11,7 +11,7 @@
 //! `gemv`; elsewhere each weight row is dotted on its own (`by_rows`).
 
 use crate::pool::{Pool, SharedMut};
-use crate::{amx, dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, quantize, storage};
+use crate::{amx, dot, f32s, f32s_mut, fgemm, gemv, kgemm, panels, qgemm, quantize, storage};
 use half::{bf16, f16};
 use kiln_core::quant::{
     self, as_blocks, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K,
@@ -41,11 +41,20 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
         )));
     }
     let xs = f32s(x)?;
-    let wb = storage(w)?.bytes();
     let out = f32s_mut(out)?;
     if n == 0 || m == 0 {
         return Ok(());
     }
+    // Weights in the interleaved layout: decode and prompts read the panels.
+    if let Some(w) = storage(w)?.panels() {
+        return match w.format() {
+            panels::Format::Q4_0 => {
+                let xq = quantize::q8_0_rows(pool, xs, k)?;
+                panels::matmul_q4_0(pool, w, &xq, out, n)
+            }
+        };
+    }
+    let wb = storage(w)?.bytes()?;
     match w.dtype() {
         DType::I32 => return Err(Error::unsupported("matmul weights cannot be i32")),
         // Prefill on AMX: 16-bit weights split into bf16 tiles.

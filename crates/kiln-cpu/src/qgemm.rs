@@ -326,6 +326,11 @@ pub(crate) fn for_panels<B: Send>(
         repack(std::array::from_fn(|r| (p * P + r).min(m - 1)), panel);
         product(panel, o);
     });
+    panels_to_rows(pool, &t, out, n, m);
+}
+
+/// `out[n, m]` from panel-major results: `t[p·n + c][r]` is `out[c, p·P + r]`.
+pub(crate) fn panels_to_rows(pool: &Pool, t: &[[f32; P]], out: &mut [f32], n: usize, m: usize) {
     // Output rows over the pool, each written front to back from every panel's slice.
     pool.for_chunks_mut(&mut out[..n * m], m, |i, row| {
         for (p, dst) in row.chunks_mut(P).enumerate() {

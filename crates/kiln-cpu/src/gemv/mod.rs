@@ -158,7 +158,7 @@ fn by_groups_batched(
 /// [`Streaming`] chose.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch<T>(p: *const T) {
+pub(crate) fn prefetch<T>(p: *const T) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
     // SAFETY: a prefetch has no architectural effect and never faults; SSE is baseline on
     // x86_64.

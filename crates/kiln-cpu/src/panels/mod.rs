@@ -1,0 +1,370 @@
+//! Quantized weights in a layout of the CPU backend's own: rows interleaved in panels of
+//! [`P`], made once at upload and read by the decode and prompt kernels alike.
+//!
+//! A GGUF file stores a weight row after row, each block beside its scale. Kernels reading
+//! that layout pay per row and block for what does not move memory: a weight row's scales
+//! are gathered from 18-byte strides, each row's sum ends in a horizontal reduction, and
+//! sharing an activation load between rows takes several streams a thread. Here lane `r`
+//! of a register is row `r` of a panel: one load brings the same four quants of 16 rows
+//! (8 on AVX2), the 16 rows' scales of a block are one load, each lane ends holding its
+//! row's product (no horizontal sums), and a thread reads its panels front to back as one
+//! sequential stream. Decode (one activation row) and prompts (a register tile of several
+//! activation rows per weight load) read the same panels.
+//!
+//! The layout is chosen per tensor at upload ([`Format::for_dtype`]) on CPUs whose kernels
+//! read it (AVX2, AVX-512), and is invisible outside this crate: shapes and dtypes stay
+//! the file's, `download` returns the file's bytes, and the embedding lookup reads rows
+//! out of the panels. `KILN_CPU_LAYOUT=file` keeps the file's layout (for comparisons).
+//!
+//! Q4_0, a panel of `nb` blocks a row ([`Format::Q4_0`]):
+//! - `nb × 32` bytes: block `b`'s 16 f16 scales, row `r` at `32b + 2r`;
+//! - then `nb × 256` bytes: block `b`'s quants in 4 chunks of 64 bytes, chunk `c` holding
+//!   bytes `4c..4c+4` of row `r`'s `qs` at `256b + 64c + 4r`: low nibbles are elements
+//!   `4c..4c+4` of the row's block, high nibbles `16+4c..16+4c+4`, as unsigned `q + 8`.
+//!
+//! Scales and quants live apart so that the quant loads are 64-byte aligned (panels start
+//! on 64-byte lines when `nb` is even, as in every real model); a panel holds exactly the
+//! bytes of its 16 rows in the file. The last panel is padded with zero rows, whose
+//! products are computed and not stored.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+use crate::dot::{self, Isa};
+use crate::pool::Pool;
+use kiln_core::quant::{BlockQ4_0, BlockQ8_0, QK};
+use kiln_core::{DType, Error, Result};
+
+/// Weight rows per panel.
+pub(crate) const P: usize = 16;
+
+/// An interleaved layout, one per weight dtype that has one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Format {
+    Q4_0,
+}
+
+impl Format {
+    /// The layout this CPU's kernels read for weights of `dtype`, if any: none without
+    /// AVX2, and none when `KILN_CPU_LAYOUT=file`.
+    pub(crate) fn for_dtype(dtype: DType) -> Option<Format> {
+        static FILE_LAYOUT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let file = *FILE_LAYOUT
+            .get_or_init(|| std::env::var("KILN_CPU_LAYOUT").is_ok_and(|v| v.trim() == "file"));
+        if file || !matches!(dot::isa(), Isa::Avx2 | Isa::Avx512Vnni) {
+            return None;
+        }
+        match dtype {
+            DType::Q4_0 => Some(Format::Q4_0),
+            _ => None,
+        }
+    }
+
+    fn dtype(self) -> DType {
+        match self {
+            Format::Q4_0 => DType::Q4_0,
+        }
+    }
+
+    /// Bytes of one file block (one row's share of a panel block).
+    fn block_bytes(self) -> usize {
+        match self {
+            Format::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
+        }
+    }
+
+    /// Elements of one block.
+    fn block_len(self) -> usize {
+        match self {
+            Format::Q4_0 => QK,
+        }
+    }
+
+    /// Copy file block `src` (its bytes) into lane `r` of block `b` of `panel` (`nb`
+    /// blocks a row).
+    fn put(self, panel: &mut [u8], nb: usize, b: usize, r: usize, src: &[u8]) {
+        match self {
+            Format::Q4_0 => {
+                // A BlockQ4_0: the f16 scale, then 16 bytes of quants.
+                panel[32 * b + 2 * r..][..2].copy_from_slice(&src[..2]);
+                let q = &mut panel[32 * nb + 256 * b + 4 * r..];
+                for (c, four) in src[2..18].chunks_exact(4).enumerate() {
+                    q[64 * c..][..4].copy_from_slice(four);
+                }
+            }
+        }
+    }
+
+    /// The bytes of file block `b` of lane `r` of `panel` into `dst` (inverse of
+    /// [`Format::put`]).
+    fn get(self, panel: &[u8], nb: usize, b: usize, r: usize, dst: &mut [u8]) {
+        match self {
+            Format::Q4_0 => {
+                dst[..2].copy_from_slice(&panel[32 * b + 2 * r..][..2]);
+                let q = &panel[32 * nb + 256 * b + 4 * r..];
+                for (c, four) in dst[2..18].chunks_exact_mut(4).enumerate() {
+                    four.copy_from_slice(&q[64 * c..][..4]);
+                }
+            }
+        }
+    }
+}
+
+/// 64 bytes on a 64-byte boundary: the unit panels are stored in.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Line([u8; 64]);
+
+/// A weight of `rows × cols` in an interleaved [`Format`].
+pub struct Panels {
+    lines: Vec<Line>,
+    format: Format,
+    rows: usize,
+    cols: usize,
+}
+
+impl std::fmt::Debug for Panels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Panels({:?}, {} × {})",
+            self.format, self.rows, self.cols
+        )
+    }
+}
+
+impl Panels {
+    /// Zeroed panels for `rows × cols` weights; an error when the size cannot be held.
+    pub(crate) fn zeroed(format: Format, rows: usize, cols: usize) -> Result<Panels> {
+        let bs = format.block_len();
+        if cols % bs != 0 {
+            return Err(Error::shape(format!(
+                "{} rows of {cols} are not whole blocks of {bs}",
+                format.dtype()
+            )));
+        }
+        let bytes = rows
+            .div_ceil(P)
+            .checked_mul(P * (cols / bs) * format.block_bytes())
+            .ok_or_else(|| Error::shape(format!("{rows} × {cols} does not fit in memory")))?;
+        let mut lines = Vec::new();
+        lines
+            .try_reserve_exact(bytes.div_ceil(64))
+            .map_err(|_| Error::Device(format!("cannot allocate {bytes} bytes of CPU memory")))?;
+        lines.resize(bytes.div_ceil(64), Line([0; 64]));
+        Ok(Panels {
+            lines,
+            format,
+            rows,
+            cols,
+        })
+    }
+
+    /// `file` (the weight's bytes in the file's layout, checked by the caller to be
+    /// `rows × cols` of the format's dtype) as panels, repacked over the pool.
+    pub(crate) fn from_file(
+        pool: &Pool,
+        format: Format,
+        rows: usize,
+        cols: usize,
+        file: &[u8],
+    ) -> Result<Panels> {
+        let mut p = Panels::zeroed(format, rows, cols)?;
+        p.write_file(pool, file);
+        Ok(p)
+    }
+
+    pub(crate) fn format(&self) -> Format {
+        self.format
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Blocks a row.
+    fn blocks(&self) -> usize {
+        self.cols / self.format.block_len()
+    }
+
+    /// Bytes of one panel.
+    fn panel_bytes(&self) -> usize {
+        P * self.blocks() * self.format.block_bytes()
+    }
+
+    fn bytes(&self) -> &[u8] {
+        let len = self.rows.div_ceil(P) * self.panel_bytes();
+        &bytemuck::cast_slice(&self.lines)[..len]
+    }
+
+    /// Panel `p`'s bytes.
+    pub(crate) fn panel(&self, p: usize) -> &[u8] {
+        &self.bytes()[p * self.panel_bytes()..][..self.panel_bytes()]
+    }
+
+    /// Overwrite every row from `file`, the weight in the file's layout (exactly
+    /// `rows × cols` of the format's dtype: checked by the caller).
+    pub(crate) fn write_file(&mut self, pool: &Pool, file: &[u8]) {
+        let (format, nb, rows) = (self.format, self.blocks(), self.rows);
+        let (bb, panel_bytes) = (format.block_bytes(), self.panel_bytes());
+        assert_eq!(file.len(), rows * nb * bb, "file bytes of a {rows} × {} weight", self.cols);
+        if panel_bytes == 0 {
+            return;
+        }
+        let len = rows.div_ceil(P) * panel_bytes;
+        let bytes = &mut bytemuck::cast_slice_mut::<Line, u8>(&mut self.lines)[..len];
+        pool.for_chunks_mut(bytes, panel_bytes, |p, panel| {
+            panel.fill(0);
+            for r in 0..P.min(rows - p * P) {
+                let row = &file[(p * P + r) * nb * bb..][..nb * bb];
+                for (b, blk) in row.chunks_exact(bb).enumerate() {
+                    format.put(panel, nb, b, r, blk);
+                }
+            }
+        });
+    }
+
+    /// The weight in the file's layout.
+    pub(crate) fn to_file(&self) -> Vec<u8> {
+        let (nb, bb) = (self.blocks(), self.format.block_bytes());
+        let mut out = vec![0u8; self.rows * nb * bb];
+        if bb * nb == 0 {
+            return out;
+        }
+        for (r, row) in out.chunks_exact_mut(nb * bb).enumerate() {
+            self.file_row(r, row);
+        }
+        out
+    }
+
+    /// Row `r` in the file's layout into `dst` (`blocks × block_bytes` bytes).
+    fn file_row(&self, r: usize, dst: &mut [u8]) {
+        let (nb, bb) = (self.blocks(), self.format.block_bytes());
+        let panel = self.panel(r / P);
+        for (b, blk) in dst.chunks_exact_mut(bb).enumerate().take(nb) {
+            self.format.get(panel, nb, b, r % P, blk);
+        }
+    }
+
+    /// Row `r` dequantized into `dst` (`cols` values), exactly as the file's row would be.
+    pub(crate) fn dequantize_row(&self, r: usize, dst: &mut [f32]) -> Result<()> {
+        let bb = self.format.block_bytes();
+        let mut row = vec![0u8; self.blocks() * bb];
+        self.file_row(r, &mut row);
+        kiln_core::quant::dequantize(self.format.dtype(), &row, dst)
+    }
+}
+
+/// One activation block's share of the kernels' work that does not depend on the weight:
+/// its scale, and the correction for the weights' unsigned offset (`−8 · Σx`: the
+/// nibbles are stored as `q + 8`).
+#[derive(Clone, Copy)]
+struct XBlock {
+    d: f32,
+    corr: i32,
+}
+
+fn x_blocks(x: &[BlockQ8_0]) -> Vec<XBlock> {
+    x.iter()
+        .map(|b| XBlock {
+            d: b.d.to_f32(),
+            corr: -8 * b.qs.iter().map(|&q| q as i32).sum::<i32>(),
+        })
+        .collect()
+}
+
+/// `out[n, m] = x · wᵀ` for Q4_0 panels `w` (`m × k`) and `x` the `n` activation rows as
+/// Q8_0 (`k / 32` blocks each).
+pub(crate) fn matmul_q4_0(
+    pool: &Pool,
+    w: &Panels,
+    x: &[BlockQ8_0],
+    out: &mut [f32],
+    n: usize,
+) -> Result<()> {
+    matmul_q4_0_on(dot::isa(), pool, w, x, out, n)
+}
+
+/// [`matmul_q4_0`] with the kernels of `isa` (which this CPU must run).
+fn matmul_q4_0_on(
+    isa: Isa,
+    pool: &Pool,
+    w: &Panels,
+    x: &[BlockQ8_0],
+    out: &mut [f32],
+    n: usize,
+) -> Result<()> {
+    let (m, nb) = (w.rows(), w.blocks());
+    assert!(w.format() == Format::Q4_0 && x.len() >= n * nb && out.len() >= n * m);
+    if !isa.available() || !matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) {
+        return Err(Error::Device(format!(
+            "Q4_0 panels need AVX2 or AVX-512 kernels; this CPU runs {}",
+            isa.name()
+        )));
+    }
+    let xb = x_blocks(&x[..n * nb]);
+    let x = &x[..n * nb];
+    if n == 1 {
+        by_panels_one_row(pool, out, m, |p| {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is available (checked above), with every feature its kernels
+            // enable.
+            unsafe {
+                if isa == Isa::Avx512Vnni {
+                    avx512::q4_0_panel(w.panel(p), nb, x, &xb)
+                } else {
+                    avx2::q4_0_panel(w.panel(p), nb, x, &xb)
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            unreachable!("panels are made on x86_64 only: {p}")
+        });
+        return Ok(());
+    }
+    by_panels(pool, out, n, m, |p, o| {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        unsafe {
+            if isa == Isa::Avx512Vnni {
+                avx512::q4_0_rows(w.panel(p), nb, x, &xb, o)
+            } else {
+                avx2::q4_0_rows(w.panel(p), nb, x, &xb, o)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("panels are made on x86_64 only: {p} {}", o.len())
+    });
+    Ok(())
+}
+
+/// Fill `out[..m]` panel by panel over the pool: `panel(p)` returns the products of panel
+/// `p`'s rows. Each task takes a run of consecutive panels: one stream through memory.
+fn by_panels_one_row(pool: &Pool, out: &mut [f32], m: usize, panel: impl Fn(usize) -> [f32; P] + Sync) {
+    // Enough rows per task to amortise scheduling, few enough to balance the pool.
+    let per_task = (m / (pool.threads() * 8)).clamp(P, 64) / P;
+    pool.for_chunks_mut(&mut out[..m], per_task * P, |t, o| {
+        for (j, o) in o.chunks_mut(P).enumerate() {
+            let sums = panel(t * per_task + j);
+            o.copy_from_slice(&sums[..o.len()]);
+        }
+    });
+}
+
+/// Fill `out[n, m]` over the pool, one panel a task: `panel(p, o)` writes activation row
+/// `i`'s products with panel `p`'s rows into `o[i]`.
+fn by_panels(
+    pool: &Pool,
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+    panel: impl Fn(usize, &mut [[f32; P]]) + Sync,
+) {
+    let mut t = vec![[0f32; P]; m.div_ceil(P) * n];
+    pool.for_chunks_mut(&mut t, n, |p, o| panel(p, o));
+    crate::qgemm::panels_to_rows(pool, &t, out, n, m);
+}
+
+#[cfg(test)]
+mod tests;
