@@ -207,7 +207,9 @@ impl Backend for CpuBackend {
             .checked_mul(dtype.row_bytes(shape.row_len())?)
             .ok_or_else(|| Error::shape(format!("{shape} of {dtype} does not fit in memory")))?;
         let storage = match panels::Format::for_dtype(dtype) {
-            Some(format) => CpuStorage::Panels(Panels::zeroed(format, shape.rows(), shape.row_len())?),
+            Some(format) => {
+                CpuStorage::Panels(Panels::zeroed(format, shape.rows(), shape.row_len())?)
+            }
             None => CpuStorage::try_zeroed(bytes)?,
         };
         Ok(Tensor::from_storage(Box::new(storage), dtype, shape))

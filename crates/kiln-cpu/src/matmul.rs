@@ -52,6 +52,10 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
                 let xq = quantize::q8_0_rows(pool, xs, k)?;
                 panels::matmul_q4_0(pool, w, &xq, out, n)
             }
+            panels::Format::Q4K => {
+                let xq = quantize::q8_k_rows(pool, xs, k)?;
+                panels::matmul_q4_k(pool, w, &xq, out, n)
+            }
         };
     }
     let wb = storage(w)?.bytes()?;
@@ -155,14 +159,17 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
             let xq: &[BlockQ8K] = &xq;
             // Prefill on AMX-INT8 (Q4_K), else the register-tiled VNNI kernel (`kgemm`).
             if w.dtype() == DType::Q4_K && n >= kgemm::amx::MIN_ROWS && amx::int8_available() {
-                kgemm::amx::matmul(pool, &as_blocks(wb)?, xq, out, n, m, k);
+                let w = as_blocks(wb)?;
+                kgemm::amx::matmul(pool, kgemm::KRows::File(&w), xq, out, n, m, k);
                 return Ok(());
             }
             if n >= qgemm::MIN_ROWS && qgemm::available() {
                 if w.dtype() == DType::Q4_K {
-                    kgemm::matmul::<BlockQ4K>(pool, &as_blocks(wb)?, xq, out, n, m, k);
+                    let w = as_blocks(wb)?;
+                    kgemm::matmul::<BlockQ4K>(pool, kgemm::KRows::File(&w), xq, out, n, m, k);
                 } else {
-                    kgemm::matmul::<BlockQ6K>(pool, &as_blocks(wb)?, xq, out, n, m, k);
+                    let w = as_blocks(wb)?;
+                    kgemm::matmul::<BlockQ6K>(pool, kgemm::KRows::File(&w), xq, out, n, m, k);
                 }
                 return Ok(());
             }

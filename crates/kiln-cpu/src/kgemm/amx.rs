@@ -19,6 +19,7 @@
 //! are one B tile. C[c][r] is activation row c · weight row r, the orientation of the
 //! output.
 
+use crate::kgemm::KRows;
 use crate::pool::Pool;
 use crate::qgemm::{self, P};
 use bytemuck::Zeroable;
@@ -81,7 +82,7 @@ fn a_tiles(xq: &[BlockQ8K], n: usize, nb: usize) -> Vec<ATile> {
 /// activations (`n` rows). Requires [`crate::amx::int8_available()`].
 pub(crate) fn matmul(
     pool: &Pool,
-    w: &[BlockQ4K],
+    w: KRows<'_, BlockQ4K>,
     xq: &[BlockQ8K],
     out: &mut [f32],
     n: usize,
@@ -90,7 +91,7 @@ pub(crate) fn matmul(
 ) {
     assert!(crate::amx::int8_available(), "AMX-INT8 tiles not available");
     let nb = k / QK_K;
-    assert!(w.len() >= m * nb && xq.len() >= n * nb && out.len() >= n * m);
+    assert!(xq.len() >= n * nb && out.len() >= n * m);
     if n == 0 || m == 0 {
         return;
     }
@@ -114,9 +115,9 @@ pub(crate) fn matmul(
         |rows, panel| {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `int8_available()` (asserted) implies the AVX-512 features.
-            unsafe {
+            w.repack_panel(rows, nb, |w, rows| unsafe {
                 x86::repack(w, rows, nb, panel)
-            };
+            });
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (rows, panel);
         },

@@ -20,6 +20,7 @@
 
 pub(crate) mod amx;
 
+use crate::panels::Panels;
 use crate::pool::Pool;
 use crate::qgemm::{self, C, P};
 use bytemuck::Zeroable;
@@ -329,11 +330,44 @@ mod x86 {
     }
 }
 
+/// Where a prompt kernel reads its weight rows.
+pub(crate) enum KRows<'a, W> {
+    /// The file's layout: `m` rows of `k / QK_K` super-blocks.
+    File(&'a [W]),
+    /// Panels of the CPU's layout, each panel's 16 rows taken back as file blocks as the
+    /// kernel comes to it (a copy of the panel, small beside repacking it).
+    Panels(&'a Panels),
+}
+
+impl<W: bytemuck::Pod> KRows<'_, W> {
+    /// Repack the 16 weight rows `rows` (consecutive, from a multiple of 16, clamped to
+    /// the last row) with `repack`, which takes rows of `nb` blocks and their indices.
+    pub(crate) fn repack_panel(
+        &self,
+        rows: [usize; P],
+        nb: usize,
+        repack: impl FnOnce(&[W], [usize; P]),
+    ) {
+        match self {
+            KRows::File(w) => {
+                assert!(
+                    w.len() >= (rows[P - 1] + 1) * nb,
+                    "weight rows of {nb} blocks"
+                );
+                repack(w, rows)
+            }
+            KRows::Panels(p) => {
+                repack(&p.file_blocks::<W>(rows[0] / P), std::array::from_fn(|r| r))
+            }
+        }
+    }
+}
+
 /// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k / QK_K` super-blocks and `xq` the Q8_K
 /// activations (`n` rows). Requires [`qgemm::available()`].
 pub(crate) fn matmul<W: KBlock>(
     pool: &Pool,
-    w: &[W],
+    w: KRows<'_, W>,
     xq: &[BlockQ8K],
     out: &mut [f32],
     n: usize,
@@ -342,7 +376,7 @@ pub(crate) fn matmul<W: KBlock>(
 ) {
     assert!(qgemm::available(), "batched matmul needs AVX-512 VNNI");
     let nb = k / QK_K;
-    assert!(w.len() >= m * nb && xq.len() >= n * nb && out.len() >= n * m);
+    assert!(xq.len() >= n * nb && out.len() >= n * m);
     let act: Vec<ActBlock> = xq[..n * nb]
         .iter()
         .map(|b| ActBlock {
@@ -363,9 +397,9 @@ pub(crate) fn matmul<W: KBlock>(
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2,
             // FMA and F16C were detected.
-            unsafe {
+            w.repack_panel(rows, nb, |w, rows| unsafe {
                 x86::repack(w, rows, nb, panel)
-            };
+            });
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (rows, panel);
         },
@@ -386,7 +420,7 @@ pub(crate) fn matmul<W: KBlock>(
 
 /// A batched K-format kernel, as the tests and benches take it: `(w, xq, out, n, m, k)`.
 #[cfg(test)]
-type Kernel<W> = fn(&Pool, &[W], &[BlockQ8K], &mut [f32], usize, usize, usize);
+type Kernel<W> = fn(&Pool, KRows<'_, W>, &[BlockQ8K], &mut [f32], usize, usize, usize);
 
 #[cfg(test)]
 mod tests {
@@ -395,6 +429,7 @@ mod tests {
         self,
         test_util::{assert_batched, ref_dot, test_pool},
     };
+    use crate::panels::Format;
     use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize, quantize_q8_k};
     use kiln_core::DType;
     use rand::rngs::StdRng;
@@ -418,14 +453,21 @@ mod tests {
                         .iter()
                         .flat_map(|b| b.qs.map(|q| q as f32 * b.d))
                         .collect();
-                    let mut out = vec![f32::NAN; n * m];
-                    matmul(test_pool(), &w, &xq, &mut out, n, m, k);
-                    let nb = k / QK_K;
-                    let what = format!("{dtype} k={k} m={m} n={n}");
-                    assert_batched(&out, n, m, &what, |i, r| {
-                        let want = dot(&w[r * nb..][..nb], &xq[i * nb..][..nb]);
-                        (want, ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]).1)
+                    // From the file's layout, and (Q4_K) from the CPU's panels.
+                    let panels = (dtype == DType::Q4_K).then(|| {
+                        Panels::from_file(test_pool(), Format::Q4K, m, k, &wbytes).unwrap()
                     });
+                    let sources = [Some(KRows::File(&w)), panels.as_ref().map(KRows::Panels)];
+                    for (s, rows) in sources.into_iter().flatten().enumerate() {
+                        let mut out = vec![f32::NAN; n * m];
+                        matmul(test_pool(), rows, &xq, &mut out, n, m, k);
+                        let nb = k / QK_K;
+                        let what = format!("{dtype} k={k} m={m} n={n} source {s}");
+                        assert_batched(&out, n, m, &what, |i, r| {
+                            let want = dot(&w[r * nb..][..nb], &xq[i * nb..][..nb]);
+                            (want, ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]).1)
+                        });
+                    }
                 }
             }
         }
@@ -488,7 +530,7 @@ mod bench {
         for _ in 0..3 {
             for (b, (_, kernel)) in best.iter_mut().zip(kernels) {
                 *b = b.min(best_seconds(1, 5, |pool| {
-                    kernel(pool, &w, &xq, &mut out, n, m, k)
+                    kernel(pool, KRows::File(&w), &xq, &mut out, n, m, k)
                 }));
             }
         }

@@ -8,9 +8,9 @@
 //! scales, and one FMA: no gathers, no permutes, no horizontal sums. Prompts reuse each
 //! unpacked chunk for a register tile of [`C`] activation rows.
 
-use super::{XBlock, P};
+use super::{KXBlock, XBlock, P};
 use crate::gemv::prefetch;
-use kiln_core::quant::BlockQ8_0;
+use kiln_core::quant::{BlockQ8K, BlockQ8_0};
 use std::arch::x86_64::*;
 
 /// Activation rows per register tile of the prompt kernel: 8 i32 and 8 f32 sums.
@@ -57,8 +57,7 @@ unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
                 for i in 0..C {
                     let qs = x[i].get_unchecked(b).qs.as_ptr();
                     let xl = _mm512_set1_epi32((qs.add(4 * c) as *const i32).read_unaligned());
-                    let xh =
-                        _mm512_set1_epi32((qs.add(16 + 4 * c) as *const i32).read_unaligned());
+                    let xh = _mm512_set1_epi32((qs.add(16 + 4 * c) as *const i32).read_unaligned());
                     lo_sum[i] = _mm512_dpbusd_epi32(lo_sum[i], lo, xl);
                     hi_sum[i] = _mm512_dpbusd_epi32(hi_sum[i], hi, xh);
                 }
@@ -86,7 +85,12 @@ unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
 ///
 /// # Safety
 /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
-pub(super) unsafe fn q4_0_panel(panel: &[u8], nb: usize, x: &[BlockQ8_0], xb: &[XBlock]) -> [f32; P] {
+pub(super) unsafe fn q4_0_panel(
+    panel: &[u8],
+    nb: usize,
+    x: &[BlockQ8_0],
+    xb: &[XBlock],
+) -> [f32; P] {
     // SAFETY: the caller's guarantee is all the kernel needs.
     unsafe { q4_0_tile::<1, true>(panel, nb, [x], [xb])[0] }
 }
@@ -117,5 +121,113 @@ pub(super) unsafe fn q4_0_rows(
             )
         };
         o[i0..].iter_mut().zip(sums).for_each(|(o, s)| *o = s);
+    }
+}
+
+/// `pshufb` indices that zero-extend byte `k` of each 32-bit lane to the whole lane: a
+/// row's scale of one sub-block, for `vpmulld` with the sub-block's i32 sum.
+const fn lane_byte(k: usize) -> [u8; 64] {
+    let mut p = [0x80u8; 64];
+    let mut i = 0;
+    while i < 16 {
+        p[4 * i] = (4 * (i % 4) + k) as u8;
+        i += 1;
+    }
+    p
+}
+
+const LANE_BYTES: [[u8; 64]; 4] = [lane_byte(0), lane_byte(1), lane_byte(2), lane_byte(3)];
+
+/// Q4_K decode: the panel's 16 rows · one activation row (`nb` super-blocks of `x`, with
+/// their [`KXBlock`]s), prefetching ahead of the stream. Per super-block the 16 rows'
+/// packed scales and mins are unpacked in registers (sub-block `s` of every lane: byte
+/// `s % 4` of `sc[s / 4]`); per group `j` of 64 elements, the 8 chunks' low nibbles
+/// (sub-block `2j`) and high nibbles (`2j + 1`) sum through `vpdpbusd` apart, and each sum
+/// is multiplied by its lane's scale in i32 (at most 63 · 61,440 a sub-block).
+///
+/// # Safety
+/// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn q4_k_panel(
+    panel: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    xb: &[KXBlock],
+) -> [f32; P] {
+    assert!(panel.len() >= 2304 * nb && x.len() >= nb && xb.len() >= nb);
+    // SAFETY: the features are enabled on this function; every pointer below addresses
+    // bytes of `panel` (headers below 256·nb, quants below 2304·nb, asserted) or of the
+    // asserted activation blocks (4-byte reads inside a 256-byte `qs`).
+    unsafe {
+        let base = panel.as_ptr();
+        let low = _mm512_set1_epi8(0x0F);
+        let six = _mm512_set1_epi8(0x3F);
+        let top = _mm512_set1_epi8(0x30);
+        let even = _mm512_set1_epi16(0x00FF);
+        let bytes: [__m512i; 4] =
+            std::array::from_fn(|k| _mm512_loadu_si512(LANE_BYTES[k].as_ptr() as *const _));
+        let mut acc = _mm512_setzero_ps();
+        for b in 0..nb {
+            let hdr = base.add(256 * b);
+            let q = base.add(256 * nb + 2048 * b);
+            let xq = x.get_unchecked(b).qs.as_ptr();
+            let words = |w: usize| _mm512_loadu_si512(hdr.add(64 + 64 * w) as *const _);
+            let (w0, w1, w2) = (words(0), words(1), words(2));
+            // Scales of sub-blocks 0..4 and 4..8, a byte each per lane.
+            let sc = [
+                _mm512_and_si512(w0, six),
+                _mm512_or_si512(
+                    _mm512_and_si512(w2, low),
+                    _mm512_and_si512(_mm512_srli_epi32(w0, 2), top),
+                ),
+            ];
+            let mut isum = _mm512_setzero_si512();
+            for j in 0..4 {
+                prefetch(hdr.wrapping_add(256 + 64 * j));
+                let (mut lo_sum, mut hi_sum) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for t in 0..8 {
+                    let c = 8 * j + t;
+                    prefetch(q.wrapping_add(64 * c + AHEAD));
+                    let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
+                    let lo = _mm512_and_si512(v, low);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    let xs = xq.add(64 * j + 4 * t);
+                    let xl = _mm512_set1_epi32((xs as *const i32).read_unaligned());
+                    let xh = _mm512_set1_epi32((xs.add(32) as *const i32).read_unaligned());
+                    lo_sum = _mm512_dpbusd_epi32(lo_sum, lo, xl);
+                    hi_sum = _mm512_dpbusd_epi32(hi_sum, hi, xh);
+                }
+                let s = sc[j / 2];
+                let sl = _mm512_shuffle_epi8(s, bytes[(2 * j) % 4]);
+                let sh = _mm512_shuffle_epi8(s, bytes[(2 * j + 1) % 4]);
+                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(lo_sum, sl));
+                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(hi_sum, sh));
+            }
+            // Mins as i16 pairs per lane: sub-blocks (0, 2), (1, 3), (4, 6), (5, 7).
+            let m03 = _mm512_and_si512(w1, six);
+            let m47 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32(w2, 4), low),
+                _mm512_and_si512(_mm512_srli_epi32(w1, 2), top),
+            );
+            let m = [
+                _mm512_and_si512(m03, even),
+                _mm512_srli_epi16(m03, 8),
+                _mm512_and_si512(m47, even),
+                _mm512_srli_epi16(m47, 8),
+            ];
+            let xbb = xb.get_unchecked(b);
+            let mut msum = _mm512_setzero_si512();
+            for (mk, &s) in m.iter().zip(&xbb.sums) {
+                msum = _mm512_add_epi32(msum, _mm512_madd_epi16(*mk, _mm512_set1_epi32(s)));
+            }
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(hdr as *const __m256i));
+            let dm = _mm512_cvtph_ps(_mm256_loadu_si256(hdr.add(32) as *const __m256i));
+            let d = _mm512_set1_ps(xbb.d);
+            let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, d), acc);
+            acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dm, d), a);
+        }
+        let mut o = [0f32; P];
+        _mm512_storeu_ps(o.as_mut_ptr(), acc);
+        o
     }
 }

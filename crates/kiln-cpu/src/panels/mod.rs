@@ -22,6 +22,14 @@
 //!   bytes `4c..4c+4` of row `r`'s `qs` at `256b + 64c + 4r`: low nibbles are elements
 //!   `4c..4c+4` of the row's block, high nibbles `16+4c..16+4c+4`, as unsigned `q + 8`.
 //!
+//! Q4_K, a panel of `nb` super-blocks a row ([`Format::Q4K`]):
+//! - `nb × 256` bytes of headers: super-block `b`'s 16 `d` (f16) at `256b + 2r`, 16
+//!   `dmin` at `256b + 32 + 2r`, then its 12 bytes of packed scales and mins in 3 chunks
+//!   of 64, chunk `w` holding bytes `4w..4w+4` of row `r`'s `scales` at
+//!   `256b + 64 + 64w + 4r` (unpacked in registers, 16 rows at a time);
+//! - then `nb × 2048` bytes: super-block `b`'s quants in 32 chunks of 64 bytes, chunk `c`
+//!   holding bytes `4c..4c+4` of row `r`'s `qs` at `2048b + 64c + 4r`.
+//!
 //! Scales and quants live apart so that the quant loads are 64-byte aligned (panels start
 //! on 64-byte lines when `nb` is even, as in every real model); a panel holds exactly the
 //! bytes of its 16 rows in the file. The last panel is padded with zero rows, whose
@@ -34,7 +42,7 @@ mod avx512;
 
 use crate::dot::{self, Isa};
 use crate::pool::Pool;
-use kiln_core::quant::{BlockQ4_0, BlockQ8_0, QK};
+use kiln_core::quant::{BlockQ4K, BlockQ4_0, BlockQ8K, BlockQ8_0, QK, QK_K};
 use kiln_core::{DType, Error, Result};
 
 /// Weight rows per panel.
@@ -44,6 +52,7 @@ pub(crate) const P: usize = 16;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Format {
     Q4_0,
+    Q4K,
 }
 
 impl Format {
@@ -58,6 +67,7 @@ impl Format {
         }
         match dtype {
             DType::Q4_0 => Some(Format::Q4_0),
+            DType::Q4_K => Some(Format::Q4K),
             _ => None,
         }
     }
@@ -65,6 +75,7 @@ impl Format {
     fn dtype(self) -> DType {
         match self {
             Format::Q4_0 => DType::Q4_0,
+            Format::Q4K => DType::Q4_K,
         }
     }
 
@@ -72,6 +83,7 @@ impl Format {
     fn block_bytes(self) -> usize {
         match self {
             Format::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
+            Format::Q4K => std::mem::size_of::<BlockQ4K>(),
         }
     }
 
@@ -79,6 +91,7 @@ impl Format {
     fn block_len(self) -> usize {
         match self {
             Format::Q4_0 => QK,
+            Format::Q4K => QK_K,
         }
     }
 
@@ -94,6 +107,19 @@ impl Format {
                     q[64 * c..][..4].copy_from_slice(four);
                 }
             }
+            Format::Q4K => {
+                // A BlockQ4K: d, dmin, 12 bytes of scales and mins, 128 bytes of quants.
+                let h = &mut panel[256 * b..][..256];
+                h[2 * r..][..2].copy_from_slice(&src[..2]);
+                h[32 + 2 * r..][..2].copy_from_slice(&src[2..4]);
+                for (w, four) in src[4..16].chunks_exact(4).enumerate() {
+                    h[64 + 64 * w + 4 * r..][..4].copy_from_slice(four);
+                }
+                let q = &mut panel[256 * nb + 2048 * b + 4 * r..];
+                for (c, four) in src[16..144].chunks_exact(4).enumerate() {
+                    q[64 * c..][..4].copy_from_slice(four);
+                }
+            }
         }
     }
 
@@ -105,6 +131,18 @@ impl Format {
                 dst[..2].copy_from_slice(&panel[32 * b + 2 * r..][..2]);
                 let q = &panel[32 * nb + 256 * b + 4 * r..];
                 for (c, four) in dst[2..18].chunks_exact_mut(4).enumerate() {
+                    four.copy_from_slice(&q[64 * c..][..4]);
+                }
+            }
+            Format::Q4K => {
+                let h = &panel[256 * b..][..256];
+                dst[..2].copy_from_slice(&h[2 * r..][..2]);
+                dst[2..4].copy_from_slice(&h[32 + 2 * r..][..2]);
+                for (w, four) in dst[4..16].chunks_exact_mut(4).enumerate() {
+                    four.copy_from_slice(&h[64 + 64 * w + 4 * r..][..4]);
+                }
+                let q = &panel[256 * nb + 2048 * b + 4 * r..];
+                for (c, four) in dst[16..144].chunks_exact_mut(4).enumerate() {
                     four.copy_from_slice(&q[64 * c..][..4]);
                 }
             }
@@ -209,7 +247,12 @@ impl Panels {
     pub(crate) fn write_file(&mut self, pool: &Pool, file: &[u8]) {
         let (format, nb, rows) = (self.format, self.blocks(), self.rows);
         let (bb, panel_bytes) = (format.block_bytes(), self.panel_bytes());
-        assert_eq!(file.len(), rows * nb * bb, "file bytes of a {rows} × {} weight", self.cols);
+        assert_eq!(
+            file.len(),
+            rows * nb * bb,
+            "file bytes of a {rows} × {} weight",
+            self.cols
+        );
         if panel_bytes == 0 {
             return;
         }
@@ -246,6 +289,24 @@ impl Panels {
         for (b, blk) in dst.chunks_exact_mut(bb).enumerate().take(nb) {
             self.format.get(panel, nb, b, r % P, blk);
         }
+    }
+
+    /// Panel `p`'s 16 rows as file blocks, row after row (rows past the weight's last are
+    /// zero blocks): for the prompt kernels that repack file rows their own way.
+    pub(crate) fn file_blocks<B: bytemuck::Pod>(&self, p: usize) -> Vec<B> {
+        let (nb, bb) = (self.blocks(), self.format.block_bytes());
+        assert_eq!(std::mem::size_of::<B>(), bb, "blocks of {:?}", self.format);
+        let mut blocks = vec![B::zeroed(); P * nb];
+        let panel = self.panel(p);
+        for (r, row) in bytemuck::cast_slice_mut::<B, u8>(&mut blocks)
+            .chunks_exact_mut(nb * bb)
+            .enumerate()
+        {
+            for (b, blk) in row.chunks_exact_mut(bb).enumerate() {
+                self.format.get(panel, nb, b, r, blk);
+            }
+        }
+        blocks
     }
 
     /// Row `r` dequantized into `dst` (`cols` values), exactly as the file's row would be.
@@ -339,9 +400,119 @@ fn matmul_q4_0_on(
     Ok(())
 }
 
+/// One Q8_K activation block's share of the Q4_K kernels' work that does not depend on
+/// the weight: its scale, and its sums of 32 paired as the kernels pair the weights' mins
+/// (sub-blocks 0 and 2, 1 and 3, 4 and 6, 5 and 7, as two i16 in an i32).
+#[derive(Clone, Copy)]
+struct KXBlock {
+    d: f32,
+    sums: [i32; 4],
+}
+
+fn k_x_blocks(x: &[BlockQ8K]) -> Vec<KXBlock> {
+    x.iter()
+        .map(|b| {
+            let sum = |s: usize| (b.bsums[2 * s] as i32 + b.bsums[2 * s + 1] as i32) & 0xFFFF;
+            KXBlock {
+                d: b.d,
+                sums: [0, 1, 4, 5].map(|s| sum(s) | sum(s + 2) << 16),
+            }
+        })
+        .collect()
+}
+
+/// `out[n, m] = x · wᵀ` for Q4_K panels `w` (`m × k`) and `x` the `n` activation rows as
+/// Q8_K (`k / 256` blocks each).
+pub(crate) fn matmul_q4_k(
+    pool: &Pool,
+    w: &Panels,
+    x: &[BlockQ8K],
+    out: &mut [f32],
+    n: usize,
+) -> Result<()> {
+    matmul_q4_k_on(dot::isa(), pool, w, x, out, n)
+}
+
+/// [`matmul_q4_k`] with the kernels of `isa` (which this CPU must run). Prompts on
+/// AVX-512 go to the register-tiled kernels of [`crate::kgemm`] (AMX-INT8 where present),
+/// which take each panel's rows back as file blocks and repack them their own way.
+fn matmul_q4_k_on(
+    isa: Isa,
+    pool: &Pool,
+    w: &Panels,
+    x: &[BlockQ8K],
+    out: &mut [f32],
+    n: usize,
+) -> Result<()> {
+    let (m, nb) = (w.rows(), w.blocks());
+    assert!(w.format() == Format::Q4K && x.len() >= n * nb && out.len() >= n * m);
+    if !isa.available() || !matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) {
+        return Err(Error::Device(format!(
+            "Q4_K panels need AVX2 or AVX-512 kernels; this CPU runs {}",
+            isa.name()
+        )));
+    }
+    let x = &x[..n * nb];
+    if isa == Isa::Avx512Vnni && n > 1 {
+        let (rows, k) = (crate::kgemm::KRows::Panels(w), nb * QK_K);
+        if n >= crate::kgemm::amx::MIN_ROWS && crate::amx::int8_available() {
+            crate::kgemm::amx::matmul(pool, rows, x, out, n, m, k);
+            return Ok(());
+        }
+        if n >= crate::qgemm::MIN_ROWS {
+            crate::kgemm::matmul::<BlockQ4K>(pool, rows, x, out, n, m, k);
+            return Ok(());
+        }
+    }
+    let xb = k_x_blocks(x);
+    let one_row = |p: usize, i: usize| -> [f32; P] {
+        let (xi, xbi) = (&x[i * nb..][..nb], &xb[i * nb..][..nb]);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` is available (checked above), with every feature its kernels
+        // enable.
+        unsafe {
+            if isa == Isa::Avx512Vnni {
+                avx512::q4_k_panel(w.panel(p), nb, xi, xbi)
+            } else {
+                avx2::q4_k_panel(w.panel(p), nb, xi, xbi)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!(
+            "panels are made on x86_64 only: {p} {} {}",
+            xi.len(),
+            xbi.len()
+        )
+    };
+    if n == 1 {
+        by_panels_one_row(pool, out, m, |p| one_row(p, 0));
+    } else if isa == Isa::Avx2 {
+        by_panels(pool, out, n, m, |p, o| {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            unsafe {
+                avx2::q4_k_rows(w.panel(p), nb, x, &xb, o)
+            }
+        });
+    } else {
+        // Two or three rows on AVX-512: the decode kernel once per row.
+        by_panels(pool, out, n, m, |p, o| {
+            o.iter_mut()
+                .enumerate()
+                .for_each(|(i, o)| *o = one_row(p, i))
+        });
+    }
+    Ok(())
+}
+
 /// Fill `out[..m]` panel by panel over the pool: `panel(p)` returns the products of panel
 /// `p`'s rows. Each task takes a run of consecutive panels: one stream through memory.
-fn by_panels_one_row(pool: &Pool, out: &mut [f32], m: usize, panel: impl Fn(usize) -> [f32; P] + Sync) {
+fn by_panels_one_row(
+    pool: &Pool,
+    out: &mut [f32],
+    m: usize,
+    panel: impl Fn(usize) -> [f32; P] + Sync,
+) {
     // Enough rows per task to amortise scheduling, few enough to balance the pool.
     let per_task = (m / (pool.threads() * 8)).clamp(P, 64) / P;
     pool.for_chunks_mut(&mut out[..m], per_task * P, |t, o| {

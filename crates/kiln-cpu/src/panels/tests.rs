@@ -1,31 +1,52 @@
 use super::*;
 use crate::dot::test_util::{isas, ref_dot, test_pool};
-use kiln_core::quant::{as_blocks, dequantize, dequantize_to_vec, quantize};
+use bytemuck::Zeroable;
+use kiln_core::quant::{
+    as_blocks, dequantize, dequantize_to_vec, quantize, quantize_q8_k, BlockQ4K,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 /// Row counts: under a panel, one, one and a bit, several with a ragged end.
 const ROWS: [usize; 6] = [1, 7, 16, 17, 37, 130];
 
-/// Arbitrary bytes of `rows` Q4_0 rows of `nb` blocks: any scale bits (NaN included) and
-/// any nibbles, which the layout must carry unchanged.
-fn random_file(rng: &mut StdRng, rows: usize, nb: usize) -> Vec<u8> {
-    (0..rows * nb * 18).map(|_| rng.random()).collect()
+const FORMATS: [Format; 2] = [Format::Q4_0, Format::Q4K];
+
+/// Arbitrary bytes of `rows` rows of `nb` blocks: any scale bits (NaN included) and any
+/// quants, which the layout must carry unchanged.
+fn random_file(rng: &mut StdRng, format: Format, rows: usize, nb: usize) -> Vec<u8> {
+    (0..rows * nb * format.block_bytes())
+        .map(|_| rng.random())
+        .collect()
+}
+
+/// The ISAs of this CPU that have panel kernels.
+fn panel_isas() -> Vec<Isa> {
+    isas()
+        .into_iter()
+        .filter(|i| matches!(i, Isa::Avx2 | Isa::Avx512Vnni))
+        .collect()
 }
 
 #[test]
 fn file_bytes_round_trip_exactly() {
     let mut rng = StdRng::seed_from_u64(0x9a7e);
-    for nb in [1, 3, 64] {
-        for rows in ROWS {
-            let file = random_file(&mut rng, rows, nb);
-            let p = Panels::from_file(test_pool(), Format::Q4_0, rows, nb * QK, &file).unwrap();
-            assert_eq!(p.to_file(), file, "rows={rows} nb={nb}");
-            // Rewriting in place gives the new bytes back, none of the old.
-            let mut p = p;
-            let other = random_file(&mut rng, rows, nb);
-            p.write_file(test_pool(), &other);
-            assert_eq!(p.to_file(), other, "rewritten rows={rows} nb={nb}");
+    for format in FORMATS {
+        for nb in [1, 3, 8] {
+            for rows in ROWS {
+                let k = nb * format.block_len();
+                let file = random_file(&mut rng, format, rows, nb);
+                let mut p = Panels::from_file(test_pool(), format, rows, k, &file).unwrap();
+                assert_eq!(p.to_file(), file, "{format:?} rows={rows} nb={nb}");
+                // Rewriting in place gives the new bytes back, none of the old.
+                let other = random_file(&mut rng, format, rows, nb);
+                p.write_file(test_pool(), &other);
+                assert_eq!(
+                    p.to_file(),
+                    other,
+                    "{format:?} rewritten rows={rows} nb={nb}"
+                );
+            }
         }
     }
 }
@@ -33,33 +54,95 @@ fn file_bytes_round_trip_exactly() {
 #[test]
 fn rows_dequantize_as_the_files_rows() {
     let mut rng = StdRng::seed_from_u64(0x9a7f);
-    let (rows, nb) = (37, 5);
-    let values: Vec<f32> = (0..rows * nb * QK).map(|_| rng.random_range(-3.0..3.0)).collect();
-    let file = quantize(DType::Q4_0, &values).unwrap();
-    let p = Panels::from_file(test_pool(), Format::Q4_0, rows, nb * QK, &file).unwrap();
-    let k = nb * QK;
-    for r in 0..rows {
-        let mut want = vec![0f32; k];
-        dequantize(DType::Q4_0, &file[r * nb * 18..][..nb * 18], &mut want).unwrap();
-        let mut got = vec![f32::NAN; k];
-        p.dequantize_row(r, &mut got).unwrap();
-        assert_eq!(
-            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            "row {r}"
-        );
+    for format in FORMATS {
+        let (rows, nb) = (37, 3);
+        let (k, bb) = (nb * format.block_len(), format.block_bytes());
+        let values: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-3.0..3.0)).collect();
+        let file = quantize(format.dtype(), &values).unwrap();
+        let p = Panels::from_file(test_pool(), format, rows, k, &file).unwrap();
+        for r in 0..rows {
+            let mut want = vec![0f32; k];
+            dequantize(format.dtype(), &file[r * nb * bb..][..nb * bb], &mut want).unwrap();
+            let mut got = vec![f32::NAN; k];
+            p.dequantize_row(r, &mut got).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{format:?} row {r}");
+        }
     }
 }
 
-/// Every ISA this CPU runs panels with: the products against the per-row dot kernel
-/// (same integer sums, so to 1e-5 of the larger of |sum| and Σ|w·x|) and against float64.
+/// `w` (`m × k` values of `format`) times `n` activation rows of `k`, on every ISA this
+/// CPU runs panels with, against the per-row dot kernel (same integer sums, so to 1e-5 of
+/// the larger of |sum| and Σ|w·x|) and against float64.
+fn check_products(rng: &mut StdRng, format: Format, m: usize, k: usize, n: usize) {
+    let wv: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let xv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let wbytes = quantize(format.dtype(), &wv).unwrap();
+    let wf = dequantize_to_vec(format.dtype(), &wbytes, m * k).unwrap();
+    let p = Panels::from_file(test_pool(), format, m, k, &wbytes).unwrap();
+    let nb = k / format.block_len();
+    // Per format: the activations' floats, and the run and per-row dot of both.
+    let (xf, run, want): (
+        Vec<f32>,
+        Box<dyn Fn(Isa, &mut [f32])>,
+        Box<dyn Fn(usize, usize) -> f32>,
+    ) = match format {
+        Format::Q4_0 => {
+            let xbytes = quantize(DType::Q8_0, &xv).unwrap();
+            let x = as_blocks::<BlockQ8_0>(&xbytes).unwrap().into_owned();
+            let w = as_blocks::<BlockQ4_0>(&wbytes).unwrap().into_owned();
+            let xf = dequantize_to_vec(DType::Q8_0, &xbytes, n * k).unwrap();
+            let x2 = x.clone();
+            let p = &p;
+            (
+                xf,
+                Box::new(move |isa, out| matmul_q4_0_on(isa, test_pool(), p, &x, out, n).unwrap()),
+                Box::new(move |i, r| crate::dot::dot_q4_0(&w[r * nb..][..nb], &x2[i * nb..][..nb])),
+            )
+        }
+        Format::Q4K => {
+            let mut x = vec![BlockQ8K::zeroed(); n * nb];
+            quantize_q8_k(&xv, &mut x).unwrap();
+            let w = as_blocks::<BlockQ4K>(&wbytes).unwrap().into_owned();
+            let xf = x
+                .iter()
+                .flat_map(|b| b.qs.map(|q| q as f32 * b.d))
+                .collect();
+            let x2 = x.clone();
+            let p = &p;
+            (
+                xf,
+                Box::new(move |isa, out| matmul_q4_k_on(isa, test_pool(), p, &x, out, n).unwrap()),
+                Box::new(move |i, r| crate::dot::dot_q4_k(&w[r * nb..][..nb], &x2[i * nb..][..nb])),
+            )
+        }
+    };
+    for isa in panel_isas() {
+        let mut out = vec![f32::NAN; n * m];
+        run(isa, &mut out);
+        for i in 0..n {
+            for r in 0..m {
+                let want = want(i, r);
+                let (exact, abs) = ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]);
+                let got = out[i * m + r];
+                let what = format!("{format:?} {} k={k} m={m} n={n} [{i}, {r}]", isa.name());
+                let err = (got - want).abs() as f64;
+                assert!(
+                    err <= 1e-5 * abs.max(want.abs() as f64) + 1e-30,
+                    "{what}: got {got}, per-row dot {want}"
+                );
+                assert!(
+                    (got as f64 - exact).abs() <= 1e-5 * abs + 1e-30,
+                    "{what}: got {got}, float64 {exact}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
-fn products_match_the_per_row_dot_and_float64() {
-    let kernels: Vec<Isa> = isas()
-        .into_iter()
-        .filter(|i| matches!(i, Isa::Avx2 | Isa::Avx512Vnni))
-        .collect();
-    if kernels.is_empty() {
+fn q4_0_products_match_the_per_row_dot_and_float64() {
+    if panel_isas().is_empty() {
         eprintln!("no AVX2 or AVX-512: panel kernels not testable here");
         return;
     }
@@ -71,38 +154,27 @@ fn products_match_the_per_row_dot_and_float64() {
                 if k == 2048 && m > 40 && n > 2 {
                     continue; // time, not coverage
                 }
-                let wv: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
-                let xv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-                let wbytes = quantize(DType::Q4_0, &wv).unwrap();
-                let w = as_blocks::<BlockQ4_0>(&wbytes).unwrap().into_owned();
-                let xbytes = quantize(DType::Q8_0, &xv).unwrap();
-                let x = as_blocks::<BlockQ8_0>(&xbytes).unwrap().into_owned();
-                let wf = dequantize_to_vec(DType::Q4_0, &wbytes, m * k).unwrap();
-                let xf = dequantize_to_vec(DType::Q8_0, &xbytes, n * k).unwrap();
-                let p = Panels::from_file(test_pool(), Format::Q4_0, m, k, &wbytes).unwrap();
-                let nb = k / QK;
-                for &isa in &kernels {
-                    let mut out = vec![f32::NAN; n * m];
-                    matmul_q4_0_on(isa, test_pool(), &p, &x, &mut out, n).unwrap();
-                    for i in 0..n {
-                        let xi = &x[i * nb..][..nb];
-                        for r in 0..m {
-                            let want = crate::dot::dot_q4_0(&w[r * nb..][..nb], xi);
-                            let (exact, abs) = ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]);
-                            let got = out[i * m + r];
-                            let what = format!("{} k={k} m={m} n={n} [{i}, {r}]", isa.name());
-                            let err = (got - want).abs() as f64;
-                            assert!(
-                                err <= 1e-5 * abs.max(want.abs() as f64) + 1e-30,
-                                "{what}: got {got}, per-row dot {want}"
-                            );
-                            assert!(
-                                (got as f64 - exact).abs() <= 1e-5 * abs + 1e-30,
-                                "{what}: got {got}, float64 {exact}"
-                            );
-                        }
-                    }
+                check_products(&mut rng, Format::Q4_0, m, k, n);
+            }
+        }
+    }
+}
+
+#[test]
+fn q4_k_products_match_the_per_row_dot_and_float64() {
+    if panel_isas().is_empty() {
+        eprintln!("no AVX2 or AVX-512: panel kernels not testable here");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(0x9a81);
+    // k: one super-block, three, a model width; n past the AVX-512 prompt kernels' start.
+    for k in [256usize, 768, 2048] {
+        for m in ROWS {
+            for n in [1usize, 2, 3, 5] {
+                if k == 2048 && m > 40 && n > 2 {
+                    continue; // time, not coverage
                 }
+                check_products(&mut rng, Format::Q4K, m, k, n);
             }
         }
     }
@@ -112,10 +184,7 @@ fn products_match_the_per_row_dot_and_float64() {
 /// 127) are exact.
 #[test]
 fn extreme_quants_do_not_overflow() {
-    let kernels: Vec<Isa> = isas()
-        .into_iter()
-        .filter(|i| matches!(i, Isa::Avx2 | Isa::Avx512Vnni))
-        .collect();
+    let kernels = panel_isas();
     let (m, nb) = (16, 2);
     let w: Vec<BlockQ4_0> = (0..m * nb)
         .map(|_| BlockQ4_0 {
@@ -137,7 +206,55 @@ fn extreme_quants_do_not_overflow() {
         for &isa in &kernels {
             let mut out = vec![f32::NAN; m];
             matmul_q4_0_on(isa, test_pool(), &p, &x, &mut out, 1).unwrap();
-            assert!(out.iter().all(|&v| v == want), "{} q={q}: {out:?}", isa.name());
+            assert!(
+                out.iter().all(|&v| v == want),
+                "{} q={q}: {out:?}",
+                isa.name()
+            );
+        }
+    }
+}
+
+/// Q4_K's largest sums: every nibble 15, every scale and min 63 (packed bytes 0xFF),
+/// every quant ±128 or 127: the i16 stage and the i32 scaling are exact.
+#[test]
+fn q4_k_extreme_quants_do_not_overflow() {
+    let (m, nb) = (16, 2);
+    let w = vec![
+        BlockQ4K {
+            d: half::f16::ONE,
+            dmin: half::f16::ONE,
+            scales: [0xFF; 12],
+            qs: [0xFF; QK_K / 2],
+        };
+        m * nb
+    ];
+    let wbytes = bytemuck::cast_slice::<BlockQ4K, u8>(&w).to_vec();
+    let p = Panels::from_file(test_pool(), Format::Q4K, m, nb * QK_K, &wbytes).unwrap();
+    for q in [-128i8, 127] {
+        let x = vec![
+            BlockQ8K {
+                d: 1.0,
+                qs: [q; QK_K],
+                bsums: [16 * q as i16; QK_K / 16],
+            };
+            nb
+        ];
+        // Each weight is 63·15 − 63 = 882.
+        let want = 882.0 * q as f32 * (nb * QK_K) as f32;
+        assert_eq!(
+            crate::dot::dot_q4_k(&w[..nb], &x),
+            want,
+            "per-row dot, q={q}"
+        );
+        for isa in panel_isas() {
+            let mut out = vec![f32::NAN; m];
+            matmul_q4_k_on(isa, test_pool(), &p, &x, &mut out, 1).unwrap();
+            assert!(
+                out.iter().all(|&v| v == want),
+                "{} q={q}: {out:?}",
+                isa.name()
+            );
         }
     }
 }
