@@ -53,22 +53,40 @@ use kiln_core::{
 pub struct CpuBackend {
     pool: Pool,
     profile: Profile,
+    /// Whether quantized weights go into the interleaved layout of [`panels`] where the
+    /// kernels read one.
+    panels: bool,
 }
 
 impl CpuBackend {
     /// A backend running on `threads` threads, the calling one included (all cores when
-    /// `None`).
+    /// `None`). `KILN_CPU_LAYOUT=file` keeps weights in the file's layout (as
+    /// [`CpuBackend::file_layout`]).
     pub fn new(threads: Option<usize>) -> Result<Self> {
         let threads =
             threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         Ok(CpuBackend {
             pool: Pool::new(threads)?,
             profile: Profile::from_env(),
+            panels: std::env::var("KILN_CPU_LAYOUT").map_or(true, |v| v.trim() != "file"),
         })
+    }
+
+    /// This backend with every weight kept in the file's layout, read by the kernels that
+    /// take it (where the CPU's interleaved layout would be chosen otherwise): for
+    /// comparing the two.
+    pub fn file_layout(mut self) -> Self {
+        self.panels = false;
+        self
     }
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// The interleaved layout weights of `dtype` take on this backend, if any.
+    fn panel_format(&self, dtype: DType) -> Option<panels::Format> {
+        panels::Format::for_dtype(dtype).filter(|_| self.panels)
     }
 }
 
@@ -206,7 +224,7 @@ impl Backend for CpuBackend {
             .rows()
             .checked_mul(dtype.row_bytes(shape.row_len())?)
             .ok_or_else(|| Error::shape(format!("{shape} of {dtype} does not fit in memory")))?;
-        let storage = match panels::Format::for_dtype(dtype) {
+        let storage = match self.panel_format(dtype) {
             Some(format) => {
                 CpuStorage::Panels(Panels::zeroed(format, shape.rows(), shape.row_len())?)
             }
@@ -228,7 +246,7 @@ impl Backend for CpuBackend {
         }
         // Weights the kernels read interleaved are repacked once, here; the mapped
         // bytes are then dropped (a model file's pages stay in the page cache only).
-        let storage = match panels::Format::for_dtype(dtype) {
+        let storage = match self.panel_format(dtype) {
             Some(format) => CpuStorage::Panels(Panels::from_file(
                 &self.pool,
                 format,

@@ -14,7 +14,8 @@
 //! The layout is chosen per tensor at upload ([`Format::for_dtype`]) on CPUs whose kernels
 //! read it (AVX2, AVX-512), and is invisible outside this crate: shapes and dtypes stay
 //! the file's, `download` returns the file's bytes, and the embedding lookup reads rows
-//! out of the panels. `KILN_CPU_LAYOUT=file` keeps the file's layout (for comparisons).
+//! out of the panels. `KILN_CPU_LAYOUT=file` (or [`crate::CpuBackend::file_layout`])
+//! keeps the file's layout, for comparisons.
 //!
 //! Q4_0, a panel of `nb` blocks a row ([`Format::Q4_0`]):
 //! - `nb × 32` bytes: block `b`'s 16 f16 scales, row `r` at `32b + 2r`;
@@ -56,13 +57,10 @@ pub(crate) enum Format {
 }
 
 impl Format {
-    /// The layout this CPU's kernels read for weights of `dtype`, if any: none without
-    /// AVX2, and none when `KILN_CPU_LAYOUT=file`.
+    /// The layout this CPU's kernels read for weights of `dtype`, if any (none without
+    /// AVX2).
     pub(crate) fn for_dtype(dtype: DType) -> Option<Format> {
-        static FILE_LAYOUT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let file = *FILE_LAYOUT
-            .get_or_init(|| std::env::var("KILN_CPU_LAYOUT").is_ok_and(|v| v.trim() == "file"));
-        if file || !matches!(dot::isa(), Isa::Avx2 | Isa::Avx512Vnni) {
+        if !matches!(dot::isa(), Isa::Avx2 | Isa::Avx512Vnni) {
             return None;
         }
         match dtype {
