@@ -31,6 +31,10 @@ mod gemv;
 mod kgemm;
 mod matmul;
 mod norm;
+#[cfg_attr(
+    not(target_arch = "x86_64"),
+    allow(dead_code, unused, unreachable_code)
+)]
 mod panels;
 mod pool;
 mod profile;

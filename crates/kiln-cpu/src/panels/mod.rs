@@ -175,7 +175,7 @@ impl Panels {
     /// Zeroed panels for `rows × cols` weights; an error when the size cannot be held.
     pub(crate) fn zeroed(format: Format, rows: usize, cols: usize) -> Result<Panels> {
         let bs = format.block_len();
-        if cols % bs != 0 {
+        if !cols.is_multiple_of(bs) {
             return Err(Error::shape(format!(
                 "{} rows of {cols} are not whole blocks of {bs}",
                 format.dtype()

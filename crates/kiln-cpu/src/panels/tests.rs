@@ -71,72 +71,92 @@ fn rows_dequantize_as_the_files_rows() {
     }
 }
 
-/// `w` (`m × k` values of `format`) times `n` activation rows of `k`, on every ISA this
-/// CPU runs panels with, against the per-row dot kernel (same integer sums, so to 1e-5 of
-/// the larger of |sum| and Σ|w·x|) and against float64.
-fn check_products(rng: &mut StdRng, format: Format, m: usize, k: usize, n: usize) {
-    let wv: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+/// `out[n, m]` from `isa`'s kernels against the per-row dot kernel's `want(i, r)` (same
+/// integer sums, so to 1e-5 of the larger of |sum| and Σ|w·x|) and against float64 on the
+/// dequantized weights `wf` and activations `xf`.
+fn assert_products(
+    what: &str,
+    out: &[f32],
+    (n, m, k): (usize, usize, usize),
+    wf: &[f32],
+    xf: &[f32],
+    want: impl Fn(usize, usize) -> f32,
+) {
+    for i in 0..n {
+        for r in 0..m {
+            let want = want(i, r);
+            let (exact, abs) = ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]);
+            let got = out[i * m + r];
+            let what = format!("{what} k={k} m={m} n={n} [{i}, {r}]");
+            let err = (got - want).abs() as f64;
+            assert!(
+                err <= 1e-5 * abs.max(want.abs() as f64) + 1e-30,
+                "{what}: got {got}, per-row dot {want}"
+            );
+            assert!(
+                (got as f64 - exact).abs() <= 1e-5 * abs + 1e-30,
+                "{what}: got {got}, float64 {exact}"
+            );
+        }
+    }
+}
+
+/// Random values, quantized: the file's bytes and the values they decode to.
+fn random_weight(rng: &mut StdRng, dtype: DType, len: usize) -> (Vec<u8>, Vec<f32>) {
+    let v: Vec<f32> = (0..len).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let bytes = quantize(dtype, &v).unwrap();
+    let values = dequantize_to_vec(dtype, &bytes, len).unwrap();
+    (bytes, values)
+}
+
+/// Q4_0 panels of `m × k` times `n` Q8_0 activation rows, on every ISA with panel kernels.
+fn check_q4_0(rng: &mut StdRng, m: usize, k: usize, n: usize) {
+    let (wbytes, wf) = random_weight(rng, DType::Q4_0, m * k);
     let xv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-    let wbytes = quantize(format.dtype(), &wv).unwrap();
-    let wf = dequantize_to_vec(format.dtype(), &wbytes, m * k).unwrap();
-    let p = Panels::from_file(test_pool(), format, m, k, &wbytes).unwrap();
-    let nb = k / format.block_len();
-    // Per format: the activations' floats, and the run and per-row dot of both.
-    let (xf, run, want): (
-        Vec<f32>,
-        Box<dyn Fn(Isa, &mut [f32])>,
-        Box<dyn Fn(usize, usize) -> f32>,
-    ) = match format {
-        Format::Q4_0 => {
-            let xbytes = quantize(DType::Q8_0, &xv).unwrap();
-            let x = as_blocks::<BlockQ8_0>(&xbytes).unwrap().into_owned();
-            let w = as_blocks::<BlockQ4_0>(&wbytes).unwrap().into_owned();
-            let xf = dequantize_to_vec(DType::Q8_0, &xbytes, n * k).unwrap();
-            let x2 = x.clone();
-            let p = &p;
-            (
-                xf,
-                Box::new(move |isa, out| matmul_q4_0_on(isa, test_pool(), p, &x, out, n).unwrap()),
-                Box::new(move |i, r| crate::dot::dot_q4_0(&w[r * nb..][..nb], &x2[i * nb..][..nb])),
-            )
-        }
-        Format::Q4K => {
-            let mut x = vec![BlockQ8K::zeroed(); n * nb];
-            quantize_q8_k(&xv, &mut x).unwrap();
-            let w = as_blocks::<BlockQ4K>(&wbytes).unwrap().into_owned();
-            let xf = x
-                .iter()
-                .flat_map(|b| b.qs.map(|q| q as f32 * b.d))
-                .collect();
-            let x2 = x.clone();
-            let p = &p;
-            (
-                xf,
-                Box::new(move |isa, out| matmul_q4_k_on(isa, test_pool(), p, &x, out, n).unwrap()),
-                Box::new(move |i, r| crate::dot::dot_q4_k(&w[r * nb..][..nb], &x2[i * nb..][..nb])),
-            )
-        }
-    };
+    let xbytes = quantize(DType::Q8_0, &xv).unwrap();
+    let x = as_blocks::<BlockQ8_0>(&xbytes).unwrap().into_owned();
+    let xf = dequantize_to_vec(DType::Q8_0, &xbytes, n * k).unwrap();
+    let w = as_blocks::<BlockQ4_0>(&wbytes).unwrap().into_owned();
+    let p = Panels::from_file(test_pool(), Format::Q4_0, m, k, &wbytes).unwrap();
+    let nb = k / QK;
     for isa in panel_isas() {
         let mut out = vec![f32::NAN; n * m];
-        run(isa, &mut out);
-        for i in 0..n {
-            for r in 0..m {
-                let want = want(i, r);
-                let (exact, abs) = ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]);
-                let got = out[i * m + r];
-                let what = format!("{format:?} {} k={k} m={m} n={n} [{i}, {r}]", isa.name());
-                let err = (got - want).abs() as f64;
-                assert!(
-                    err <= 1e-5 * abs.max(want.abs() as f64) + 1e-30,
-                    "{what}: got {got}, per-row dot {want}"
-                );
-                assert!(
-                    (got as f64 - exact).abs() <= 1e-5 * abs + 1e-30,
-                    "{what}: got {got}, float64 {exact}"
-                );
-            }
-        }
+        matmul_q4_0_on(isa, test_pool(), &p, &x, &mut out, n).unwrap();
+        assert_products(
+            &format!("Q4_0 {}", isa.name()),
+            &out,
+            (n, m, k),
+            &wf,
+            &xf,
+            |i, r| crate::dot::dot_q4_0(&w[r * nb..][..nb], &x[i * nb..][..nb]),
+        );
+    }
+}
+
+/// Q4_K panels of `m × k` times `n` Q8_K activation rows, on every ISA with panel kernels.
+fn check_q4_k(rng: &mut StdRng, m: usize, k: usize, n: usize) {
+    let (wbytes, wf) = random_weight(rng, DType::Q4_K, m * k);
+    let xv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let nb = k / QK_K;
+    let mut x = vec![BlockQ8K::zeroed(); n * nb];
+    quantize_q8_k(&xv, &mut x).unwrap();
+    let xf: Vec<f32> = x
+        .iter()
+        .flat_map(|b| b.qs.map(|q| q as f32 * b.d))
+        .collect();
+    let w = as_blocks::<BlockQ4K>(&wbytes).unwrap().into_owned();
+    let p = Panels::from_file(test_pool(), Format::Q4K, m, k, &wbytes).unwrap();
+    for isa in panel_isas() {
+        let mut out = vec![f32::NAN; n * m];
+        matmul_q4_k_on(isa, test_pool(), &p, &x, &mut out, n).unwrap();
+        assert_products(
+            &format!("Q4_K {}", isa.name()),
+            &out,
+            (n, m, k),
+            &wf,
+            &xf,
+            |i, r| crate::dot::dot_q4_k(&w[r * nb..][..nb], &x[i * nb..][..nb]),
+        );
     }
 }
 
@@ -154,7 +174,7 @@ fn q4_0_products_match_the_per_row_dot_and_float64() {
                 if k == 2048 && m > 40 && n > 2 {
                     continue; // time, not coverage
                 }
-                check_products(&mut rng, Format::Q4_0, m, k, n);
+                check_q4_0(&mut rng, m, k, n);
             }
         }
     }
@@ -174,7 +194,7 @@ fn q4_k_products_match_the_per_row_dot_and_float64() {
                 if k == 2048 && m > 40 && n > 2 {
                     continue; // time, not coverage
                 }
-                check_products(&mut rng, Format::Q4K, m, k, n);
+                check_q4_k(&mut rng, m, k, n);
             }
         }
     }
