@@ -248,16 +248,20 @@ impl Backend for CpuBackend {
                 data.len()
             )));
         }
-        // Weights the kernels read interleaved are repacked once, here; the mapped
-        // bytes are then dropped (a model file's pages stay in the page cache only).
+        // Weights the kernels read interleaved are repacked once, here; the file's pages
+        // then leave this process's memory (`release`), so only the panels stay resident.
         let storage = match self.panel_format(dtype) {
-            Some(format) => CpuStorage::Panels(Panels::from_file(
-                &self.pool,
-                format,
-                shape.rows(),
-                shape.row_len(),
-                data.as_slice(),
-            )?),
+            Some(format) => {
+                let panels = Panels::from_file(
+                    &self.pool,
+                    format,
+                    shape.rows(),
+                    shape.row_len(),
+                    data.as_slice(),
+                )?;
+                data.release();
+                CpuStorage::Panels(panels)
+            }
             None => CpuStorage::from_host(data),
         };
         Ok(Tensor::from_storage(Box::new(storage), dtype, shape))

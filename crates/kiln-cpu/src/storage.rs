@@ -40,6 +40,7 @@ impl CpuStorage {
         if let CpuStorage::Owned { words, len } = &mut owned {
             bytemuck::cast_slice_mut(words)[..*len].copy_from_slice(bytes.as_slice());
         }
+        bytes.release();
         owned
     }
 

@@ -278,3 +278,63 @@ fn q4_k_extreme_quants_do_not_overflow() {
         }
     }
 }
+
+/// Decode in the file's layout (the `gemv` kernels) against panels, best of 5 on 1 and 2
+/// threads, for a matrix held in L3 and one streamed from memory:
+/// `cargo test --release -p kiln-cpu --lib panels::tests::decode_throughput -- --ignored
+/// --nocapture`.
+#[test]
+#[ignore]
+fn decode_throughput() {
+    use crate::dot::test_util::best_seconds;
+    if panel_isas().is_empty() {
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(7);
+    for (m, k) in [(5632, 2048), (2048, 5632), (65536, 2048)] {
+        let (q40, _) = random_weight(&mut rng, DType::Q4_0, 2048 * k);
+        let (q4k, _) = random_weight(&mut rng, DType::Q4_K, 2048 * k);
+        // Tile the rows: random draws of 100M values are slow, and repeats stream alike.
+        let tile = |rows: &[u8]| -> Vec<u8> {
+            rows.iter()
+                .copied()
+                .cycle()
+                .take(rows.len() * m / 2048)
+                .collect()
+        };
+        let (q40, q4k) = (tile(&q40), tile(&q4k));
+        let xv: Vec<f32> = (0..k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let x0 = as_blocks::<BlockQ8_0>(&quantize(DType::Q8_0, &xv).unwrap())
+            .unwrap()
+            .into_owned();
+        let mut xk = vec![BlockQ8K::zeroed(); k / QK_K];
+        quantize_q8_k(&xv, &mut xk).unwrap();
+        let w0 = as_blocks::<BlockQ4_0>(&q40).unwrap().into_owned();
+        let wk = as_blocks::<BlockQ4K>(&q4k).unwrap().into_owned();
+        let p0 = Panels::from_file(test_pool(), Format::Q4_0, m, k, &q40).unwrap();
+        let pk = Panels::from_file(test_pool(), Format::Q4K, m, k, &q4k).unwrap();
+        let mut out = vec![0f32; m];
+        for threads in [1, 2] {
+            let gbs = |bytes: usize, s: f64| bytes as f64 / s / 1e9;
+            let file0 = best_seconds(threads, 5, |pool| {
+                crate::gemv::q8_0::matvec(pool, &w0, &x0, &mut out, m, k, crate::dot::dot_q4_0)
+            });
+            let panel0 = best_seconds(threads, 5, |pool| {
+                matmul_q4_0(pool, &p0, &x0, &mut out, 1).unwrap()
+            });
+            let filek = best_seconds(threads, 5, |pool| {
+                crate::gemv::k_quants::matvec_q4k(pool, &wk, &xk, &mut out, m)
+            });
+            let panelk = best_seconds(threads, 5, |pool| {
+                matmul_q4_k(pool, &pk, &xk, &mut out, 1).unwrap()
+            });
+            eprintln!(
+                "{m}x{k} {threads} thread(s): q4_0 file {:.1} GB/s, panels {:.1}; q4_K file {:.1}, panels {:.1}",
+                gbs(q40.len(), file0),
+                gbs(q40.len(), panel0),
+                gbs(q4k.len(), filek),
+                gbs(q4k.len(), panelk)
+            );
+        }
+    }
+}
