@@ -3,12 +3,14 @@
 //! Matrix-vector and matrix products run on ggml's block formats directly: activations
 //! are quantized to Q8_0 or Q8_K (`quantize`) and multiplied with integer SIMD dot
 //! products chosen at run time ([`dot`]), rows spread over kiln's own thread pool
-//! ([`pool`]: the caller works too, idle workers poll before they sleep); decode on
-//! AVX-512 or AVX2 takes several weight rows per loop (`gemv`). Products with several activation
-//! rows (prompts) use register-tiled kernels on AVX-512 (`qgemm` and `kgemm` for quantized
-//! weights, `fgemm` for F32/F16/BF16, on AMX tiles where present: `amx`) and the `gemm`
-//! crate for float weights elsewhere. The remaining ops are f32 loops, the heavier ones
-//! (SiLU, attention) compiled for AVX-512 where the CPU has it.
+//! ([`pool`]: the caller works too, idle workers poll before they sleep). On AVX2 and
+//! AVX-512, Q4_0 and Q4_K weights are repacked at upload into panels of 16 interleaved
+//! rows (`panels`), read by their own decode and prompt kernels; other weights keep the
+//! file's layout, where decode takes several weight rows per loop (`gemv`). Products with
+//! several activation rows (prompts) use register-tiled kernels on AVX-512 (`qgemm` and
+//! `kgemm` for quantized weights, `fgemm` for F32/F16/BF16, on AMX tiles where present:
+//! `amx`) and the `gemm` crate for float weights elsewhere. The remaining ops are f32
+//! loops, the heavier ones (SiLU, attention) compiled for AVX-512 where the CPU has it.
 
 // The AVX-512/AMX kernel modules: on other targets only their `available() == false`
 // paths are reachable, so the kernel-side items they declare go unused there.

@@ -1,5 +1,7 @@
 //! Batched (prefill) matmul for Q8_0 and Q4_0 weights against Q8_0 activations on
-//! AVX-512 VNNI: `out[n, m] = x[n, k] · w[m, k]ᵀ` with n ≥ [`MIN_ROWS`].
+//! AVX-512 VNNI: `out[n, m] = x[n, k] · w[m, k]ᵀ` with n ≥ [`MIN_ROWS`]. (Q4_0 comes here
+//! only in the file's layout: by default it is in [`crate::panels`], stored in the
+//! transposed form this kernel repacks into, and read by their own tile.)
 //!
 //! The per-row dot kernels in [`crate::dot`] re-unpack every weight block and reduce
 //! horizontally once per (weight row, activation row). Here weights are handled in panels
