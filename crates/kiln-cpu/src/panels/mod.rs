@@ -220,6 +220,10 @@ impl Panels {
         self.rows
     }
 
+    pub(crate) fn cols(&self) -> usize {
+        self.cols
+    }
+
     /// Blocks a row.
     fn blocks(&self) -> usize {
         self.cols / self.format.block_len()
@@ -287,24 +291,6 @@ impl Panels {
         for (b, blk) in dst.chunks_exact_mut(bb).enumerate().take(nb) {
             self.format.get(panel, nb, b, r % P, blk);
         }
-    }
-
-    /// Panel `p`'s 16 rows as file blocks, row after row (rows past the weight's last are
-    /// zero blocks): for the prompt kernels that repack file rows their own way.
-    pub(crate) fn file_blocks<B: bytemuck::Pod>(&self, p: usize) -> Vec<B> {
-        let (nb, bb) = (self.blocks(), self.format.block_bytes());
-        assert_eq!(std::mem::size_of::<B>(), bb, "blocks of {:?}", self.format);
-        let mut blocks = vec![B::zeroed(); P * nb];
-        let panel = self.panel(p);
-        for (r, row) in bytemuck::cast_slice_mut::<B, u8>(&mut blocks)
-            .chunks_exact_mut(nb * bb)
-            .enumerate()
-        {
-            for (b, blk) in row.chunks_exact_mut(bb).enumerate() {
-                self.format.get(panel, nb, b, r, blk);
-            }
-        }
-        blocks
     }
 
     /// Row `r` dequantized into `dst` (`cols` values), exactly as the file's row would be.
