@@ -8,7 +8,7 @@ use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
 use kiln_core::KernelTime;
 use kiln_models::memory::{self, MemoryPlan};
-use kiln_models::{Model, SyntheticShape, SyntheticType};
+use kiln_models::{BatchItem, Model, StepOutput, StepWant, SyntheticShape, SyntheticType};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -19,6 +19,8 @@ pub struct ModelBench {
     pub ty: String,
     pub prompt: usize,
     pub gen: usize,
+    /// Sequences decoded together in the tg test.
+    pub batch: usize,
     pub reps: usize,
     pub threads: Option<usize>,
     pub device: DeviceChoice,
@@ -43,6 +45,9 @@ fn mean_std(v: &[f64]) -> (f64, f64) {
     };
     (mean, var.sqrt())
 }
+
+/// Positions a block of the batched test's paged cache holds (as `kiln serve`'s).
+const BLOCK: usize = 16;
 
 pub fn run(b: &ModelBench) -> CliResult<String> {
     let ctx = b.prompt.max(b.gen).saturating_add(1);
@@ -138,7 +143,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             stddev,
         });
     }
-    if b.gen > 0 {
+    if b.gen > 0 && b.batch == 1 {
         let mut speeds = Vec::new();
         for rep in 0..=b.reps {
             let mut next = token();
@@ -156,10 +161,58 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
         }
         let (mean, stddev) = mean_std(&speeds);
         rows.push(Row {
+            model: name.clone(),
+            ty: ty.clone(),
+            device: device.clone(),
+            test: format!("tg{}", b.gen),
+            mean,
+            stddev,
+        });
+    }
+    if b.gen > 0 && b.batch > 1 {
+        drop(cache);
+        let per_seq = b.gen.div_ceil(BLOCK);
+        let mut pool = model.new_paged_cache(b.batch * per_seq, BLOCK)?;
+        let tables: Vec<Vec<u32>> = (0..b.batch)
+            .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+            .collect();
+        let mut speeds = Vec::new();
+        for rep in 0..=b.reps {
+            let mut next: Vec<u32> = (0..b.batch).map(|_| token()).collect();
+            let before = (rep == 0).then(|| profiled.kernel_profile()).flatten();
+            let t = Instant::now();
+            for pos in 0..b.gen {
+                let items: Vec<BatchItem> = next
+                    .iter()
+                    .zip(&tables)
+                    .map(|(id, blocks)| BatchItem {
+                        tokens: std::slice::from_ref(id),
+                        pos0: pos,
+                        blocks,
+                        want: StepWant::Argmax,
+                    })
+                    .collect();
+                let outs = model.forward_batch(&items, &mut pool);
+                for (n, out) in next.iter_mut().zip(outs) {
+                    *n = match out? {
+                        StepOutput::Token(id) => id,
+                        other => unreachable!("asked for a token, got {other:?}"),
+                    };
+                }
+            }
+            if rep == 0 {
+                warm_up.add(before, profiled.kernel_profile());
+            } else {
+                wall_ms += t.elapsed().as_secs_f64() * 1e3;
+                speeds.push((b.batch * b.gen) as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        let (mean, stddev) = mean_std(&speeds);
+        rows.push(Row {
             model: name,
             ty,
             device,
-            test: format!("tg{}", b.gen),
+            test: format!("tg{} x{}", b.gen, b.batch),
             mean,
             stddev,
         });

@@ -254,7 +254,9 @@ async fn one_request(req: reqwest::RequestBuilder) -> Option<Sample> {
     }
     let mut buf = String::new();
     let (mut first, mut last) = (None::<Instant>, None::<Instant>);
-    let mut tokens = 0;
+    // Tokens from the usage chunk; servers that send none (llama-server's streams) are
+    // counted by the chunks that carry text, one token each.
+    let (mut tokens, mut text_chunks) = (None::<usize>, 0);
     while let Some(chunk) = r.chunk().await.ok()? {
         buf.push_str(&String::from_utf8_lossy(&chunk));
         while let Some(end) = buf.find("\n\n") {
@@ -266,10 +268,11 @@ async fn one_request(req: reqwest::RequestBuilder) -> Option<Sample> {
                 }
                 let v: Value = serde_json::from_str(data).ok()?;
                 if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-                    tokens = n as usize;
+                    tokens = Some(n as usize);
                 }
                 let text = v["choices"][0]["text"].as_str().unwrap_or("");
                 if !text.is_empty() {
+                    text_chunks += 1;
                     first.get_or_insert(now);
                     last = Some(now);
                 }
@@ -279,7 +282,7 @@ async fn one_request(req: reqwest::RequestBuilder) -> Option<Sample> {
     let first = first?;
     Some(Sample {
         ttft: first - start,
-        tokens,
+        tokens: tokens.unwrap_or(text_chunks),
         decode: last.unwrap_or(first) - first,
     })
 }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_model;
+mod bench_optim;
 mod bench_serve;
 mod chat_sandbox;
 mod console;
@@ -11,6 +12,7 @@ mod model_file;
 mod perplexity;
 mod run;
 mod serve;
+mod train;
 
 use clap::{ArgAction, Parser, Subcommand};
 use console::{CliResult, Failure};
@@ -46,12 +48,14 @@ enum Command {
         /// The file or directory.
         path: PathBuf,
     },
-    /// Measure speed: llama-bench's pp/tg tests on a model, or `--kernels`.
+    /// Measure speed: llama-bench's pp/tg tests on a model, `--kernels`, or `--optimizer`.
     Bench(BenchArgs),
     /// Serve the model over HTTP with OpenAI's API (completions, chat, models).
     Serve(serve::ServeArgs),
     /// Load a server on this machine: concurrency sweep of streamed completions.
     BenchServe(bench_serve::BenchServeArgs),
+    /// Train a model on text: from scratch, or fine-tune a model file.
+    Train(Box<train::TrainArgs>),
     /// List the devices kiln can use.
     Devices,
     /// Convert a Hugging Face LLaMA-family directory to GGUF (llama.cpp's conventions).
@@ -73,10 +77,10 @@ enum Command {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Model file or Hugging Face directory.
-    #[arg(short = 'm', long, conflicts_with_all = ["synthetic", "kernels"])]
+    #[arg(short = 'm', long, conflicts_with_all = ["synthetic", "kernels", "optimizer"])]
     model: Option<PathBuf>,
     /// A random-weight model of a known shape: tinyllama-1.1b or llama3-8b.
-    #[arg(long, conflicts_with = "kernels")]
+    #[arg(long, conflicts_with_all = ["kernels", "optimizer"])]
     synthetic: Option<String>,
     /// Weight type of a synthetic model: f32, f16, bf16, q8_0, q4_0, q4_k_m.
     #[arg(long = "type", default_value = "f16")]
@@ -91,6 +95,11 @@ struct BenchArgs {
     #[arg(short = 'r', long, default_value_t = 3,
           value_parser = clap::value_parser!(u16).range(1..=1000))]
     reps: u16,
+    /// Sequences decoded together in the tg test, as a server steps them (one batch over a
+    /// paged KV cache); the speed is all sequences' tokens per second.
+    #[arg(short = 'b', long, default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    batch: u16,
     #[arg(short = 't', long)]
     threads: Option<usize>,
     #[arg(long, default_value_t = DeviceChoice::Auto)]
@@ -106,10 +115,34 @@ struct BenchArgs {
     rows: usize,
     #[arg(long, default_value_t = 14336, requires = "kernels")]
     cols: usize,
+    /// Time an AdamW step over flat FP32 buffers on --device instead (G params/s).
+    #[arg(long, conflicts_with = "kernels")]
+    optimizer: bool,
+    /// With --optimizer: parameters in all (default 268M, 2^28).
+    #[arg(long, default_value_t = 1 << 28, requires = "optimizer")]
+    params: usize,
+    /// With --optimizer: tensors they are split into.
+    #[arg(long, default_value_t = 64, requires = "optimizer")]
+    tensors: usize,
 }
 
 fn bench(a: BenchArgs) -> CliResult {
-    let text = if a.kernels {
+    if a.output != "md" && a.output != "json" {
+        return Err(Failure::usage(format!(
+            "-o {}: the output is md or json",
+            a.output
+        )));
+    }
+    let text = if a.optimizer {
+        bench_optim::run(&bench_optim::OptimizerBench {
+            device: a.device,
+            threads: a.threads,
+            reps: usize::from(a.reps).max(5),
+            params: a.params,
+            tensors: a.tensors,
+            json: a.output == "json",
+        })?
+    } else if a.kernels {
         bench::kernels(
             &bench::KernelBench {
                 threads: a.threads,
@@ -120,18 +153,13 @@ fn bench(a: BenchArgs) -> CliResult {
             .checked()?,
         )?
     } else {
-        if a.output != "md" && a.output != "json" {
-            return Err(Failure::usage(format!(
-                "-o {}: the output is md or json",
-                a.output
-            )));
-        }
         bench_model::run(&bench_model::ModelBench {
             model: a.model,
             synthetic: a.synthetic,
             ty: a.ty,
             prompt: a.prompt,
             gen: a.gen,
+            batch: usize::from(a.batch),
             reps: usize::from(a.reps),
             threads: a.threads,
             device: a.device,
@@ -181,6 +209,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench(a),
         Command::Serve(a) => serve::run(a, cli.quiet),
         Command::BenchServe(a) => bench_serve::run(a),
+        Command::Train(a) => train::run(*a, cli.quiet),
         Command::Devices => devices::run().map_err(Failure::from),
         Command::Convert { dir, out, ty, name } => match kiln_core::DType::from_name(&ty) {
             Some(dtype) => kiln_models::convert_hf_to_gguf(&dir, &out, dtype, &name)

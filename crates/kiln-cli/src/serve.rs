@@ -7,7 +7,7 @@ use kiln_core::{Backend, Error};
 use kiln_models::chat::Message;
 use kiln_models::memory::{self, human_bytes};
 use kiln_serve::engine::blocks::{blocks_for, BLOCK_POSITIONS};
-use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, SerialRunner, ServedModel};
+use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,6 +27,13 @@ pub struct ServeArgs {
     /// Sequences running at once.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub max_seqs: u16,
+    /// Tokens a step computes at most: every running sequence's decode, then prompt chunks
+    /// of up to 256 tokens until this budget (the first chunk even past it). Larger steps
+    /// read the weights fewer times per prompt token; smaller ones keep decodes waiting
+    /// less behind prompts.
+    #[arg(long, default_value_t = 2048,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub max_batch_tokens: u32,
     /// New sequences that may wait for a place; beyond it requests get 429.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_waiting: u32,
@@ -116,7 +123,11 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     let file = model_file::open(a.model.as_deref())?;
     let context = model_file::context_size(a.ctx_size, file.config(), &file.name, DEFAULT_CONTEXT)?;
     let max_seqs = usize::from(a.max_seqs);
-    let plan = file.plan(backend.as_ref(), PREFILL_CHUNK, false);
+    // A step's rows: every running sequence's decode, then prompt chunks up to the budget
+    // (the first chunk even past it).
+    let budget = a.max_batch_tokens as usize;
+    let step_rows = max_seqs.max(budget) + PREFILL_CHUNK;
+    let plan = file.plan(backend.as_ref(), step_rows, false);
     let kv_blocks = kv_blocks(
         &file,
         backend.as_ref(),
@@ -131,11 +142,11 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     let tokenizer = Arc::new(file.tokenizer);
     let limits = Limits {
         max_seqs,
-        token_budget: TOKEN_BUDGET,
+        token_budget: budget,
         prefill_chunk: PREFILL_CHUNK,
     };
     let engine = Engine::start(
-        Box::new(SerialRunner::new(model)),
+        Box::new(PagedRunner::new(model, kv_blocks)?),
         tokenizer.clone(),
         EngineConfig {
             limits,
@@ -197,8 +208,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     Ok(())
 }
 
-/// Tokens a step computes at most, and the longest prompt chunk in it.
-const TOKEN_BUDGET: usize = 512;
+/// The longest prompt chunk a step takes of one sequence.
 const PREFILL_CHUNK: usize = 256;
 
 /// SIGTERM or Ctrl-C.

@@ -26,6 +26,7 @@
 
 #[doc(hidden)]
 pub mod cases;
+pub mod grad;
 mod reference;
 mod rounding;
 mod target;
@@ -70,6 +71,8 @@ macro_rules! with_cases {
             attention
             attention_at_model_shapes
             prompt_attention_in_tiles
+            paged_attention
+            paged_attention_with_a_block_outside_the_pool
             argmax
             sampling_follows_the_host_reference
             sampling_into_a_wrong_output_is_an_error

@@ -6,7 +6,9 @@
 //! written once per step, so that a recorded step (see [`Backend::capture`]) can be
 //! replayed for the next token with nothing but those two small writes.
 
-use crate::{sampling, DType, Device, Error, HostBytes, Result, SampleParams, Shape, Tensor};
+use crate::{
+    sampling, DType, Device, Error, GradOps, HostBytes, Result, SampleParams, Shape, Tensor,
+};
 
 /// How rope pairs the dimensions it rotates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +36,19 @@ pub struct AttentionParams {
     pub softcap: Option<f32>,
     /// Sliding window: a query at position `p` sees keys at positions `> p - window`.
     pub window: Option<usize>,
+}
+
+/// Where keys and values live when many sequences share one pool of fixed-size blocks (a
+/// server's paged KV cache): position `j` of sequence `s` is row
+/// `tables[s, j / block] · block + j % block` of the pool.
+pub struct Pages<'a> {
+    /// I32 `[n]`: the sequence (row of `tables`) of each query row.
+    pub seq: &'a Tensor,
+    /// I32 `[sequences, max_blocks]`: each sequence's blocks in the order of its
+    /// positions; entries past the blocks a query can see are not read.
+    pub tables: &'a Tensor,
+    /// Positions a block holds.
+    pub block: usize,
 }
 
 pub trait Backend: Send + Sync {
@@ -139,6 +154,31 @@ pub trait Backend: Send + Sync {
         out: &mut Tensor,
     ) -> Result<()>;
 
+    /// [`Backend::attention`] for queries of many sequences whose keys and values lie in
+    /// blocks of a shared pool (`[blocks · block, kv_heads, head_dim]` each): query `i`, of
+    /// sequence `pages.seq[i]` at position `pos[i]`, sees that sequence's positions
+    /// `0..=pos[i]` (less the window), found through its block table. Each query's result
+    /// is what [`Backend::attention`] gives over the same keys and values laid out
+    /// contiguously. Block ids outside the pool are an error, or skipped on devices that
+    /// cannot report errors mid-step.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        let _ = (q, k_pool, v_pool, pos, pages, params, out);
+        Err(Error::unsupported(format!(
+            "attention over a paged KV cache on {}",
+            self.device()
+        )))
+    }
+
     // ---- Fused ops. Each default is the plain sequence it stands for; a backend
     // overrides one where doing it in one pass saves a trip through memory or a
     // launch. `tmp*` arguments are the caller's buffers for the plain sequence.
@@ -235,6 +275,12 @@ pub trait Backend: Send + Sync {
         self.write_rows(v, v_cache, pos)
     }
 
+    /// The backward kernels, where this backend can train (see [`GradOps`]); `None`
+    /// makes training on it an error that names the device.
+    fn grad(&self) -> Option<&dyn GradOps> {
+        None
+    }
+
     /// Bytes of device memory free for weights and buffers; `None` where the
     /// question does not apply (host memory).
     fn free_memory(&self) -> Result<Option<usize>> {
@@ -263,6 +309,11 @@ pub trait Backend: Send + Sync {
         out: &mut Tensor,
     ) -> Result<()> {
         sample_on_host(self, logits, penalized, params, out)
+    }
+
+    /// The fused optimizer step's kernels ([`crate::optim`]), where this backend has them.
+    fn optim(&self) -> Option<&dyn crate::OptimKernels> {
+        None
     }
 
     /// Record the ops `step` issues, so that they can be replayed as one unit (a CUDA

@@ -10,15 +10,21 @@ pub mod device;
 pub mod disk_cache;
 pub mod dtype;
 pub mod error;
+pub mod grad;
+pub mod optim;
 pub mod quant;
 pub mod sampling;
 pub mod shape;
 pub mod tensor;
 
-pub use backend::{to_device, AttentionParams, Backend, KernelTime, Replay, RmsNorm, RopeLayout};
+pub use backend::{
+    to_device, AttentionParams, Backend, KernelTime, Pages, Replay, RmsNorm, RopeLayout,
+};
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use grad::GradOps;
+pub use optim::OptimKernels;
 pub use sampling::SampleParams;
 pub use shape::Shape;
 pub use tensor::{HostBytes, Storage, Tensor};

@@ -90,6 +90,8 @@ pub struct Tensor {
     storage: Box<dyn Storage>,
     dtype: DType,
     shape: Shape,
+    /// Products compute each row as if alone (see [`Tensor::set_exact_rows`]).
+    exact_rows: bool,
 }
 
 impl Tensor {
@@ -99,7 +101,25 @@ impl Tensor {
             storage,
             dtype,
             shape,
+            exact_rows: false,
         }
+    }
+
+    /// Whether products that read this tensor compute each row as a product of that row
+    /// alone would (see [`Tensor::set_exact_rows`]).
+    pub fn exact_rows(&self) -> bool {
+        self.exact_rows
+    }
+
+    /// Ask products (matmul and the fused ops around it) that read this tensor to compute
+    /// each row exactly as a product of that row alone would. A kernel's rounding may
+    /// depend on the rows it is given (which tile a row falls in, whether a one-row or a
+    /// tiled kernel runs), so a server stepping many sequences together could give the same
+    /// request other tokens at temperature 0 depending on what else runs; with exact rows
+    /// it cannot. Backends that cannot honour it compute the same values with the rounding
+    /// of a batched product (the CPU honours it).
+    pub fn set_exact_rows(&mut self, on: bool) {
+        self.exact_rows = on;
     }
 
     pub fn dtype(&self) -> DType {

@@ -1,6 +1,7 @@
 //! Causal (optionally windowed, soft-capped) grouped-query attention over a KV cache.
 //!
-//! One task per (token, head): scores against every visible key, a softmax, then the
+//! The keys and values lie in one contiguous cache, or in blocks of a pool shared by many
+//! sequences (a server's paged cache). One task per (token, head): scores against every visible key, a softmax, then the
 //! weighted sum of values. Scores live in a per-task buffer of the visible length.
 
 use crate::dot;
@@ -8,8 +9,8 @@ use crate::dot;
 use crate::dot::Isa;
 use crate::elementwise::exp;
 use crate::pool::Pool;
-use crate::{f32s, f32s_mut, indices};
-use kiln_core::{AttentionParams, Error, Result, Tensor};
+use crate::{f32s, f32s_mut, i32s, indices};
+use kiln_core::{AttentionParams, Error, Pages, Result, Tensor};
 
 pub(crate) fn attention(
     pool: &Pool,
@@ -20,39 +21,167 @@ pub(crate) fn attention(
     p: &AttentionParams,
     out: &mut Tensor,
 ) -> Result<()> {
-    let &[n, heads, hd] = q.dims() else {
-        return Err(Error::shape(format!(
-            "attention q must be [n, heads, head_dim], got {}",
-            q.shape()
-        )));
-    };
-    let &[capacity, kv_heads, kv_hd] = k_cache.dims() else {
-        return Err(Error::shape(format!(
-            "k cache must be [capacity, kv_heads, head_dim], got {}",
-            k_cache.shape()
-        )));
-    };
-    if v_cache.dims() != k_cache.dims() || out.dims() != q.dims() || kv_hd != hd {
-        return Err(Error::shape(format!(
-            "attention: q {}, k {}, v {}, out {}",
-            q.shape(),
-            k_cache.shape(),
-            v_cache.shape(),
-            out.shape()
-        )));
-    }
-    if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(Error::shape(format!(
-            "{heads} query heads cannot share {kv_heads} KV heads"
-        )));
-    }
-    let positions = indices(pos, n, capacity, "attention positions", |p| {
+    let shapes = Shapes::check(q, k_cache, v_cache, out)?;
+    let capacity = shapes.capacity;
+    let positions = indices(pos, shapes.n, capacity, "attention positions", |p| {
         Error::shape(format!(
             "position {p} is outside the KV cache capacity of {capacity}"
         ))
     })?;
+    run(pool, &shapes, q, k_cache, v_cache, positions, None, p, out)
+}
+
+/// [`attention`] over a pool of KV blocks shared by many sequences (see
+/// [`kiln_core::Pages`]). Every block a query reads is checked to lie in the pool.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_attention(
+    pool: &Pool,
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    pos: &Tensor,
+    pages: &Pages,
+    p: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
+    let shapes = Shapes::check(q, k_pool, v_pool, out)?;
+    let block = pages.block;
+    let &[sequences, max_blocks] = pages.tables.dims() else {
+        return Err(Error::shape(format!(
+            "block tables must be [sequences, max_blocks], got {}",
+            pages.tables.shape()
+        )));
+    };
+    if block == 0 || shapes.capacity % block != 0 {
+        return Err(Error::shape(format!(
+            "a KV pool of {} rows is not whole blocks of {block}",
+            shapes.capacity
+        )));
+    }
+    let blocks = shapes.capacity / block;
+    let positions = indices(
+        pos,
+        shapes.n,
+        max_blocks * block,
+        "attention positions",
+        |p| {
+            Error::shape(format!(
+                "position {p} is past the {max_blocks} blocks of {block} a block table holds"
+            ))
+        },
+    )?;
+    let seq = indices(pages.seq, shapes.n, sequences, "query sequences", |s| {
+        Error::shape(format!(
+            "sequence {s} of a query has no block table (there are {sequences})"
+        ))
+    })?;
+    let tables = i32s(pages.tables, "block tables")?;
+    for (&s, &pos) in seq.iter().zip(positions) {
+        let row = &tables[s as usize * max_blocks..][..pos as usize / block + 1];
+        if let Some(&bad) = row
+            .iter()
+            .find(|&&b| usize::try_from(b).map_or(true, |b| b >= blocks))
+        {
+            return Err(Error::shape(format!(
+                "block {bad} of sequence {s}'s table is outside the KV pool of {blocks} blocks"
+            )));
+        }
+    }
+    let paged = Paged {
+        seq,
+        tables,
+        max_blocks,
+        block,
+    };
+    run(
+        pool,
+        &shapes,
+        q,
+        k_pool,
+        v_pool,
+        positions,
+        Some(&paged),
+        p,
+        out,
+    )
+}
+
+/// The checked dimensions of an attention call.
+struct Shapes {
+    n: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    /// Rows of the key and value tensors.
+    capacity: usize,
+}
+
+impl Shapes {
+    fn check(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor) -> Result<Shapes> {
+        let &[n, heads, hd] = q.dims() else {
+            return Err(Error::shape(format!(
+                "attention q must be [n, heads, head_dim], got {}",
+                q.shape()
+            )));
+        };
+        let &[capacity, kv_heads, kv_hd] = k.dims() else {
+            return Err(Error::shape(format!(
+                "k cache must be [capacity, kv_heads, head_dim], got {}",
+                k.shape()
+            )));
+        };
+        if v.dims() != k.dims() || out.dims() != q.dims() || kv_hd != hd {
+            return Err(Error::shape(format!(
+                "attention: q {}, k {}, v {}, out {}",
+                q.shape(),
+                k.shape(),
+                v.shape(),
+                out.shape()
+            )));
+        }
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::shape(format!(
+                "{heads} query heads cannot share {kv_heads} KV heads"
+            )));
+        }
+        Ok(Shapes {
+            n,
+            heads,
+            kv_heads,
+            hd,
+            capacity,
+        })
+    }
+}
+
+/// A paged cache's block tables, checked.
+struct Paged<'a> {
+    seq: &'a [i32],
+    tables: &'a [i32],
+    max_blocks: usize,
+    block: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    pool: &Pool,
+    shapes: &Shapes,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    positions: &[i32],
+    paged: Option<&Paged>,
+    p: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
+    let Shapes {
+        heads,
+        kv_heads,
+        hd,
+        ..
+    } = *shapes;
     let group = heads / kv_heads;
-    let (qs, ks, vs) = (f32s(q)?, f32s(k_cache)?, f32s(v_cache)?);
+    let (qs, ks, vs) = (f32s(q)?, f32s(k)?, f32s(v)?);
     let o = f32s_mut(out)?;
     if hd == 0 {
         return Ok(());
@@ -69,6 +198,10 @@ pub(crate) fn attention(
             stride: kv_heads * hd,
             offset: g * hd,
             visible: first..pos + 1,
+            table: paged.map(|pg| {
+                let s = pg.seq[i] as usize;
+                (&pg.tables[s * pg.max_blocks..][..pg.max_blocks], pg.block)
+            }),
         };
         match dot::isa() {
             #[cfg(target_arch = "x86_64")]
@@ -88,6 +221,9 @@ struct Rows<'a> {
     stride: usize,
     offset: usize,
     visible: std::ops::Range<usize>,
+    /// A paged cache: the sequence's block table and the positions a block holds
+    /// (position `j` is row `table[j / block] · block + j % block`); `None`: row `j`.
+    table: Option<(&'a [i32], usize)>,
 }
 
 /// One (token, head) task: scores, softmax, weighted sum of values into `o`, with `dot`
@@ -95,7 +231,13 @@ struct Rows<'a> {
 #[inline(always)]
 fn head_with(r: &Rows, p: &AttentionParams, o: &mut [f32], dot: impl Fn(&[f32], &[f32]) -> f32) {
     let hd = r.q.len();
-    let at = |j: usize| j * r.stride + r.offset;
+    let at = |j: usize| {
+        let row = match r.table {
+            Some((table, block)) => table[j / block] as usize * block + j % block,
+            None => j,
+        };
+        row * r.stride + r.offset
+    };
     // A plain loop, not `map().collect()`: the collecting function would be compiled
     // apart from this one, without the AVX-512 features of its caller.
     let mut scores = vec![0f32; r.visible.len()];

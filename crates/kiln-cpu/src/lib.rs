@@ -29,10 +29,12 @@ mod fgemm;
     allow(dead_code, unused, unreachable_code)
 )]
 mod gemv;
+mod grad;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
 mod kgemm;
 mod matmul;
 mod norm;
+mod optim;
 #[cfg_attr(
     not(target_arch = "x86_64"),
     allow(dead_code, unused, unreachable_code)
@@ -52,8 +54,8 @@ use profile::Profile;
 pub use storage::CpuStorage;
 
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime, Result, RopeLayout,
-    Shape, Tensor,
+    AttentionParams, Backend, DType, Device, Error, GradOps, HostBytes, KernelTime, Pages, Result,
+    RopeLayout, Shape, Tensor,
 };
 
 pub struct CpuBackend {
@@ -167,6 +169,12 @@ pub(crate) fn indices<'a>(
         Some(&bad) => Err(out_of_range(bad)),
         None => Ok(v),
     }
+}
+
+/// An I32 tensor's values.
+pub(crate) fn i32s<'a>(t: &'a Tensor, what: &str) -> Result<&'a [i32]> {
+    expect_i32(t, what)?;
+    Ok(bytemuck::cast_slice(storage(t)?.bytes()?))
 }
 
 pub(crate) fn i32s_mut(t: &mut Tensor) -> Result<&mut [i32]> {
@@ -440,8 +448,32 @@ impl Backend for CpuBackend {
         )
     }
 
+    fn paged_attention(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.profile.time(
+            || "attention (paged)".into(),
+            || attention::paged_attention(&self.pool, q, k_pool, v_pool, pos, pages, params, out),
+        )
+    }
+
+    fn optim(&self) -> Option<&dyn kiln_core::OptimKernels> {
+        Some(self)
+    }
+
     fn kernel_profile(&self) -> Option<Vec<KernelTime>> {
         self.profile.report()
+    }
+
+    fn grad(&self) -> Option<&dyn GradOps> {
+        Some(self)
     }
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -11,7 +11,9 @@
 //! `gemv`; elsewhere each weight row is dotted on its own (`by_rows`).
 
 use crate::pool::{Pool, SharedMut};
-use crate::{amx, dot, f32s, f32s_mut, fgemm, gemv, kgemm, panels, qgemm, quantize, storage};
+use crate::{
+    amx, dot, f32s, f32s_mut, fgemm, gemv, kgemm, panels, qgemm, quantize, storage, CpuStorage,
+};
 use half::{bf16, f16};
 use kiln_core::quant::{
     self, as_blocks, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K,
@@ -40,13 +42,38 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
             out.shape()
         )));
     }
+    let exact_rows = x.exact_rows();
     let xs = f32s(x)?;
     let out = f32s_mut(out)?;
     if n == 0 || m == 0 {
         return Ok(());
     }
+    let w_storage = storage(w)?;
+    if exact_rows && n > 1 {
+        // Each row as a one-row product (see `Tensor::set_exact_rows`).
+        for (x, o) in xs.chunks_exact(k).zip(out.chunks_exact_mut(m)) {
+            product(pool, x, w_storage, w.dtype(), o, 1, m, k)?;
+        }
+        return Ok(());
+    }
+    product(pool, xs, w_storage, w.dtype(), out, n, m, k)
+}
+
+/// `out[n, m] = x[n, k] · w[m, k]ᵀ` on slices, the kernel chosen by weight type, layout
+/// and rows.
+#[allow(clippy::too_many_arguments)]
+fn product(
+    pool: &Pool,
+    xs: &[f32],
+    w: &CpuStorage,
+    dtype: DType,
+    out: &mut [f32],
+    n: usize,
+    m: usize,
+    k: usize,
+) -> Result<()> {
     // Weights in the interleaved layout: decode and prompts read the panels.
-    if let Some(w) = storage(w)?.panels() {
+    if let Some(w) = w.panels() {
         return match w.format() {
             panels::Format::Q4_0 => {
                 let xq = quantize::q8_0_rows(pool, xs, k)?;
@@ -58,12 +85,12 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
             }
         };
     }
-    let wb = storage(w)?.bytes()?;
-    match w.dtype() {
+    let wb = w.bytes()?;
+    match dtype {
         DType::I32 => return Err(Error::unsupported("matmul weights cannot be i32")),
         // Prefill on AMX: 16-bit weights split into bf16 tiles.
         DType::F16 | DType::BF16 if n >= fgemm::MIN_ROWS && amx::bf16_available() => {
-            if w.dtype() == DType::F16 {
+            if dtype == DType::F16 {
                 fgemm::amx::matmul::<f16>(pool, cast(wb)?, xs, out, n, m, k)
             } else {
                 fgemm::amx::matmul::<bf16>(pool, cast(wb)?, xs, out, n, m, k)
@@ -71,17 +98,17 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
         }
         // Prefill on AVX-512: the kernel that reads 16-bit weights where they lie.
         DType::F32 | DType::F16 | DType::BF16 if n >= fgemm::MIN_ROWS && fgemm::available() => {
-            match w.dtype() {
+            match dtype {
                 DType::F32 => fgemm::matmul::<f32>(pool, cast(wb)?, xs, out, n, m, k),
                 DType::F16 => fgemm::matmul::<f16>(pool, cast(wb)?, xs, out, n, m, k),
                 _ => fgemm::matmul::<bf16>(pool, cast(wb)?, xs, out, n, m, k),
             }
         }
         DType::F32 | DType::F16 | DType::BF16 if n >= GEMM_MIN_ROWS => {
-            gemm_f32(pool, xs, wb, w.dtype(), out, n, m, k)
+            gemm_f32(pool, xs, wb, dtype, out, n, m, k)
         }
         // Decode: several weight rows per loop with the prefetch interleaved (`gemv`).
-        DType::F32 | DType::F16 | DType::BF16 if n == 1 && gemv::supported() => match w.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 if n == 1 && gemv::supported() => match dtype {
             DType::F32 => gemv::float::matvec::<f32>(pool, cast(wb)?, xs, out, m),
             DType::F16 => gemv::float::matvec::<f16>(pool, cast(wb)?, xs, out, m),
             _ => gemv::float::matvec::<bf16>(pool, cast(wb)?, xs, out, m),
@@ -110,7 +137,7 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
             // Prefill: register-tiled VNNI kernel that reuses each unpacked weight block
             // across several activation rows (see `qgemm`).
             if n >= qgemm::MIN_ROWS && qgemm::available() {
-                if w.dtype() == DType::Q8_0 {
+                if dtype == DType::Q8_0 {
                     qgemm::matmul::<BlockQ8_0>(pool, &as_blocks(wb)?, &xq, out, n, m, k);
                 } else {
                     qgemm::matmul::<BlockQ4_0>(pool, &as_blocks(wb)?, &xq, out, n, m, k);
@@ -120,7 +147,7 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
             // Prompts on AVX2: the decode kernels, each group of weight rows against every
             // activation row while it is in L1.
             if n > 1 && dot::isa() == dot::Isa::Avx2 {
-                if w.dtype() == DType::Q8_0 {
+                if dtype == DType::Q8_0 {
                     let w = as_blocks(wb)?;
                     gemv::avx2::matmul_q8::<BlockQ8_0>(pool, &w, &xq, out, n, m, k, dot::dot_q8_0);
                 } else {
@@ -131,7 +158,7 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
             }
             // Decode: several weight rows per loop against the once-prepared row (`gemv`).
             if n == 1 && gemv::supported() {
-                if w.dtype() == DType::Q8_0 {
+                if dtype == DType::Q8_0 {
                     let w = as_blocks(wb)?;
                     gemv::q8_0::matvec::<BlockQ8_0>(pool, &w, &xq, out, m, k, dot::dot_q8_0);
                 } else {
@@ -141,7 +168,7 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
                 return Ok(());
             }
             let xq = |i: usize| &xq[i * nb..][..nb];
-            if w.dtype() == DType::Q8_0 {
+            if dtype == DType::Q8_0 {
                 let ws = as_blocks(wb)?;
                 by_rows(pool, out, n, m, wb, |r, i| {
                     dot::dot_q8_0(&ws[r * nb..][..nb], xq(i))
@@ -158,13 +185,13 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
             let xq = quantize::q8_k_rows(pool, xs, k)?;
             let xq: &[BlockQ8K] = &xq;
             // Prefill on AMX-INT8 (Q4_K), else the register-tiled VNNI kernel (`kgemm`).
-            if w.dtype() == DType::Q4_K && n >= kgemm::amx::MIN_ROWS && amx::int8_available() {
+            if dtype == DType::Q4_K && n >= kgemm::amx::MIN_ROWS && amx::int8_available() {
                 let w = as_blocks(wb)?;
                 kgemm::amx::matmul(pool, kgemm::KRows::File(&w), xq, out, n, m, k);
                 return Ok(());
             }
             if n >= qgemm::MIN_ROWS && qgemm::available() {
-                if w.dtype() == DType::Q4_K {
+                if dtype == DType::Q4_K {
                     let w = as_blocks(wb)?;
                     kgemm::matmul::<BlockQ4K>(pool, kgemm::KRows::File(&w), xq, out, n, m, k);
                 } else {
@@ -174,7 +201,7 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
                 return Ok(());
             }
             if n > 1 && dot::isa() == dot::Isa::Avx2 {
-                if w.dtype() == DType::Q4_K {
+                if dtype == DType::Q4_K {
                     gemv::avx2::matmul_q4k(pool, &as_blocks(wb)?, xq, out, n, m);
                 } else {
                     gemv::avx2::matmul_q6k(pool, &as_blocks(wb)?, xq, out, n, m);
@@ -182,7 +209,7 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
                 return Ok(());
             }
             if n == 1 && gemv::supported() {
-                if w.dtype() == DType::Q4_K {
+                if dtype == DType::Q4_K {
                     gemv::k_quants::matvec_q4k(pool, &as_blocks(wb)?, xq, out, m);
                 } else {
                     gemv::k_quants::matvec_q6k(pool, &as_blocks(wb)?, xq, out, m);
@@ -190,7 +217,7 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
                 return Ok(());
             }
             let xq = |i: usize| &xq[i * nb..][..nb];
-            if w.dtype() == DType::Q4_K {
+            if dtype == DType::Q4_K {
                 let ws = as_blocks(wb)?;
                 by_rows(pool, out, n, m, wb, |r, i| {
                     dot::dot_q4_k(&ws[r * nb..][..nb], xq(i))

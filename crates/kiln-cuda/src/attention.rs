@@ -1,4 +1,5 @@
-//! Causal grouped-query attention over the KV cache (kernels/attention.cu).
+//! Causal grouped-query attention over the KV cache (kernels/attention.cu): one sequence's
+//! contiguous cache, or a pool of blocks shared by a server's sequences.
 //!
 //! Prompts: one block per (tile of queries, KV head), whole key range. Decode (a few
 //! queries): the key range is split in pieces of `SPAN` positions over the whole cache
@@ -8,7 +9,7 @@
 
 use crate::kernels::{Arg, LaunchNeed};
 use crate::{expect, ptr, to_i32, CudaBackend};
-use kiln_core::{AttentionParams, DType, Error, Result, Tensor};
+use kiln_core::{AttentionParams, DType, Error, Pages, Result, Tensor};
 
 /// Keys per split-K piece in decode: two chunks of 32 per block keeps each block's
 /// chain of loads short; more pieces only add to the (cheap) merge.
@@ -17,6 +18,9 @@ const SPAN: usize = 64;
 const MAX_SPLITS: usize = 128;
 /// Queries up to which the key range is split.
 const SPLIT_MAX_QUERIES: usize = 8;
+/// Queries of a paged batch up to which the key range is split: with more, the (query,
+/// KV head) blocks fill the GPU's 132 SMs several times over.
+const PAGED_SPLIT_MAX_QUERIES: usize = 64;
 
 /// The most query heads a KV head may have: one block holds them all.
 const MAX_GROUP: usize = 32;
@@ -91,6 +95,70 @@ pub(crate) fn attention(
     params: &AttentionParams,
     out: &mut Tensor,
 ) -> Result<()> {
+    run(b, q, k_cache, v_cache, pos, None, params, out)
+}
+
+/// [`attention`] over a pool of blocks shared by many sequences (see [`Pages`]): one
+/// query a block (a tile's queries share the keys they load, and neighbouring rows may be
+/// other sequences), the key range split as for decode up to the longest table's
+/// positions. Table entries outside the pool hide their keys (the kernel cannot report
+/// them mid-step).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_attention(
+    b: &CudaBackend,
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    pos: &Tensor,
+    pages: &Pages,
+    params: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
+    expect(pages.seq, DType::I32, "query sequences")?;
+    expect(pages.tables, DType::I32, "block tables")?;
+    let &[_, max_blocks] = pages.tables.dims() else {
+        return Err(Error::shape(format!(
+            "block tables must be [sequences, max_blocks], got {}",
+            pages.tables.shape()
+        )));
+    };
+    let rows = k_pool.dims().first().copied().unwrap_or(0);
+    if pages.block == 0 || !rows.is_multiple_of(pages.block) || pages.seq.dims() != pos.dims() {
+        return Err(Error::shape(format!(
+            "paged attention: a pool of {rows} rows in blocks of {}, sequences {} for positions {}",
+            pages.block,
+            pages.seq.shape(),
+            pos.shape()
+        )));
+    }
+    let paged = Paged {
+        seq: ptr(pages.seq)?,
+        tables: ptr(pages.tables)?,
+        max_blocks,
+        block: pages.block,
+    };
+    run(b, q, k_pool, v_pool, pos, Some(&paged), params, out)
+}
+
+/// A paged launch's tables (device pointers) and their sizes.
+struct Paged {
+    seq: u64,
+    tables: u64,
+    max_blocks: usize,
+    block: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    b: &CudaBackend,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: &Tensor,
+    paged: Option<&Paged>,
+    params: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
     for (t, what) in [
         (q, "queries"),
         (k_cache, "keys"),
@@ -142,15 +210,23 @@ pub(crate) fn attention(
         b.kernels.max_threads(KERNELS[dv - 1][0])? as usize / 32,
         b.kernels.max_threads(KERNELS[dv - 1][1])? as usize / 32,
     ];
-    let (per_warp, tiles) = block_shape(n, group, max_warps);
+    let (per_warp, tiles) = match paged {
+        Some(_) => (1, 1),
+        None => block_shape(n, group, max_warps),
+    };
     let (qt, rows) = (tiles * per_warp, group * tiles);
     let shared = shared_bytes(d, rows * per_warp);
-    let (splits, span) = if n <= SPLIT_MAX_QUERIES && cap > SPAN {
+    // The positions a query may see: the cache's, or the longest block table's.
+    let reach = paged.map_or(cap, |p| p.max_blocks * p.block);
+    // A paged batch splits its keys while its queries alone would leave the GPU idle (a
+    // server's decodes); a batch of prompt chunks has queries enough.
+    let split = n <= SPLIT_MAX_QUERIES || (paged.is_some() && n <= PAGED_SPLIT_MAX_QUERIES);
+    let (splits, span) = if split && reach > SPAN {
         // Long caches get longer pieces: at most MAX_SPLITS to merge.
-        let span = SPAN.max(cap.div_ceil(MAX_SPLITS).next_multiple_of(32));
-        (cap.div_ceil(span), span)
+        let span = SPAN.max(reach.div_ceil(MAX_SPLITS).next_multiple_of(32));
+        (reach.div_ceil(span), span)
     } else {
-        (1, cap.max(1))
+        (1, reach.max(1))
     };
     let part = if splits > 1 {
         b.scratch("attention_partials", splits * n * heads * (d + 2) * 4)?
@@ -182,6 +258,14 @@ pub(crate) fn attention(
             Arg::Ptr(part),
             xq,
             xd,
+            Arg::Ptr(paged.map_or(0, |p| p.seq)),
+            Arg::Ptr(paged.map_or(0, |p| p.tables)),
+            Arg::I32(to_i32(
+                paged.map_or(0, |p| p.max_blocks),
+                "blocks a table holds",
+            )?),
+            Arg::I32(to_i32(paged.map_or(1, |p| p.block), "block positions")?),
+            Arg::I32(to_i32(cap, "KV rows")?),
             Arg::I32(n as i32),
             Arg::I32(heads as i32),
             Arg::I32(kv_heads as i32),

@@ -11,10 +11,12 @@ mod attention;
 mod compile;
 mod device;
 mod elementwise;
+mod grad;
 mod kernels;
 mod matmul;
 mod memory;
 mod norm;
+mod optim;
 mod sample;
 
 pub use compile::CacheOutcome;
@@ -24,8 +26,8 @@ pub use memory::CudaStorage;
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use kernels::{Arg, Kernels};
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, HostBytes, Replay, Result, RmsNorm, RopeLayout,
-    SampleParams, Shape, Tensor,
+    AttentionParams, Backend, DType, Device, Error, GradOps, HostBytes, Pages, Replay, Result,
+    RmsNorm, RopeLayout, SampleParams, Shape, Tensor,
 };
 use memory::{DeviceBuffer, Pool};
 use std::collections::HashMap;
@@ -53,6 +55,10 @@ pub struct CudaBackend {
     /// Work buffers of the ops (decoded weight tiles, rounded activations, attention
     /// partials), kept and grown, so that steady-state steps allocate nothing.
     scratch: Mutex<HashMap<&'static str, DeviceBuffer>>,
+    /// Work buffers outgrown: a recorded step (a CUDA graph) may still write to them, so
+    /// they are never handed to other tensors. Growth doubles, so they hold less than the
+    /// buffers in use.
+    outgrown: Mutex<Vec<DeviceBuffer>>,
     cache_outcome: CacheOutcome,
     /// Whether the last operation queued on the stream was one of our kernels: only then
     /// may the next kernel launch programmatically (its wait covers a kernel before it,
@@ -133,6 +139,7 @@ impl CudaBackend {
             kernels,
             blas,
             scratch: Mutex::new(HashMap::new()),
+            outgrown: Mutex::new(Vec::new()),
             cache_outcome,
             follows_kernel: std::sync::atomic::AtomicBool::new(false),
             queued: std::sync::atomic::AtomicU64::new(0),
@@ -248,9 +255,15 @@ impl CudaBackend {
         if let Some(b) = scratch.get(slot).filter(|b| b.capacity() >= bytes) {
             return Ok(b.ptr);
         }
+        let bytes = match scratch.get(slot) {
+            Some(old) => bytes.max(2 * old.capacity()),
+            None => bytes,
+        };
         let b = self.pool.alloc(bytes)?;
         let ptr = b.ptr;
-        scratch.insert(slot, b);
+        if let Some(old) = scratch.insert(slot, b) {
+            self.outgrown.lock().expect("outgrown lock").push(old);
+        }
         Ok(ptr)
     }
 
@@ -491,6 +504,19 @@ impl Backend for CudaBackend {
         attention::attention(self, q, k_cache, v_cache, pos, params, out)
     }
 
+    fn paged_attention(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        attention::paged_attention(self, q, k_pool, v_pool, pos, pages, params, out)
+    }
+
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
         elementwise::argmax(self, x, out)
     }
@@ -572,8 +598,16 @@ impl Backend for CudaBackend {
         elementwise::rope_write_kv(self, q, k, v, pos, rope, k_cache, v_cache)
     }
 
+    fn grad(&self) -> Option<&dyn GradOps> {
+        Some(self)
+    }
+
     fn free_memory(&self) -> Result<Option<usize>> {
         Ok(Some(self.memory_info()?.0))
+    }
+
+    fn optim(&self) -> Option<&dyn kiln_core::OptimKernels> {
+        Some(self)
     }
 
     fn capture(&self, step: &mut dyn FnMut() -> Result<()>) -> Result<Option<Box<dyn Replay>>> {

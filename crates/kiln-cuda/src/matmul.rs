@@ -496,6 +496,54 @@ impl HalfX {
     }
 }
 
+/// `c = a·b + beta·c` in cuBLAS's column-major terms (`ta`/`tb`: use the transpose of
+/// `a`/`b`), F32: the products of the backward kernels (see `grad`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sgemm(
+    b: &CudaBackend,
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (a, lda): (u64, usize),
+    (bm, ldb): (u64, usize),
+    beta: f32,
+    (c, ldc): (u64, usize),
+) -> Result<()> {
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let op = |t: bool| {
+        if t {
+            blas_sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            blas_sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let i = |v: usize| to_i32(v, "a product's size");
+    let alpha = 1.0f32;
+    let handle = b.blas.handle.lock().expect("cuBLAS lock");
+    b.fence_before_library_kernel()?;
+    b.queued_other_work();
+    unsafe {
+        blas::sgemm(
+            handle.0,
+            op(ta),
+            op(tb),
+            i(m)?,
+            i(n)?,
+            i(k)?,
+            &alpha,
+            a as *const f32,
+            i(lda)?,
+            bm as *const f32,
+            i(ldb)?,
+            &beta,
+            c as *mut f32,
+            i(ldc)?,
+        )
+    }
+    .map_err(|e| Error::Device(format!("cuBLAS GEMM {m}x{n}x{k}: {e:?}")))
+}
+
 fn gemm(
     b: &CudaBackend,
     t: usize,

@@ -214,3 +214,47 @@ pub(crate) fn map(path: &Path) -> Result<FileBytes> {
     let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path.display(), e))?;
     Ok(Arc::new(map))
 }
+
+/// Write `path` by `write`ing a temporary file beside it (same directory, so the rename
+/// cannot cross file systems), flushing it to disk, renaming it over `path` and flushing
+/// the directory: a failure or a crash at any point leaves `path` as it was (absent, or
+/// the previous complete file), never a partial file. The temporary file is removed on
+/// failure; after a crash one named `.NAME.PID.partial` may remain.
+pub fn write_replacing(
+    path: &Path,
+    write: impl FnOnce(&mut std::io::BufWriter<File>) -> std::io::Result<()>,
+) -> Result<()> {
+    let name = path.file_name().ok_or_else(|| {
+        Error::format(format!("{}: the output path names no file", path.display()))
+    })?;
+    let tmp = path.with_file_name(format!(
+        ".{}.{}.partial",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(|e| Error::io(tmp.display(), e))?;
+    let written = (|| {
+        let mut b = std::io::BufWriter::new(file);
+        write(&mut b)?;
+        b.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        // The rename is durable once the directory is.
+        #[cfg(unix)]
+        {
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => Path::new("."),
+            };
+            File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    })();
+    written.map_err(|e: std::io::Error| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path.display(), e)
+    })
+}

@@ -123,7 +123,7 @@ fn llama3_scale(inv_freq: f64, s: Llama3Scaling) -> f64 {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
     pub arch: Arch,
     pub vocab_size: usize,

@@ -4,6 +4,7 @@
 
 use crate::config::{Arch, ModelConfig, Norm, Rope};
 use crate::config_hf::config_from_hf;
+use crate::model_gguf::matrix_type;
 use kiln_core::{quant, DType, Error, Result};
 use kiln_io::gguf::{GgufWriter, Value};
 use kiln_io::hf_config::HfConfig;
@@ -26,7 +27,7 @@ fn file_type(dtype: DType) -> Result<u32> {
 }
 
 /// llama.cpp's `permute`: within each head, rows `[i, i + d/2]` become `[2i, 2i + 1]`.
-fn permute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+pub(crate) fn permute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
     let hd = rows / heads;
     let mut out = vec![0f32; w.len()];
     for h in 0..heads {
@@ -204,35 +205,6 @@ fn check_output(out: &Path, dir: &Path, shards: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
-/// Write to a temporary file beside `out` and rename it over `out` once complete: a
-/// failure or a crash leaves no partial file at `out`, and whatever was there stays
-/// intact until the rename.
-fn write_replacing(w: &GgufWriter, out: &Path) -> Result<()> {
-    let name = out.file_name().ok_or_else(|| {
-        Error::format(format!("{}: the output path names no file", out.display()))
-    })?;
-    let tmp = out.with_file_name(format!(
-        ".{}.{}.partial",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .map_err(|e| Error::io(tmp.display(), e))?;
-    let written = (|| {
-        let mut b = std::io::BufWriter::new(file);
-        w.write_to(&mut b)?;
-        b.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&tmp, out)
-    })();
-    written.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::io(out.display(), e)
-    })
-}
-
 /// Convert the Hugging Face directory `dir` to a GGUF file at `out`, matrices in `dtype`
 /// (norms stay f32). Returns the number of tensors written.
 pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> Result<usize> {
@@ -325,17 +297,8 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
         w.add_tensor("rope_freqs.weight", DType::F32, &[divisors.len()], bytes)?;
         count += 1;
     }
-    write_replacing(&w, out)?;
+    kiln_io::file::write_replacing(out, |b| w.write_to(b))?;
     Ok(count)
-}
-
-/// Rows that are not whole blocks of the requested type stay f16, as llama.cpp does.
-fn matrix_type(dtype: DType, shape: &[usize]) -> DType {
-    if shape.last().is_some_and(|&k| k % dtype.block_size() == 0) {
-        dtype
-    } else {
-        DType::F16
-    }
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 //! conventions, and uploads the weights in their stored dtype; [`Model::forward`] runs
 //! tokens through it.
 
+mod batch;
 pub mod chat;
 mod checkpoint;
 mod config;
@@ -14,17 +15,22 @@ pub mod generate;
 mod load;
 pub mod memory;
 mod model;
+mod model_gguf;
+mod model_hf;
+mod parameters;
 mod perplexity;
 pub mod sampler;
 mod source;
 mod synthetic;
 mod weights;
 
+pub use batch::{BatchItem, PagedKvCache, StepOutput, StepWant};
 pub use checkpoint::Checkpoint;
 pub use config::{Arch, Ffn, Llama3Scaling, ModelConfig, Norm, Rope};
 pub use convert::convert_hf_to_gguf;
 pub use generate::{generate, GenerateOptions, Generation, StopReason};
 pub use model::{KvCache, Logits, Model};
+pub use model_gguf::gguf_writer;
 pub use perplexity::{perplexity, Perplexity};
 pub use sampler::{Sampler, SamplerConfig};
 pub use synthetic::{SyntheticShape, SyntheticType};

@@ -1,6 +1,7 @@
 //! The forward pass, written once for every architecture: one straight sequence of
 //! backend ops, steered by [`ModelConfig`].
 
+use crate::batch::{DecodeGraphs, PagedKvCache, PagedRows};
 use crate::config::{Ffn, ModelConfig, Norm};
 use crate::weights::{FfnWeights, GateUp, Linear, ModelWeights, NormWeights, Qkv};
 use kiln_core::{
@@ -19,6 +20,14 @@ pub enum Logits {
     All,
 }
 
+/// What a step ends with: logits, or (for training, which fuses the output projection
+/// into its loss) the final normed hidden states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Output {
+    Logits(Logits),
+    Hidden,
+}
+
 /// Keys and values of every layer, `[capacity, kv_heads, head_dim]` each, on the device.
 pub struct KvCache {
     k: Vec<Tensor>,
@@ -29,7 +38,7 @@ pub struct KvCache {
     id: u64,
 }
 
-static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
+pub(crate) static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
 
 impl KvCache {
     /// Positions the cache holds.
@@ -38,36 +47,47 @@ impl KvCache {
     }
 }
 
+/// Where a step's keys and values go and come from.
+pub(crate) enum KvTarget<'a> {
+    /// One sequence's contiguous cache: position `p` is row `p`.
+    Contiguous(&'a mut KvCache),
+    /// Blocks of a pool shared by the step's sequences.
+    Paged {
+        cache: &'a mut PagedKvCache,
+        rows: PagedRows<'a>,
+    },
+}
+
 /// Buffers for a batch of `n` tokens, allocated once per batch size and reused.
-struct Scratch {
-    n: usize,
+pub(crate) struct Scratch {
+    pub(crate) n: usize,
     /// I32 `[n]`: the token ids and their positions, the only inputs a step writes.
-    ids: Tensor,
-    positions: Tensor,
-    x: Tensor,
-    h: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    qkv: Option<Tensor>,
-    attn: Tensor,
-    o: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    gate_up: Option<Tensor>,
-    act: Tensor,
-    down: Tensor,
+    pub(crate) ids: Tensor,
+    pub(crate) positions: Tensor,
+    pub(crate) x: Tensor,
+    pub(crate) h: Tensor,
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+    pub(crate) qkv: Option<Tensor>,
+    pub(crate) attn: Tensor,
+    pub(crate) o: Tensor,
+    pub(crate) gate: Tensor,
+    pub(crate) up: Tensor,
+    pub(crate) gate_up: Option<Tensor>,
+    pub(crate) act: Tensor,
+    pub(crate) down: Tensor,
     /// GPT-2's learned position embeddings of the batch.
-    pos_embed: Option<Tensor>,
+    pub(crate) pos_embed: Option<Tensor>,
     /// The last row of `h`, `[1, dim]`.
-    last: Tensor,
+    pub(crate) last: Tensor,
     /// `[1, vocab]`: the last position's logits.
-    logits: Tensor,
+    pub(crate) logits: Tensor,
     /// `[n, vocab]`, made by the first [`Logits::All`] pass of this size: large, and
     /// needed only for perplexity and tests.
-    all_logits: Option<Tensor>,
+    pub(crate) all_logits: Option<Tensor>,
     /// I32 `[1]`: the greedy token, all that [`Model::forward_argmax`] reads back.
-    next: Tensor,
+    pub(crate) next: Tensor,
 }
 
 impl Scratch {
@@ -103,6 +123,8 @@ pub struct Model {
     prefill: Option<Scratch>,
     graphs: bool,
     graph: Graph,
+    /// Recorded decode steps of a server's batches (see `batch::graphs`).
+    pub(crate) decode_graphs: DecodeGraphs,
 }
 
 fn f32_tensor(b: &dyn Backend, dims: &[usize]) -> Result<Tensor> {
@@ -132,11 +154,44 @@ impl Model {
             prefill: None,
             graphs: std::env::var_os("KILN_NO_GRAPHS").is_none_or(|v| v != "1"),
             graph: Graph::Cold,
+            decode_graphs: DecodeGraphs::default(),
         }
     }
 
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// Whether steps are recorded and replayed where the backend can (see `set_graphs`).
+    pub(crate) fn graphs_on(&self) -> bool {
+        self.graphs
+    }
+
+    /// Rows of the embedding table: token ids must be below it.
+    pub(crate) fn vocab_rows(&self) -> usize {
+        self.weights.embed.dims()[0]
+    }
+
+    /// Positions a model with learned position embeddings (GPT-2) has.
+    pub(crate) fn learned_positions(&self) -> Option<usize> {
+        self.weights.pos_embed.as_ref().map(|pe| pe.dims()[0])
+    }
+
+    pub(crate) fn out_norm(&self) -> &NormWeights {
+        &self.weights.out_norm
+    }
+
+    /// The output projection (the embedding table when they are tied).
+    pub(crate) fn head_weight(&self) -> &Tensor {
+        self.weights.output.as_ref().unwrap_or(&self.weights.embed)
+    }
+
+    pub(crate) fn weights(&self) -> &ModelWeights {
+        &self.weights
+    }
+
+    pub(crate) fn weights_mut(&mut self) -> &mut ModelWeights {
+        &mut self.weights
     }
 
     /// Record one-token steps and replay them (CUDA graphs) where the backend can. On by
@@ -145,6 +200,9 @@ impl Model {
         self.graphs = on;
         if !on && !matches!(self.graph, Graph::Unsupported) {
             self.graph = Graph::Cold;
+        }
+        if !on {
+            self.decode_graphs = DecodeGraphs::default();
         }
     }
 
@@ -217,7 +275,7 @@ impl Model {
         Ok(())
     }
 
-    fn new_scratch(&self, n: usize) -> Result<Scratch> {
+    pub(crate) fn new_scratch(&self, n: usize) -> Result<Scratch> {
         let c = &self.config;
         let b = self.backend.as_ref();
         let fused_qkv = self
@@ -280,15 +338,33 @@ impl Model {
     ) -> Result<Vec<f32>> {
         // One token's logits are the last position's: a decode step either way.
         let which = if ids.len() == 1 { Logits::Last } else { which };
-        self.run(ids, pos0, cache, which, |b, s| {
-            download_f32(b, s.logits(which))
+        self.run(ids, pos0, cache, Output::Logits(which), |m, s| {
+            download_f32(m.backend.as_ref(), s.logits(which))
+        })
+    }
+
+    /// Run `ids` at positions `pos0..` like [`Model::forward`], but stop at the final
+    /// norm: `f` gets the normed hidden states `[n, dim]` and the output projection
+    /// `[vocab, dim]` (the embeddings, when tied). Training fuses the projection into its
+    /// loss, so that the `[n, vocab]` logits never exist whole. The final softcap, when the
+    /// model has one, is `config.final_softcap`.
+    pub fn forward_hidden<T>(
+        &mut self,
+        ids: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        f: impl FnOnce(&Tensor, &Tensor) -> Result<T>,
+    ) -> Result<T> {
+        self.run(ids, pos0, cache, Output::Hidden, |m, s| {
+            f(&s.h, m.weights.output.as_ref().unwrap_or(&m.weights.embed))
         })
     }
 
     /// Like [`Model::forward`] with [`Logits::Last`], but return only the most likely next
     /// token (the first, on ties), found on the device: greedy decoding reads back 4 bytes.
     pub fn forward_argmax(&mut self, ids: &[u32], pos0: usize, cache: &mut KvCache) -> Result<u32> {
-        self.run(ids, pos0, cache, Logits::Last, |b, s| {
+        self.run(ids, pos0, cache, Output::Logits(Logits::Last), |m, s| {
+            let b = m.backend.as_ref();
             b.argmax(&s.logits, &mut s.next)?;
             read_token(b, &s.next)
         })
@@ -305,7 +381,8 @@ impl Model {
         penalized: &[u32],
         params: &SampleParams,
     ) -> Result<u32> {
-        self.run(ids, pos0, cache, Logits::Last, |b, s| {
+        self.run(ids, pos0, cache, Output::Logits(Logits::Last), |m, s| {
+            let b = m.backend.as_ref();
             b.sample(&mut s.logits, penalized, params, &mut s.next)?;
             read_token(b, &s.next)
         })
@@ -318,8 +395,8 @@ impl Model {
         ids: &[u32],
         pos0: usize,
         cache: &mut KvCache,
-        which: Logits,
-        read: impl FnOnce(&dyn Backend, &mut Scratch) -> Result<T>,
+        which: Output,
+        read: impl FnOnce(&Model, &mut Scratch) -> Result<T>,
     ) -> Result<T> {
         let n = ids.len();
         if n == 0 {
@@ -359,7 +436,7 @@ impl Model {
         };
         let result = self
             .step(&mut s, ids, pos0, cache, which)
-            .and_then(|()| read(self.backend.as_ref(), &mut s));
+            .and_then(|()| read(self, &mut s));
         if n == 1 {
             self.decode = Some(s);
         } else {
@@ -376,16 +453,16 @@ impl Model {
         ids: &[u32],
         pos0: usize,
         cache: &mut KvCache,
-        which: Logits,
+        which: Output,
     ) -> Result<()> {
         let b = self.backend.clone();
         let n = ids.len();
         b.write(&mut s.ids, &i32_bytes(ids.iter().map(|&id| id as usize)))?;
         b.write(&mut s.positions, &i32_bytes(pos0..pos0 + n))?;
-        if which == Logits::All && s.all_logits.is_none() {
+        if which == Output::Logits(Logits::All) && s.all_logits.is_none() {
             s.all_logits = Some(f32_tensor(b.as_ref(), &[n, self.config.vocab_size])?);
         }
-        if !(self.graphs && n == 1 && which == Logits::Last) {
+        if !(self.graphs && n == 1 && which == Output::Logits(Logits::Last)) {
             return self.ops(s, cache, which);
         }
         // Taken out while the step runs: an error leaves `Cold`, and the next steps start
@@ -421,7 +498,13 @@ impl Model {
 
     /// The step's ops, from the embedding to the logits. Nothing here allocates: the ops
     /// may be recorded.
-    fn ops(&self, s: &mut Scratch, cache: &mut KvCache, which: Logits) -> Result<()> {
+    fn ops(&self, s: &mut Scratch, cache: &mut KvCache, which: Output) -> Result<()> {
+        self.layers(s, &mut KvTarget::Contiguous(cache))?;
+        self.head(s, which)
+    }
+
+    /// The embedding and every layer: `s.x` holds the last layer's output.
+    pub(crate) fn layers(&self, s: &mut Scratch, kv: &mut KvTarget) -> Result<()> {
         let c = &self.config;
         let b = self.backend.as_ref();
         let w = &self.weights;
@@ -471,29 +554,50 @@ impl Model {
                 .as_ref()
                 .zip(w.inv_freq.as_ref())
                 .map(|(rope, inv_freq)| (inv_freq, rope.layout));
-            let (k_cache, v_cache) = (&mut cache.k[l], &mut cache.v[l]);
-            b.rope_write_kv(
-                &mut s.q,
-                &mut s.k,
-                &s.v,
-                &s.positions,
-                rope,
-                k_cache,
-                v_cache,
-            )?;
             let params = AttentionParams {
                 scale: c.attn_scale,
                 softcap: c.attn_softcap,
                 window: c.layer_window(l),
             };
-            b.attention(
-                &s.q,
-                &cache.k[l],
-                &cache.v[l],
-                &s.positions,
-                &params,
-                &mut s.attn,
-            )?;
+            match kv {
+                KvTarget::Contiguous(cache) => {
+                    let (k_cache, v_cache) = (&mut cache.k[l], &mut cache.v[l]);
+                    b.rope_write_kv(
+                        &mut s.q,
+                        &mut s.k,
+                        &s.v,
+                        &s.positions,
+                        rope,
+                        k_cache,
+                        v_cache,
+                    )?;
+                    b.attention(
+                        &s.q,
+                        &cache.k[l],
+                        &cache.v[l],
+                        &s.positions,
+                        &params,
+                        &mut s.attn,
+                    )?;
+                }
+                KvTarget::Paged { cache, rows } => {
+                    if let Some((inv_freq, layout)) = rope {
+                        b.rope(&mut s.q, &s.positions, inv_freq, layout)?;
+                        b.rope(&mut s.k, &s.positions, inv_freq, layout)?;
+                    }
+                    b.write_rows(&s.k, &mut cache.k[l], rows.slots)?;
+                    b.write_rows(&s.v, &mut cache.v[l], rows.slots)?;
+                    b.paged_attention(
+                        &s.q,
+                        &cache.k[l],
+                        &cache.v[l],
+                        &s.positions,
+                        &rows.pages(cache.block),
+                        &params,
+                        &mut s.attn,
+                    )?;
+                }
+            }
             reshape(&mut s.q, &[n, c.q_dim()])?;
             reshape(&mut s.k, &[n, c.kv_dim()])?;
             reshape(&mut s.v, &[n, c.kv_dim()])?;
@@ -575,8 +679,20 @@ impl Model {
                 self.linear_add(down, &s.act, &mut s.x, &mut s.down)?;
             }
         }
+        Ok(())
+    }
 
+    /// The final norm and the output head over the last layer's output `s.x`.
+    pub(crate) fn head(&self, s: &mut Scratch, which: Output) -> Result<()> {
+        let c = &self.config;
+        let b = self.backend.as_ref();
+        let w = &self.weights;
+        let n = s.n;
         self.norm(&w.out_norm, &s.x, &mut s.h)?;
+        let which = match which {
+            Output::Hidden => return Ok(()),
+            Output::Logits(which) => which,
+        };
         let head = w.output.as_ref().unwrap_or(&w.embed);
         let logits = match which {
             Logits::All => {
@@ -613,7 +729,7 @@ impl Model {
         }
     }
 
-    fn norm(&self, nw: &NormWeights, x: &Tensor, out: &mut Tensor) -> Result<()> {
+    pub(crate) fn norm(&self, nw: &NormWeights, x: &Tensor, out: &mut Tensor) -> Result<()> {
         match (self.config.norm, &nw.b) {
             (Norm::Rms { eps }, _) => self.backend.rms_norm(x, &nw.w, eps, out),
             (Norm::Layer { eps }, Some(bias)) => self.backend.layer_norm(x, &nw.w, bias, eps, out),

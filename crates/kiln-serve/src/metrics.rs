@@ -67,6 +67,7 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
     pub preemptions: AtomicU64,
+    pub prefix_cache_hit_tokens: AtomicU64,
     pub finished_stop: AtomicU64,
     pub finished_length: AtomicU64,
     pub cancelled: AtomicU64,
@@ -87,6 +88,7 @@ impl Default for Metrics {
             prompt_tokens: zero(),
             generation_tokens: zero(),
             preemptions: zero(),
+            prefix_cache_hit_tokens: zero(),
             finished_stop: zero(),
             finished_length: zero(),
             cancelled: zero(),
@@ -158,6 +160,12 @@ impl Metrics {
             "counter",
             "Sequences preempted (to be recomputed) because KV blocks ran out.",
             get(&self.preemptions),
+        );
+        one(
+            "kiln_prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens whose keys and values were taken from the prefix cache.",
+            get(&self.prefix_cache_hit_tokens),
         );
         let _ = writeln!(
             out,

@@ -5,7 +5,7 @@ use kiln_cpu::CpuBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_models::chat::Message;
 use kiln_models::{generate, GenerateOptions, Model, Sampler, SamplerConfig};
-use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, SerialRunner, ServedModel};
+use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel};
 use kiln_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -69,7 +69,7 @@ async fn start(o: Options) -> Server {
     let (model, tokenizer) = load();
     let tokenizer = Arc::new(tokenizer);
     let engine = Engine::start(
-        Box::new(SerialRunner::new(model)),
+        Box::new(PagedRunner::new(model, o.kv_blocks).unwrap()),
         tokenizer.clone(),
         EngineConfig {
             limits: Limits {
@@ -519,8 +519,9 @@ async fn a_full_queue_is_429_and_a_disconnect_frees_everything() {
     s.shut_down().await;
 }
 
-/// A request at temperature 0 gets the same tokens alone and among others, a long prompt
-/// (two chunks) included.
+/// A request at temperature 0 gets the same tokens, and the same log-probabilities to the
+/// bit, alone and among others: a long prompt (two chunks) included, and others that share
+/// its first blocks through the prefix cache, or start a cold cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_tokens_do_not_depend_on_the_batch() {
     let s = start(Options::default()).await;
@@ -530,12 +531,20 @@ async fn greedy_tokens_do_not_depend_on_the_batch() {
         json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": true,
                "logprobs": 1})
     };
+    // Alone, on a cold cache.
     let alone_short = s.post("/v1/completions", request(PROMPT)).await.1;
     let alone_long = s.post("/v1/completions", request(&long_prompt)).await.1;
+    assert_eq!(s.metric("kiln_prefix_cache_hit_tokens_total").await, 0.0);
     let mut others = Vec::new();
     for i in 0..14 {
-        let body = json!({"prompt": format!("{i} The licensor grants"), "max_tokens": 40,
-                          "temperature": 0.9, "seed": i, "ignore_eos": true});
+        // Half share the long prompt's first blocks, half do not.
+        let prompt = if i % 2 == 0 {
+            format!("{}{i} The licensor grants", &long_prompt[..200])
+        } else {
+            format!("{i} The licensor grants")
+        };
+        let body = json!({"prompt": prompt, "max_tokens": 40, "temperature": 0.9, "seed": i,
+                          "ignore_eos": true});
         let (client, url) = (s.client.clone(), format!("{}/v1/completions", s.url));
         others.push(tokio::spawn(async move {
             client.post(url).json(&body).send().await.unwrap().status()
@@ -548,11 +557,14 @@ async fn greedy_tokens_do_not_depend_on_the_batch() {
     for o in others {
         assert_eq!(o.await.unwrap(), 200);
     }
+    assert!(s.metric("kiln_prefix_cache_hit_tokens_total").await > 0.0);
     for (alone, together) in [(alone_short, short.1), (alone_long, long.1)] {
-        assert_eq!(
-            alone["choices"][0]["logprobs"]["tokens"],
-            together["choices"][0]["logprobs"]["tokens"]
-        );
+        for field in ["tokens", "token_logprobs"] {
+            assert_eq!(
+                alone["choices"][0]["logprobs"][field],
+                together["choices"][0]["logprobs"][field]
+            );
+        }
         assert_eq!(alone["choices"][0]["text"], together["choices"][0]["text"]);
     }
     s.wait_idle().await;

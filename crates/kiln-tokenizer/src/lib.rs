@@ -16,6 +16,7 @@ mod sentencepiece;
 mod sentencepiece_model;
 mod spm_bpe;
 mod to_gguf;
+mod to_hf;
 mod unigram;
 mod vocab;
 

@@ -1,9 +1,10 @@
-//! Rotary embeddings and causal attention over the KV cache.
+//! Rotary embeddings and causal attention over the KV cache: one sequence's contiguous
+//! cache, or a pool of blocks shared by a server's sequences.
 
 use crate::elementwise::count;
 use crate::kernels::{ATTENTION, ATTENTION_TILES, ROPE, ROPE_WRITE_KV};
 use crate::{f32_tensor, i32_tensor, WgpuBackend};
-use kiln_core::{AttentionParams, Error, Result, RopeLayout, Tensor};
+use kiln_core::{AttentionParams, Error, Pages, Result, RopeLayout, Tensor};
 
 /// Queries a workgroup of `attention_tiles` takes (shaders/attention.wgsl, `TQ`).
 const TILE_QUERIES: usize = 16;
@@ -64,6 +65,51 @@ pub(crate) fn attention(
     p: &AttentionParams,
     out: &mut Tensor,
 ) -> Result<()> {
+    run(b, q, k_cache, v_cache, pos, None, p, out)
+}
+
+/// [`attention`] over a pool of blocks shared by many sequences (see [`Pages`]): a
+/// workgroup a query and head, reading keys and values through the query's block table;
+/// table entries outside the pool hide their keys (the device cannot report them).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_attention(
+    b: &WgpuBackend,
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    pos: &Tensor,
+    pages: &Pages,
+    p: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
+    let &[_, max_blocks] = pages.tables.dims() else {
+        return Err(Error::shape(format!(
+            "block tables must be [sequences, max_blocks], got {}",
+            pages.tables.shape()
+        )));
+    };
+    let rows = k_pool.dims().first().copied().unwrap_or(0);
+    if pages.block == 0 || !rows.is_multiple_of(pages.block) || max_blocks == 0 {
+        return Err(Error::shape(format!(
+            "paged attention: a pool of {rows} rows in blocks of {}, tables {}",
+            pages.block,
+            pages.tables.shape()
+        )));
+    }
+    run(b, q, k_pool, v_pool, pos, Some((pages, max_blocks)), p, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    b: &WgpuBackend,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: &Tensor,
+    paged: Option<(&Pages, usize)>,
+    p: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
     let &[n, heads, hd] = q.dims() else {
         return Err(Error::shape(format!(
             "attention q must be [n, heads, head_dim], got {}",
@@ -98,17 +144,31 @@ pub(crate) fn attention(
     if n == 0 || hd == 0 {
         return Ok(());
     }
+    let (seq, tables) = match paged {
+        Some((pages, max_blocks)) => (
+            i32_tensor(pages.seq, n, "query sequences")?,
+            i32_tensor(pages.tables, max_blocks, "block tables")?,
+        ),
+        // Unread by a contiguous cache's kernels; any buffer fills the slots.
+        None => (
+            i32_tensor(pos, n, "attention positions")?,
+            i32_tensor(pos, n, "attention positions")?,
+        ),
+    };
     let bindings = [
         f32_tensor(q, "attention queries")?,
         f32_tensor(k_cache, "k cache")?,
         f32_tensor(v_cache, "v cache")?,
         i32_tensor(pos, n, "attention positions")?,
         f32_tensor(out, "attention output")?,
+        seq,
+        tables,
     ];
     let what = "attention";
     // Prompts: tiles of 16 queries where the heads and workgroup memory fit (the tile
     // kernel's 25.1 KiB); decode and the rest: a workgroup a query and head.
-    let tiled = n >= TILE_QUERIES
+    let tiled = paged.is_none()
+        && n >= TILE_QUERIES
         && hd <= 128
         && hd.is_multiple_of(4)
         && b.caps.workgroup_memory as usize >= TILES_WORKGROUP_BYTES;
@@ -132,6 +192,8 @@ pub(crate) fn attention(
             p.softcap.unwrap_or(0.0).to_bits(),
             count(p.window.unwrap_or(0).min(u32::MAX as usize), what)?,
             groups_x,
+            count(paged.map_or(0, |(_, max_blocks)| max_blocks), what)?,
+            count(paged.map_or(0, |(pages, _)| pages.block), what)?,
         ],
         groups,
     )

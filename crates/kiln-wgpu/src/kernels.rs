@@ -66,8 +66,9 @@ pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
 pub(crate) const GEMM: KernelSpec = spec("gemm", "gemm", &[Read, Read, Read, Write]);
 pub(crate) const GEMM_COOP: KernelSpec = spec("gemm_coop", "gemm_coop", &[Read, Read, Read, Write]);
 pub(crate) const SAMPLE: KernelSpec = spec("sample", "sample", &[Write, Read, Write]);
-/// q, k cache, v cache, positions, out.
-const ATTENTION_BINDINGS: &[Access] = &[Read, Read, Read, Read, Write];
+/// q, k cache, v cache, positions, out, and for a paged cache each query's sequence and the
+/// block tables.
+const ATTENTION_BINDINGS: &[Access] = &[Read, Read, Read, Read, Write, Read, Read];
 pub(crate) const ATTENTION: KernelSpec = spec("attention", "attention", ATTENTION_BINDINGS);
 pub(crate) const ATTENTION_TILES: KernelSpec =
     spec("attention", "attention_tiles", ATTENTION_BINDINGS);

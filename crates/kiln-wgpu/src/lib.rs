@@ -29,7 +29,7 @@ use device::Caps;
 use kernels::{KernelSpec, Kernels};
 use kiln_core::{
     quant::gpu_layout, AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime,
-    Result, RmsNorm, RopeLayout, SampleParams, Shape, Tensor,
+    Pages, Result, RmsNorm, RopeLayout, SampleParams, Shape, Tensor,
 };
 use matmul::{Epilogue, NormFirst};
 use std::sync::Arc;
@@ -503,6 +503,19 @@ impl Backend for WgpuBackend {
         out: &mut Tensor,
     ) -> Result<()> {
         attention::attention(self, q, k_cache, v_cache, pos, params, out)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        attention::paged_attention(self, q, k_pool, v_pool, pos, pages, params, out)
     }
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -4,6 +4,7 @@
 mod attention;
 mod buffers;
 mod fused;
+mod paged;
 mod products;
 mod rows;
 mod sampling;
@@ -12,6 +13,7 @@ mod tables;
 pub use attention::*;
 pub use buffers::*;
 pub use fused::*;
+pub use paged::*;
 pub use products::*;
 pub use rows::*;
 pub use sampling::*;

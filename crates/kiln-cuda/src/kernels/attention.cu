@@ -16,6 +16,12 @@
 // more than one split each writes (max, sum, unnormalised output) to `part` and
 // attention_combine merges them. One token of decode then still fills the GPU.
 //
+// Paged caches (a server's batch of sequences sharing one pool of blocks): with `tables`
+// non-null, query i belongs to sequence seq[i] and its position p lies in pool row
+// tables[seq[i] * max_blocks + p / block] * block + p % block. A tile then holds one query
+// (qt = 1), since the queries of a tile share the keys they load. A table entry outside the
+// pool's `pool_rows` rows (which the device cannot report mid-step) hides its keys.
+//
 // Launch: grid (ceil(n / qt), kv_heads, splits), block (32, group * qt / QW), dynamic
 // shared memory (32 * (D + 4) + 32 * D + group * qt * D) floats; qt a multiple of QW.
 
@@ -23,9 +29,10 @@ template <int DV, int QW>  // ceil(D / 32): output dimensions per lane; queries 
 __device__ void attention_body(const float* __restrict__ q, const float* __restrict__ kc,
                                const float* __restrict__ vc, const int* __restrict__ pos,
                                float* __restrict__ out, float* __restrict__ part,
-                               i8* __restrict__ xq, float* __restrict__ xd, int n,
-                               int heads, int kv_heads, int D, float scale, float cap,
-                               int window, int qt, int span) {
+                               i8* __restrict__ xq, float* __restrict__ xd,
+                               const int* __restrict__ seq, const int* __restrict__ tables,
+                               int max_blocks, int block, int pool_rows, int n, int heads, int kv_heads,
+                               int D, float scale, float cap, int window, int qt, int span) {
     follow_previous();
     extern __shared__ float smem[];
     const int group = heads / kv_heads;
@@ -63,6 +70,16 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
     }
     lo = max(lo, split * span);
     hi = min(hi, (split + 1) * span - 1);
+    // Pool row of position kp: the cache row itself, or through the query's block table.
+    const int* table = tables != nullptr ? tables + (size_t)seq[q0] * max_blocks : nullptr;
+    const size_t NO_ROW = ~(size_t)0;
+    auto kv_row = [&](int kp) -> size_t {
+        if (table == nullptr) return (size_t)kp;
+        if (kp / block >= max_blocks) return NO_ROW;
+        const int b = table[kp / block];
+        const size_t row = (size_t)b * block + kp % block;
+        return b < 0 || row >= (size_t)pool_rows ? NO_ROW : row;
+    };
 
 #pragma unroll
     for (int w = 0; w < QW; w++)
@@ -90,8 +107,9 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
             for (int idx = tid; idx < 32 * D4; idx += nthreads) {
                 const int j = idx / D4, d = 4 * (idx - j * D4), kp = c0 + j;
                 float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
-                if (kp <= hi) {
-                    const size_t off = ((size_t)kp * kv_heads + kvh) * D + d;
+                const size_t row = kp <= hi ? kv_row(kp) : NO_ROW;
+                if (row != NO_ROW) {
+                    const size_t off = (row * kv_heads + kvh) * D + d;
                     kv = *(const float4*)(kc + off);
                     vv = *(const float4*)(vc + off);
                 }
@@ -102,8 +120,9 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
             for (int idx = tid; idx < 32 * D; idx += nthreads) {
                 const int j = idx / D, d = idx - j * D, kp = c0 + j;
                 float kv = 0.0f, vv = 0.0f;
-                if (kp <= hi) {
-                    const size_t off = ((size_t)kp * kv_heads + kvh) * D + d;
+                const size_t row = kp <= hi ? kv_row(kp) : NO_ROW;
+                if (row != NO_ROW) {
+                    const size_t off = (row * kv_heads + kvh) * D + d;
                     kv = kc[off];
                     vv = vc[off];
                 }
@@ -154,7 +173,8 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
 #pragma unroll
         for (int w = 0; w < QW; w++) {
             float s = NEG_INF;
-            if (kp <= hi && kp <= qpos[w] && (window <= 0 || kp > qpos[w] - window)) {
+            if (kp <= hi && kp <= qpos[w] && (window <= 0 || kp > qpos[w] - window) &&
+                (table == nullptr || kv_row(kp) != NO_ROW)) {
                 s = dot[w] * scale;
                 if (cap > 0.0f) s = cap * tanhf(s / cap);
             }
@@ -226,10 +246,12 @@ __device__ void attention_body(const float* __restrict__ q, const float* __restr
 #define ATTENTION(DV, QW, BOUNDS)                                                            \
     extern "C" __global__ void BOUNDS attention_##DV##_##QW(                                 \
         const float* q, const float* kc, const float* vc, const int* pos, float* out,        \
-        float* part, i8* xq, float* xd, int n, int heads, int kv_heads, int D, float scale,  \
+        float* part, i8* xq, float* xd, const int* seq, const int* tables, int max_blocks,   \
+        int block, int pool_rows, int n, int heads, int kv_heads, int D, float scale,        \
         float cap, int window, int qt, int span) {                                           \
-        attention_body<DV, QW>(q, kc, vc, pos, out, part, xq, xd, n, heads, kv_heads, D,     \
-                               scale, cap, window, qt, span);                                \
+        attention_body<DV, QW>(q, kc, vc, pos, out, part, xq, xd, seq, tables, max_blocks,   \
+                               block, pool_rows, n, heads, kv_heads, D, scale, cap, window,  \
+                               qt, span);                                                    \
     }
 #define ATTENTION_QW(DV) ATTENTION(DV, 1, __launch_bounds__(1024)) ATTENTION(DV, 2, )
 ATTENTION_QW(1)

@@ -45,6 +45,11 @@ impl GgufWriter {
         self.set("general.alignment", Value::U32(alignment))
     }
 
+    /// Bytes of tensor data added so far (the bulk of the file).
+    pub fn tensor_data_len(&self) -> u64 {
+        self.tensors.iter().map(|t| t.data.len() as u64).sum()
+    }
+
     /// Add or replace a metadata key.
     pub fn set(&mut self, key: &str, value: Value) -> Result<()> {
         check_value(&value, 0)?;

@@ -242,7 +242,6 @@ impl EngineLoop {
         let Some(mut seq) = self.scheduler.remove(id) else {
             return;
         };
-        self.runner.release(id);
         if !seq.admitted_once {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
         }
@@ -287,10 +286,8 @@ impl EngineLoop {
             .filter(|s| !s.admitted_once)
             .count();
         self.waiting.fetch_sub(before - after, Ordering::AcqRel);
-        for &id in &plan.preempted {
-            self.runner.release(id);
-            Metrics::add(&self.metrics.preemptions, 1);
-        }
+        Metrics::add(&self.metrics.preemptions, plan.preempted.len());
+        Metrics::add(&self.metrics.prefix_cache_hit_tokens, plan.prefix_hits);
         if plan.work.is_empty() {
             return false;
         }
@@ -324,7 +321,7 @@ impl EngineLoop {
                     seq: w.seq,
                     tokens: &seq.tokens[w.range.clone()],
                     pos0: w.range.start,
-                    capacity: seq.blocks.capacity(),
+                    blocks: seq.blocks.ids(),
                     want,
                 }
             })
@@ -346,6 +343,10 @@ impl EngineLoop {
                 }
             };
             seq.computed = w.range.end;
+            // Blocks this step filled become the prefix cache's.
+            self.scheduler
+                .pool
+                .register(&mut seq.blocks, &seq.tokens, seq.computed);
             if out == StepOutput::Nothing {
                 continue;
             }

@@ -8,6 +8,9 @@
 //! not depend on what else is running, so a request at temperature 0 gets the same tokens
 //! alone and among others (the kernels' results depend on the rows they are given).
 //!
+//! A new sequence first takes the whole blocks of its prompt that the prefix cache holds
+//! (see `blocks.rs`) and computes from there.
+//!
 //! KV memory is taken in blocks as positions are written. When a decode finds no free
 //! block, the newest running sequence is preempted: its blocks return to the pool and it
 //! goes back to the front of the waiting queue, to be recomputed (prompt and generated
@@ -47,8 +50,10 @@ pub struct Scheduler {
 #[derive(Debug, Default)]
 pub struct Plan {
     pub work: Vec<Work>,
-    /// Sequences whose blocks were taken back: their caches must be dropped.
+    /// Sequences whose blocks were taken back, to be recomputed.
     pub preempted: Vec<SeqId>,
+    /// Prompt positions new sequences took from the prefix cache instead of computing.
+    pub prefix_hits: usize,
 }
 
 impl Scheduler {
@@ -67,10 +72,7 @@ impl Scheduler {
 
     /// The next prompt chunk of a sequence with tokens to compute.
     fn chunk(&self, seq: &Sequence) -> Range<usize> {
-        let c = self.limits.prefill_chunk.max(1);
-        let start = seq.computed;
-        let end = ((start / c + 1) * c).min(seq.tokens.len());
-        start..end
+        next_chunk(seq, self.limits.prefill_chunk)
     }
 
     /// Decide the next step.
@@ -128,10 +130,15 @@ impl Scheduler {
 
         // Then new sequences, first come first served, while there is room.
         while self.running.len() < self.limits.max_seqs {
-            let Some(seq) = self.waiting.front() else {
+            let Some(seq) = self.waiting.front_mut() else {
                 break;
             };
-            let range = self.chunk(seq);
+            // Whole blocks of its prompt that another sequence computed are taken as they are.
+            if seq.blocks.is_empty() {
+                seq.computed = self.pool.take_prefix(&mut seq.blocks, &seq.tokens);
+                plan.prefix_hits += seq.computed;
+            }
+            let range = next_chunk(seq, self.limits.prefill_chunk);
             if range.len() > budget && chunks > 0 {
                 break;
             }
@@ -190,6 +197,15 @@ impl Scheduler {
         self.pool.release(&mut seq.blocks);
         Some(seq)
     }
+}
+
+/// The next prompt chunk of a sequence with tokens to compute: up to the next multiple
+/// of `chunk`.
+fn next_chunk(seq: &Sequence, chunk: usize) -> Range<usize> {
+    let c = chunk.max(1);
+    let start = seq.computed;
+    let end = ((start / c + 1) * c).min(seq.tokens.len());
+    start..end
 }
 
 #[cfg(test)]

@@ -13,7 +13,11 @@ struct AParams {
     softcap: f32, // 0: none
     window: u32,  // 0: none
     groups_x: u32,
-    p9: u32, p10: u32, p11: u32, p12: u32, p13: u32, p14: u32, p15: u32,
+    // A paged cache (a server's batch): query i's position p is pool row
+    // tables[seq[i] * max_blocks + p / block] * block + p % block. 0: contiguous.
+    max_blocks: u32,
+    block: u32,
+    p11: u32, p12: u32, p13: u32, p14: u32, p15: u32,
 }
 @group(1) @binding(0) var<uniform> ap: AParams;
 
@@ -22,12 +26,34 @@ struct AParams {
 @group(0) @binding(2) var<storage, read> v_cache: array<f32>;
 @group(0) @binding(3) var<storage, read> pos: array<i32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<storage, read> seq: array<i32>;
+@group(0) @binding(6) var<storage, read> tables: array<i32>;
 
 // A finite "minus infinity": WGSL leaves arithmetic on infinities undefined.
 const LOWEST: f32 = -3.4028235e38;
 var<workgroup> q_row: array<f32, 256>;
 var<workgroup> probs: array<f32, 256>;
 var<workgroup> partial: array<f32, 256>;
+
+const NO_ROW: u32 = 0xffffffffu;
+
+// The cache row of position j for query i: j itself, or through the query's block table
+// in a paged cache; NO_ROW for a table entry outside the pool (which the device cannot
+// report mid-step: its keys are hidden).
+fn kv_row(i: u32, j: u32) -> u32 {
+    if ap.max_blocks == 0u {
+        return j;
+    }
+    let b = j / ap.block;
+    if b >= ap.max_blocks {
+        return NO_ROW;
+    }
+    let e = tables[u32(seq[i]) * ap.max_blocks + b];
+    if e < 0 || u32(e) >= ap.capacity / ap.block {
+        return NO_ROW;
+    }
+    return u32(e) * ap.block + j % ap.block;
+}
 
 @compute @workgroup_size(WG)
 fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
@@ -45,7 +71,11 @@ fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
     let grp = lane.idx / hd;
     let o = task * hd;
     let p = pos[i];
-    if p < 0 || u32(p) >= ap.capacity {
+    var reach = ap.capacity;
+    if ap.max_blocks > 0u {
+        reach = ap.max_blocks * ap.block;
+    }
+    if p < 0 || u32(p) >= reach {
         // Outside the cache: reported by the host where it can be; zeros here.
         if lane.idx < hd {
             out[o + lane.idx] = 0.0;
@@ -66,10 +96,14 @@ fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
     var acc = 0.0;
     for (var t0 = first; t0 <= last; t0 += WG) {
         let j = t0 + lane.idx;
-        let valid = j <= last;
+        var row = NO_ROW;
+        if j <= last {
+            row = kv_row(i, j);
+        }
+        let valid = row != NO_ROW;
         var s = LOWEST;
         if valid {
-            let kb = j * stride + g * hd;
+            let kb = row * stride + g * hd;
             var dot = 0.0;
             for (var c = 0u; c < hd; c++) {
                 dot += q_row[c] * k_cache[kb + c];
@@ -94,9 +128,11 @@ fn attention(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
         if grp < groups {
             acc *= corr;
             let count = min(WG, last + 1u - t0);
-            let vb = t0 * stride + g * hd + d;
             for (var jj = grp; jj < count; jj += groups) {
-                acc += probs[jj] * v_cache[vb + jj * stride];
+                let r = kv_row(i, t0 + jj);
+                if r != NO_ROW {
+                    acc += probs[jj] * v_cache[r * stride + g * hd + d];
+                }
             }
         }
         workgroupBarrier();

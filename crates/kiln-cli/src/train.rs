@@ -1,0 +1,585 @@
+//! `kiln train`: train a model on text, from scratch (an architecture and size, the
+//! embedded model's tokenizer or another model's) or from a model file (full fine-tune),
+//! with a progress bar, held-out loss every N steps, checkpoints that a crash cannot
+//! corrupt, and the model exported at the end. Everything goes into `--out`:
+//! `checkpoint.gguf` (the last complete checkpoint, itself a model `kiln run` loads),
+//! `model.gguf` (the export) and `train.json` (settings, losses, evaluations, timings).
+
+use crate::console::{CliResult, Failure};
+use crate::model_file::{self, DeviceChoice};
+use kiln_core::{Backend, DType, Error, RopeLayout};
+use kiln_io::gguf::{GgufFile, Value};
+use kiln_models::{Arch, Ffn, ModelConfig, Norm, Rope};
+use kiln_tokenizer::Tokenizer;
+use kiln_train::data::{self, HeldOut};
+use kiln_train::init;
+use kiln_train::optimizer::{AdamWSettings, Schedule};
+use kiln_train::{Settings, StepReport, Trainer};
+use serde_json::json;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The flags that define a run: a resumed run takes them from its checkpoint.
+const RUN_FLAGS: &[&str] = &[
+    "from",
+    "arch",
+    "dim",
+    "layers",
+    "heads",
+    "kv_heads",
+    "ffn",
+    "context",
+    "tokenizer",
+    "init_std",
+    "untied",
+    "batch",
+    "seq_len",
+    "grad_accum",
+    "steps",
+    "lr",
+    "min_lr",
+    "warmup",
+    "schedule",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "clip",
+    "seed",
+    "eval_windows",
+];
+
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// Text to train on: a file, or a directory of text files.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Held-out text, scored every --eval-every steps (taken out of --data's directory
+    /// when it is in it). Default: the last 10% of the training text's tokens.
+    #[arg(long)]
+    pub held_out: Option<PathBuf>,
+    /// Where the checkpoint, the exported model and the log go (created if missing).
+    #[arg(short = 'o', long)]
+    pub out: PathBuf,
+    /// Go on from --out's checkpoint.gguf, with its settings (give the same --data).
+    #[arg(long, conflicts_with_all = RUN_FLAGS)]
+    pub resume: bool,
+    /// Fine-tune this model (a .gguf file or a Hugging Face directory; every weight is
+    /// trained, in F32) instead of starting from scratch.
+    #[arg(long, conflicts_with_all = ["arch", "dim", "layers", "heads", "kv_heads", "ffn", "context", "tokenizer", "init_std", "untied"])]
+    pub from: Option<PathBuf>,
+    /// From scratch: llama or gpt2.
+    #[arg(long, default_value = "llama")]
+    pub arch: String,
+    #[arg(long, default_value_t = 256)]
+    pub dim: usize,
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Grouped-query attention (default: as many as --heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    #[arg(long, default_value_t = 704)]
+    pub ffn: usize,
+    /// Positions the model is made for.
+    #[arg(long, default_value_t = 512)]
+    pub context: usize,
+    /// From scratch: the tokenizer of this model (default: the embedded model's).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// From scratch: weights are drawn from N(0, this).
+    #[arg(long, default_value_t = 0.02)]
+    pub init_std: f32,
+    /// From scratch: an output projection of its own (default: the embeddings, tied).
+    #[arg(long)]
+    pub untied: bool,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    pub seq_len: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
+    #[arg(long, default_value_t = 1000)]
+    pub steps: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f32,
+    /// The schedule's last learning rate.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr: f32,
+    /// Steps of linear warm-up.
+    #[arg(long, default_value_t = 100)]
+    pub warmup: usize,
+    /// cosine, linear or constant.
+    #[arg(long, default_value = "cosine")]
+    pub schedule: String,
+    /// AdamW's weight decay (on matrices, not on norms or biases).
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f32,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f32,
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f32,
+    /// Clip the gradient's global norm to this; 0 turns clipping off.
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Score the held-out text every N steps (and at the end); 0: only at the end.
+    #[arg(long, default_value_t = 100)]
+    pub eval_every: usize,
+    /// Held-out windows of --seq-len tokens scored at most per evaluation.
+    #[arg(long, default_value_t = 64)]
+    pub eval_windows: usize,
+    /// Write a checkpoint every N steps (and at the end); 0: only at the end.
+    #[arg(long, default_value_t = 100)]
+    pub save_every: usize,
+    /// Stop this session after N steps, with a checkpoint (go on later with --resume).
+    #[arg(long)]
+    pub pause_after: Option<usize>,
+    /// Weight type of the exported model.gguf: f32, f16, bf16, q8_0, q4_0, q4_K, q6_K.
+    #[arg(long = "export-type", default_value = "f32")]
+    pub export_type: String,
+    /// general.name of what is written.
+    #[arg(long, default_value = "kiln-trained")]
+    pub name: String,
+    /// Training runs on the CPU (the other backends have no backward kernels yet).
+    #[arg(long, default_value_t = DeviceChoice::Cpu)]
+    pub device: DeviceChoice,
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+}
+
+/// Refuse flags that cannot be used, before anything is read.
+fn check(a: &TrainArgs) -> CliResult<(Schedule, DType)> {
+    let schedule = Schedule::from_name(&a.schedule).ok_or_else(|| {
+        Failure::usage(format!(
+            "--schedule {}: one of cosine, linear, constant",
+            a.schedule
+        ))
+    })?;
+    let export = DType::from_name(&a.export_type)
+        .filter(|d| *d != DType::I32)
+        .ok_or_else(|| {
+            Failure::usage(format!(
+                "--export-type {}: one of f32, f16, bf16, q8_0, q4_0, q4_K, q6_K",
+                a.export_type
+            ))
+        })?;
+    for (flag, v) in [
+        ("--batch", a.batch),
+        ("--seq-len", a.seq_len),
+        ("--grad-accum", a.grad_accum),
+        ("--steps", a.steps),
+        ("--eval-windows", a.eval_windows),
+    ] {
+        if v == 0 {
+            return Err(Failure::usage(format!("{flag} 0: it must be at least 1")));
+        }
+    }
+    let finite = |flag: &str, v: f32, ok: bool| {
+        if v.is_finite() && ok {
+            Ok(())
+        } else {
+            Err(Failure::usage(format!("{flag} {v}: out of range")))
+        }
+    };
+    finite("--lr", a.lr, a.lr > 0.0)?;
+    finite("--min-lr", a.min_lr, a.min_lr >= 0.0 && a.min_lr <= a.lr)?;
+    finite("--weight-decay", a.weight_decay, a.weight_decay >= 0.0)?;
+    finite("--beta1", a.beta1, (0.0..1.0).contains(&a.beta1))?;
+    finite("--beta2", a.beta2, (0.0..1.0).contains(&a.beta2))?;
+    finite("--clip", a.clip, a.clip >= 0.0)?;
+    finite("--init-std", a.init_std, a.init_std > 0.0)?;
+    if a.device != DeviceChoice::Cpu {
+        return Err(Failure::usage(format!(
+            "--device {}: training runs on the CPU for now (backward kernels exist only there)",
+            a.device
+        )));
+    }
+    Ok((schedule, export))
+}
+
+/// The configuration a from-scratch run asks for.
+fn scratch_config(a: &TrainArgs, vocab: usize) -> CliResult<ModelConfig> {
+    let arch = match a.arch.as_str() {
+        "llama" => Arch::Llama,
+        "gpt2" => Arch::Gpt2,
+        other => {
+            return Err(Failure::usage(format!(
+            "--arch {other}: from scratch kiln trains llama or gpt2 (--from fine-tunes the others)"
+        )))
+        }
+    };
+    let kv = a.kv_heads.unwrap_or(a.heads);
+    let sizes = [
+        ("--dim", a.dim),
+        ("--layers", a.layers),
+        ("--heads", a.heads),
+        ("--kv-heads", kv),
+        ("--ffn", a.ffn),
+        ("--context", a.context),
+    ];
+    for (flag, v) in sizes {
+        if !(1..=1 << 16).contains(&v) {
+            return Err(Failure::usage(format!("{flag} {v}: from 1 to 65536")));
+        }
+    }
+    if !a.dim.is_multiple_of(a.heads) || !a.heads.is_multiple_of(kv) {
+        return Err(Failure::usage(format!(
+            "--dim {} --heads {} --kv-heads {kv}: heads must divide dim, kv-heads heads",
+            a.dim, a.heads
+        )));
+    }
+    let head_dim = a.dim / a.heads;
+    let rope = (arch == Arch::Llama).then_some(Rope {
+        theta: 10000.0,
+        dims: head_dim,
+        layout: RopeLayout::Interleaved,
+        llama3: None,
+        freq_factors: None,
+    });
+    if rope.is_some() && head_dim % 2 == 1 {
+        return Err(Failure::usage(format!(
+            "--dim {} / --heads {}: rope needs an even head width",
+            a.dim, a.heads
+        )));
+    }
+    Ok(ModelConfig {
+        arch,
+        vocab_size: vocab,
+        dim: a.dim,
+        n_layers: a.layers,
+        n_heads: a.heads,
+        n_kv_heads: kv,
+        head_dim,
+        ffn_dim: a.ffn,
+        max_positions: a.context,
+        norm: match arch {
+            Arch::Gpt2 => Norm::Layer { eps: 1e-5 },
+            _ => Norm::Rms { eps: 1e-5 },
+        },
+        ffn: match arch {
+            Arch::Gpt2 => Ffn::Gelu,
+            _ => Ffn::SwiGlu,
+        },
+        rope,
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        attn_softcap: None,
+        final_softcap: None,
+        sliding_window: None,
+        sliding_layers: vec![false; a.layers],
+        embed_scale: None,
+        post_norms: false,
+    })
+}
+
+/// A model file's tokenizer as GGUF metadata: a GGUF's own keys as they are, else the
+/// vocabulary written out (SentencePiece vocabularies).
+fn tokenizer_metadata(file: &model_file::ModelFile) -> kiln_core::Result<Vec<(String, Value)>> {
+    match file.checkpoint.gguf() {
+        Some(g) => Ok(g
+            .metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+            .cloned()
+            .collect()),
+        None => file.tokenizer.gguf_metadata(),
+    }
+}
+
+/// What the run starts from, and its tokenizer.
+fn start(a: &TrainArgs, cpu: &Arc<dyn Backend>) -> CliResult<(GgufFile, Tokenizer)> {
+    let ckpt = a.out.join("checkpoint.gguf");
+    if a.resume {
+        if !ckpt.exists() {
+            return Err(Failure::usage(format!(
+                "--resume: {} does not exist (no run to go on with in {})",
+                ckpt.display(),
+                a.out.display()
+            )));
+        }
+        let f = GgufFile::open(&ckpt)?;
+        let tok = Tokenizer::from_gguf(&f)?;
+        return Ok((f, tok));
+    }
+    if let Some(from) = &a.from {
+        let file = model_file::open(Some(from))?;
+        let context = file.config().max_positions;
+        if a.seq_len > context {
+            return Err(Failure::usage(format!(
+                "--seq-len {}: {} was made for {context} positions",
+                a.seq_len,
+                from.display()
+            )));
+        }
+        let meta = tokenizer_metadata(&file)?;
+        let model = file.checkpoint.load(cpu.clone(), None)?;
+        let start = init::model_start(&model, &a.name, meta)?;
+        return Ok((start, file.tokenizer));
+    }
+    let file = model_file::open(a.tokenizer.as_deref())?;
+    let config = scratch_config(a, file.tokenizer.vocab_size())?;
+    if a.seq_len > a.context {
+        return Err(Failure::usage(format!(
+            "--seq-len {}: the model's --context is {}",
+            a.seq_len, a.context
+        )));
+    }
+    let meta = tokenizer_metadata(&file)?;
+    let start = init::scratch_start(&config, !a.untied, a.init_std, a.seed, &a.name, meta)?;
+    Ok((start, file.tokenizer))
+}
+
+pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
+    let (schedule, export_type) = check(&a)?;
+    let cpu = model_file::backend(a.device, a.threads)?;
+    std::fs::create_dir_all(&a.out).map_err(|e| Error::io(a.out.display(), e))?;
+    let (start_file, tokenizer) = start(&a, &cpu)?;
+    let held_out = match &a.held_out {
+        Some(p) => HeldOut::File(p.clone()),
+        None => HeldOut::Fraction(0.1),
+    };
+    // The text is an argument: what is wrong with it is for the user to change.
+    let text = data::load(&a.data, &held_out, &tokenizer).map_err(Failure::usage)?;
+    let mut t = if a.resume {
+        Trainer::resume(&start_file, text, cpu.clone())
+    } else {
+        let settings = Settings {
+            batch: a.batch,
+            grad_accum: a.grad_accum,
+            seq_len: a.seq_len,
+            steps: a.steps,
+            lr: a.lr,
+            min_lr: a.min_lr,
+            warmup: a.warmup,
+            schedule,
+            adamw: AdamWSettings {
+                beta1: a.beta1,
+                beta2: a.beta2,
+                eps: 1e-8,
+                weight_decay: a.weight_decay,
+            },
+            clip: (a.clip > 0.0).then_some(a.clip),
+            seed: a.seed,
+            eval_windows: a.eval_windows,
+        };
+        Trainer::new(&start_file, text, settings, cpu.clone())
+    }
+    .map_err(|e| match e {
+        // Settings that do not fit the text or the model.
+        Error::Format(msg) => Failure::Usage(msg),
+        e => Failure::Kiln(e),
+    })?;
+    let mut log = Log::open(&a.out, &t, &cpu.describe())?;
+    let mut bar = Progress::new(&t, quiet);
+    let ckpt = a.out.join("checkpoint.gguf");
+    let steps = t.settings().steps;
+    let started = Instant::now();
+    let pause_at = a.pause_after.map(|n| t.steps_done() + n);
+    while t.steps_done() < steps {
+        if pause_at.is_some_and(|p| t.steps_done() >= p) {
+            t.save_checkpoint(&ckpt)?;
+            log.write(started.elapsed().as_secs_f64())?;
+            bar.finish();
+            if !quiet {
+                eprintln!(
+                    "paused after step {} of {steps}; {} holds the run (go on with --resume)",
+                    t.steps_done(),
+                    ckpt.display()
+                );
+            }
+            return Ok(());
+        }
+        let at = Instant::now();
+        let report = t.step()?;
+        let seconds = at.elapsed().as_secs_f64();
+        bar.step(&report, seconds);
+        log.step(&report, seconds);
+        let n = report.step;
+        if n == steps || (a.eval_every > 0 && n.is_multiple_of(a.eval_every)) {
+            let loss = t.held_out_loss()?;
+            bar.say(&format!(
+                "step {n}: held-out loss {loss:.4} (perplexity {:.2})",
+                loss.exp()
+            ));
+            log.eval(n, loss);
+        }
+        if n == steps || (a.save_every > 0 && n.is_multiple_of(a.save_every)) {
+            t.save_checkpoint(&ckpt)?;
+            log.write(started.elapsed().as_secs_f64())?;
+        }
+    }
+    bar.finish();
+    let model_out = a.out.join("model.gguf");
+    t.export_gguf(&model_out, export_type)?;
+    // A Hugging Face directory where the architecture and tokenizer allow one.
+    let hf = a.out.join("hf");
+    let hf_note = match t.export_hf(&hf, &tokenizer) {
+        Ok(()) => format!(", {}", hf.display()),
+        Err(e @ Error::Unsupported(_)) => {
+            tracing::warn!("no Hugging Face export: {e}");
+            String::new()
+        }
+        Err(e) => return Err(e.into()),
+    };
+    log.write(started.elapsed().as_secs_f64())?;
+    if !quiet {
+        eprintln!(
+            "wrote {} ({}, {} parameters){hf_note} and {}",
+            model_out.display(),
+            a.export_type,
+            t.parameter_count(),
+            ckpt.display()
+        );
+    }
+    Ok(())
+}
+
+/// The progress bar on a terminal; otherwise a line now and then.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    quiet: bool,
+    /// Plain lines: one per this many steps.
+    every: usize,
+    tokens_per_second: f64,
+}
+
+impl Progress {
+    fn new(t: &Trainer, quiet: bool) -> Progress {
+        let steps = t.settings().steps as u64;
+        let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
+            let bar = indicatif::ProgressBar::new(steps);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:30} {pos}/{len} {msg} [{elapsed_precise}, ETA {eta_precise}]",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar.set_position(t.steps_done() as u64);
+            bar
+        });
+        Progress {
+            bar,
+            quiet,
+            every: (t.settings().steps / 20).max(1),
+            tokens_per_second: 0.0,
+        }
+    }
+
+    fn step(&mut self, r: &StepReport, seconds: f64) {
+        self.tokens_per_second = r.tokens as f64 / seconds.max(1e-9);
+        let msg = format!(
+            "loss {:.4} · {:.0} tok/s · lr {:.2e}",
+            r.loss, self.tokens_per_second, r.lr
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_message(msg);
+                bar.set_position(r.step as u64);
+            }
+            None if !self.quiet && r.step.is_multiple_of(self.every) => {
+                eprintln!("step {}: {msg}", r.step)
+            }
+            None => {}
+        }
+    }
+
+    fn say(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None if !self.quiet => eprintln!("{line}"),
+            None => {}
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}
+
+/// `train.json` in the output directory: what the run was, and how it went. A resumed
+/// run goes on with the log its checkpoint's run wrote.
+struct Log {
+    path: PathBuf,
+    value: serde_json::Value,
+    /// Seconds of earlier sessions of this run.
+    before: f64,
+}
+
+impl Log {
+    fn open(out: &Path, t: &Trainer, device: &str) -> kiln_core::Result<Log> {
+        let path = out.join("train.json");
+        let c = &t.model().config;
+        let fresh = json!({
+            "settings": t.settings(),
+            "model": {
+                "arch": c.arch.name(), "vocab": c.vocab_size, "dim": c.dim, "layers": c.n_layers,
+                "heads": c.n_heads, "kv_heads": c.n_kv_heads, "ffn": c.ffn_dim,
+                "context": c.max_positions, "parameters": t.parameter_count(),
+            },
+            "data": {
+                "files": t.data().files, "train_tokens": t.data().train.len(),
+                "held_out_tokens": t.data().held_out.len(), "fingerprint": t.data().fingerprint(),
+            },
+            "device": device,
+            "steps": [],
+            "evals": [],
+        });
+        // A log whose steps go past the checkpoint's belongs to a later, lost session:
+        // cut back to the checkpoint.
+        let done = t.steps_done() as u64;
+        let (mut value, before) = match std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        {
+            Some(old) if done > 0 => {
+                let before = old["seconds"].as_f64().unwrap_or(0.0);
+                (old, before)
+            }
+            _ => (fresh, 0.0),
+        };
+        for key in ["steps", "evals"] {
+            if let Some(list) = value[key].as_array_mut() {
+                list.retain(|e| e["step"].as_u64().is_some_and(|s| s <= done));
+            }
+        }
+        Ok(Log {
+            path,
+            value,
+            before,
+        })
+    }
+
+    fn step(&mut self, r: &StepReport, seconds: f64) {
+        if let Some(list) = self.value["steps"].as_array_mut() {
+            list.push(json!({
+                "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                "seconds": seconds,
+            }));
+        }
+    }
+
+    fn eval(&mut self, step: usize, loss: f64) {
+        if let Some(list) = self.value["evals"].as_array_mut() {
+            list.push(json!({"step": step, "held_out_loss": loss, "perplexity": loss.exp()}));
+        }
+    }
+
+    fn write(&mut self, seconds: f64) -> kiln_core::Result<()> {
+        self.value["seconds"] = json!(self.before + seconds);
+        let text = serde_json::to_string_pretty(&self.value)
+            .map_err(|e| Error::format(format!("the training log: {e}")))?;
+        kiln_io::file::write_replacing(&self.path, |w| {
+            use std::io::Write;
+            w.write_all(text.as_bytes())
+        })
+    }
+}

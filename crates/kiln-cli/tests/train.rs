@@ -1,0 +1,313 @@
+//! `kiln train` as a user runs it, on a tiny model and the fixtures' text: the loss and
+//! the held-out perplexity fall and the result runs; a paused and resumed run ends with
+//! the same model, byte for byte, as one that ran through; a crash in the middle of a
+//! save leaves the last complete checkpoint, from which the run goes on; bad flags and
+//! a NaN are one-line errors.
+
+use kiln_io::gguf::{GgufFile, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn kiln(args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(repo())
+        .output()
+        .unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A tiny llama on the fixtures' text, writing into `out`; `extra` flags are added, or
+/// replace the defaults' values.
+fn train(out: &Path, extra: &[&str], env: &[(&str, &str)]) -> Output {
+    let out = out.to_str().unwrap();
+    let defaults = [
+        ("--data", "tests/fixtures/ppl.txt"),
+        ("--out", out),
+        ("--dim", "32"),
+        ("--layers", "2"),
+        ("--heads", "4"),
+        ("--kv-heads", "2"),
+        ("--ffn", "64"),
+        ("--context", "64"),
+        ("--seq-len", "32"),
+        ("--batch", "2"),
+        ("--grad-accum", "2"),
+        ("--lr", "1e-2"),
+        ("--warmup", "2"),
+        ("--eval-windows", "8"),
+        ("-t", "2"),
+    ];
+    let mut args = vec!["train"];
+    for (flag, value) in defaults {
+        if !extra.contains(&flag) {
+            args.extend([flag, value]);
+        }
+    }
+    args.extend_from_slice(extra);
+    kiln(&args, env)
+}
+
+fn log(out: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("train.json")).unwrap()).unwrap()
+}
+
+fn checkpoint_step(path: &Path) -> u64 {
+    let f = GgufFile::open(path).unwrap();
+    match f.get("kiln.train.step") {
+        Some(Value::U64(s)) => *s,
+        other => panic!("kiln.train.step is {other:?}"),
+    }
+}
+
+#[test]
+fn loss_and_held_out_perplexity_fall_and_the_model_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &[
+            "--steps",
+            "40",
+            "--eval-every",
+            "20",
+            "--export-type",
+            "q8_0",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let log = log(dir.path());
+    let losses: Vec<f64> = log["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(losses.len(), 40);
+    let (first, last) = (
+        losses[..4].iter().sum::<f64>() / 4.0,
+        losses[36..].iter().sum::<f64>() / 4.0,
+    );
+    assert!(last < first - 1.0, "training loss {first} -> {last}");
+    let ppl: Vec<f64> = log["evals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["perplexity"].as_f64().unwrap())
+        .collect();
+    assert_eq!(ppl.len(), 2);
+    // From chance (1024 tokens) to far below it.
+    assert!(
+        ppl[1] < ppl[0] && ppl[1] < 400.0,
+        "held-out perplexity {ppl:?}"
+    );
+
+    for model in [dir.path().join("model.gguf"), dir.path().join("hf")] {
+        let m = model.to_str().unwrap();
+        let o = kiln(
+            &["run", "-m", m, "-p", "A kiln", "-n", "8", "--temp", "0"],
+            &[],
+        );
+        assert!(o.status.success(), "{m}: {}", stderr(&o));
+        let o = kiln(
+            &[
+                "perplexity",
+                "-m",
+                m,
+                "-f",
+                "tests/fixtures/ppl.txt",
+                "-c",
+                "32",
+            ],
+            &[],
+        );
+        assert!(o.status.success(), "{m}: {}", stderr(&o));
+        assert!(String::from_utf8_lossy(&o.stdout).contains("PPL = "));
+    }
+}
+
+#[test]
+fn a_paused_and_resumed_run_ends_with_the_same_model() {
+    let (whole, parts) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = train(whole.path(), &["--steps", "6", "--eval-every", "3"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = train(
+        parts.path(),
+        &["--steps", "6", "--eval-every", "3", "--pause-after", "4"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--resume"), "{}", stderr(&o));
+    assert!(!parts.path().join("model.gguf").exists());
+    assert_eq!(checkpoint_step(&parts.path().join("checkpoint.gguf")), 4);
+    let out = parts.path().to_str().unwrap();
+    let o = kiln(
+        &[
+            "train",
+            "--data",
+            "tests/fixtures/ppl.txt",
+            "--out",
+            out,
+            "--resume",
+            "--eval-every",
+            "3",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    for file in ["model.gguf", "checkpoint.gguf"] {
+        let a = std::fs::read(whole.path().join(file)).unwrap();
+        let b = std::fs::read(parts.path().join(file)).unwrap();
+        assert!(
+            a == b,
+            "{file} differs between the whole and the resumed run"
+        );
+    }
+    assert_eq!(step_records(whole.path()), step_records(parts.path()));
+}
+
+/// The log's steps without their timings (which differ between runs).
+fn step_records(out: &Path) -> Vec<String> {
+    log(out)["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| format!("{} {} {} {}", s["step"], s["loss"], s["lr"], s["grad_norm"]))
+        .collect()
+}
+
+#[test]
+fn a_crash_while_saving_leaves_the_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &["--steps", "6", "--save-every", "2", "--pause-after", "2"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt = dir.path().join("checkpoint.gguf");
+    let good = std::fs::read(&ckpt).unwrap();
+    // The next save (after step 4) aborts the process half way through the file.
+    let out = dir.path().to_str().unwrap();
+    let resume = [
+        "train",
+        "--data",
+        "tests/fixtures/ppl.txt",
+        "--out",
+        out,
+        "--resume",
+    ];
+    let o = kiln(&resume, &[("KILN_TEST_ABORT_IN_SAVE", "1")]);
+    assert!(!o.status.success(), "the save did not crash");
+    assert!(
+        stderr(&o).contains("aborting in the middle of a save"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        std::fs::read(&ckpt).unwrap() == good,
+        "the checkpoint changed"
+    );
+    let partial: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".partial"))
+        .collect();
+    assert_eq!(
+        partial.len(),
+        1,
+        "the crash left its half-written file beside"
+    );
+    assert_eq!(checkpoint_step(&ckpt), 2);
+    // The run goes on from the last good checkpoint.
+    let o = kiln(&resume, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(checkpoint_step(&ckpt), 6);
+}
+
+#[test]
+fn a_nan_loss_stops_naming_the_step_and_saves_nothing_of_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &[
+            "--steps",
+            "5",
+            "--lr",
+            "1e36",
+            "--warmup",
+            "0",
+            "--clip",
+            "0",
+            "--save-every",
+            "1",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    let line = err.lines().last().unwrap();
+    assert!(line.starts_with("kiln: error: step "), "{err}");
+    assert!(line.contains("NaN") || line.contains("inf"), "{err}");
+    // The step named failed; the checkpoint is the step before, and finite.
+    let failed: u64 = line["kiln: error: step ".len()..]
+        .split(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let ckpt = dir.path().join("checkpoint.gguf");
+    assert_eq!(checkpoint_step(&ckpt), failed - 1);
+    let f = GgufFile::open(&ckpt).unwrap();
+    for t in &f.tensors {
+        let v = kiln_core::quant::dequantize_to_vec(
+            kiln_core::DType::F32,
+            f.tensor_data(t),
+            t.numel() as usize,
+        )
+        .unwrap();
+        assert!(v.iter().all(|x| x.is_finite()), "{} is not finite", t.name);
+    }
+}
+
+#[test]
+fn bad_flags_and_data_are_one_line_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    for (extra, want) in [
+        (&["--seq-len", "65"][..], "--seq-len 65"),
+        (&["--schedule", "sawtooth"][..], "--schedule sawtooth"),
+        (&["--batch", "0"][..], "--batch 0"),
+        (&["--heads", "3"][..], "heads must divide dim"),
+        (&["--resume"][..], "cannot be used with"),
+        (&["--device", "cuda"][..], "--device cuda"),
+    ] {
+        let o = train(dir.path(), &[&["--steps", "1"][..], extra].concat(), &[]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{extra:?}: {err}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+    }
+    let out = dir.path().to_str().unwrap();
+    let missing = ["train", "--data", "/nonexistent/text", "--out", out];
+    let o = kiln(&missing, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("/nonexistent/text"), "{}", stderr(&o));
+    let resume_nothing = [
+        "train",
+        "--data",
+        "tests/fixtures/ppl.txt",
+        "--out",
+        out,
+        "--resume",
+    ];
+    let o = kiln(&resume_nothing, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}

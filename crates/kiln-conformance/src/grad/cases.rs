@@ -1,0 +1,590 @@
+//! The gradient cases, one public function each (named as its test); `with_grad_cases!`
+//! lists them.
+
+use super::reference::{self as r64, Attn};
+use super::{check, cotangent_f32 as cotangent, weighted, widen, Elements};
+use crate::target::random;
+use crate::Target;
+use kiln_core::{AttentionParams, DType, RopeLayout};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+pub fn copy_add_scaled_and_sum_rows(t: &Target) {
+    let g = t.grad();
+    let mut rng = t.rng(0);
+    let src = random(&mut rng, 35, 3.0);
+    let x = t.upload(DType::F32, &[5, 7], &src);
+    let mut dst = t.poisoned(&[35]);
+    g.copy(&x, &mut dst).unwrap();
+    assert_eq!(t.read(&dst), src, "copy");
+
+    let (mut acc, before) = t.grad_buffer(&mut rng, &[5, 7]);
+    g.add_scaled(&mut acc, &x, -0.7).unwrap();
+    let got = t.added(&acc, &before);
+    for (i, (&g, &s)) in got.iter().zip(&src).enumerate() {
+        assert!((g - -0.7 * s as f64).abs() < 1e-6, "add_scaled [{i}]: {g}");
+    }
+
+    let (mut sums, before) = t.grad_buffer(&mut rng, &[7]);
+    g.sum_rows(&x, &mut sums).unwrap();
+    let got = t.added(&sums, &before);
+    for c in 0..7 {
+        let want: f64 = (0..5).map(|r| src[r * 7 + c] as f64).sum();
+        assert!(
+            (got[c] - want).abs() < 1e-5,
+            "sum_rows [{c}]: {} vs {want}",
+            got[c]
+        );
+    }
+}
+
+/// The gradients of `x · wᵀ` for `x [n, k]`, `w [m, k]`, checked at up to `sample`
+/// elements of each.
+fn matmul_case(t: &Target, (n, m, k): (usize, usize, usize), sample: usize) {
+    let g = t.grad();
+    let mut rng = t.rng(n as u64);
+    let (x, w, r) = (
+        random(&mut rng, n * k, 1.0),
+        random(&mut rng, m * k, 1.0),
+        cotangent(&mut rng, n * m),
+    );
+    let (xt, wt, rt) = (
+        t.upload(DType::F32, &[n, k], &x),
+        t.upload(DType::F32, &[m, k], &w),
+        t.upload(DType::F32, &[n, m], &r),
+    );
+    let r = widen(&r);
+    let (mut dx, before_x) = t.grad_buffer(&mut rng, &[n, k]);
+    let (mut dw, before_w) = t.grad_buffer(&mut rng, &[m, k]);
+    g.matmul_dx(&rt, &wt, &mut dx).unwrap();
+    g.matmul_dw(&rt, &xt, &mut dw).unwrap();
+    let (x64, w64) = (widen(&x), widen(&w));
+    check(
+        "matmul dx",
+        &t.added(&dx, &before_x),
+        &x,
+        Elements::Sample(sample, &mut rng),
+        |x| weighted(&r64::matmul(x, &w64, n, m, k), &r),
+    );
+    check(
+        "matmul dw",
+        &t.added(&dw, &before_w),
+        &w,
+        Elements::Sample(sample, &mut rng),
+        |w| weighted(&r64::matmul(&x64, w, n, m, k), &r),
+    );
+}
+
+pub fn matmul_gradients(t: &Target) {
+    matmul_case(t, (5, 7, 33), usize::MAX);
+    matmul_case(t, (1, 3, 2), usize::MAX);
+}
+
+/// Shapes the CPU splits into many tasks over rows of dx and of dw.
+pub fn matmul_gradients_over_many_tasks(t: &Target) {
+    matmul_case(t, (70, 300, 41), 60);
+}
+
+pub fn embedding_gradient_sums_repeated_ids(t: &Target) {
+    let g = t.grad();
+    let mut rng = t.rng(0);
+    let (vocab, dim) = (11, 6);
+    let ids = [3, 0, 3, 10, 7, 3, 1, 0, 10];
+    let table = random(&mut rng, vocab * dim, 1.0);
+    let r = cotangent(&mut rng, ids.len() * dim);
+    let rt = t.upload(DType::F32, &[ids.len(), dim], &r);
+    let (mut dt, before) = t.grad_buffer(&mut rng, &[vocab, dim]);
+    g.embedding_backward(&rt, &t.ints(&ids), &mut dt).unwrap();
+    let r = widen(&r);
+    check(
+        "embedding dtable",
+        &t.added(&dt, &before),
+        &table,
+        Elements::All,
+        |tab| {
+            let rows: Vec<f64> = ids
+                .iter()
+                .flat_map(|&i| tab[i as usize * dim..][..dim].to_vec())
+                .collect();
+            weighted(&rows, &r)
+        },
+    );
+}
+
+pub fn rms_norm_gradients(t: &Target) {
+    let g = t.grad();
+    for (case, eps) in [1e-5f32, 0.3].into_iter().enumerate() {
+        let mut rng = t.rng(case as u64);
+        let (n, d) = (4, 37);
+        let x = random(&mut rng, n * d, 2.0);
+        let w = random(&mut rng, d, 1.5);
+        let r = cotangent(&mut rng, n * d);
+        let (mut dx, bx) = t.grad_buffer(&mut rng, &[n, d]);
+        let (mut dw, bw) = t.grad_buffer(&mut rng, &[d]);
+        g.rms_norm_backward(
+            &t.upload(DType::F32, &[n, d], &x),
+            &t.upload(DType::F32, &[d], &w),
+            eps,
+            &t.upload(DType::F32, &[n, d], &r),
+            &mut dx,
+            Some(&mut dw),
+        )
+        .unwrap();
+        let (x64, w64, r) = (widen(&x), widen(&w), widen(&r));
+        let eps = eps as f64;
+        check("rms_norm dx", &t.added(&dx, &bx), &x, Elements::All, |x| {
+            weighted(&r64::rms_norm(x, &w64, eps), &r)
+        });
+        check(
+            "rms_norm dweight",
+            &t.added(&dw, &bw),
+            &w,
+            Elements::All,
+            |w| weighted(&r64::rms_norm(&x64, w, eps), &r),
+        );
+    }
+}
+
+pub fn layer_norm_gradients(t: &Target) {
+    let g = t.grad();
+    let mut rng = t.rng(0);
+    let (n, d, eps) = (3, 29, 1e-5f32);
+    // Off-centre rows, so that the mean matters.
+    let x: Vec<f32> = random(&mut rng, n * d, 2.0)
+        .iter()
+        .map(|v| v + 0.8)
+        .collect();
+    let w = random(&mut rng, d, 1.5);
+    let b = random(&mut rng, d, 1.0);
+    let r = cotangent(&mut rng, n * d);
+    let rt = t.upload(DType::F32, &[n, d], &r);
+    let (mut dx, bx) = t.grad_buffer(&mut rng, &[n, d]);
+    let (mut dw, bw) = t.grad_buffer(&mut rng, &[d]);
+    let (mut db, bb) = t.grad_buffer(&mut rng, &[d]);
+    g.layer_norm_backward(
+        &t.upload(DType::F32, &[n, d], &x),
+        &t.upload(DType::F32, &[d], &w),
+        eps,
+        &rt,
+        &mut dx,
+        Some(&mut dw),
+    )
+    .unwrap();
+    g.sum_rows(&rt, &mut db).unwrap();
+    let (x64, w64, b64, r) = (widen(&x), widen(&w), widen(&b), widen(&r));
+    let eps = eps as f64;
+    check(
+        "layer_norm dx",
+        &t.added(&dx, &bx),
+        &x,
+        Elements::All,
+        |x| weighted(&r64::layer_norm(x, &w64, &b64, eps), &r),
+    );
+    check(
+        "layer_norm dweight",
+        &t.added(&dw, &bw),
+        &w,
+        Elements::All,
+        |w| weighted(&r64::layer_norm(&x64, w, &b64, eps), &r),
+    );
+    check(
+        "layer_norm dbias",
+        &t.added(&db, &bb),
+        &b,
+        Elements::All,
+        |b| weighted(&r64::layer_norm(&x64, &w64, b, eps), &r),
+    );
+}
+
+pub fn softmax_gradient(t: &Target) {
+    let g = t.grad();
+    let mut rng = t.rng(0);
+    let (n, c) = (3, 19);
+    let x = random(&mut rng, n * c, 3.0);
+    let r = cotangent(&mut rng, n * c);
+    let mut y = t.upload(DType::F32, &[n, c], &x);
+    t.backend.softmax(&mut y).unwrap();
+    let (mut dx, bx) = t.grad_buffer(&mut rng, &[n, c]);
+    g.softmax_backward(&y, &t.upload(DType::F32, &[n, c], &r), &mut dx)
+        .unwrap();
+    let r = widen(&r);
+    check("softmax dx", &t.added(&dx, &bx), &x, Elements::All, |x| {
+        weighted(&r64::softmax(x, c), &r)
+    });
+}
+
+pub fn rope_gradient(t: &Target) {
+    let g = t.grad();
+    let (tokens, heads, hd) = (5, 3, 10);
+    let pos = [0, 3, 7, 100, 2];
+    // 4 frequencies on heads of 10: the last two dimensions pass through.
+    let inv_freq: Vec<f32> = (0..4)
+        .map(|i| 1.0 / 10000f32.powf(i as f32 / 4.0))
+        .collect();
+    for (case, layout) in [RopeLayout::Interleaved, RopeLayout::Neox]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = t.rng(case as u64);
+        let x = random(&mut rng, tokens * heads * hd, 1.0);
+        let r = cotangent(&mut rng, x.len());
+        let mut d = t.upload(DType::F32, &[tokens, heads, hd], &r);
+        g.rope_backward(
+            &mut d,
+            &t.ints(&pos),
+            &t.upload(DType::F32, &[4], &inv_freq),
+            layout,
+        )
+        .unwrap();
+        let got = widen(&t.read(&d));
+        let r = widen(&r);
+        check(
+            &format!("rope ({layout:?}) dx"),
+            &got,
+            &x,
+            Elements::All,
+            |x| weighted(&r64::rope(x, heads, hd, &pos, &inv_freq, layout), &r),
+        );
+    }
+}
+
+/// Attention's three gradients for 5 queries of 6 heads over 2 KV heads of width 9, in a
+/// cache of 11 rows whose rows past the last position must get nothing.
+fn attention_case(t: &Target, params: AttentionParams, kernel_window: Option<usize>) {
+    let g = t.grad();
+    let mut rng = t.rng(params.window.unwrap_or(0) as u64);
+    let (n, heads, kvh, hd, cap) = (5, 6, 2, 9, 11);
+    let pos = [3, 7, 4, 6, 5];
+    let q = random(&mut rng, n * heads * hd, 1.0);
+    let k = random(&mut rng, cap * kvh * hd, 1.0);
+    let v = random(&mut rng, cap * kvh * hd, 1.0);
+    let r = cotangent(&mut rng, n * heads * hd);
+    let (mut dq, bq) = t.grad_buffer(&mut rng, &[n, heads, hd]);
+    let (mut dk, bk) = t.grad_buffer(&mut rng, &[cap, kvh, hd]);
+    let (mut dv, bv) = t.grad_buffer(&mut rng, &[cap, kvh, hd]);
+    g.attention_backward(
+        &t.upload(DType::F32, &[n, heads, hd], &q),
+        &t.upload(DType::F32, &[cap, kvh, hd], &k),
+        &t.upload(DType::F32, &[cap, kvh, hd], &v),
+        &t.ints(&pos),
+        &AttentionParams {
+            window: kernel_window,
+            ..params
+        },
+        &t.upload(DType::F32, &[n, heads, hd], &r),
+        &mut dq,
+        &mut dk,
+        &mut dv,
+    )
+    .unwrap();
+    let a = Attn {
+        heads,
+        kv_heads: kvh,
+        hd,
+        scale: params.scale as f64,
+        softcap: params.softcap.map(|c| c as f64),
+        window: params.window,
+    };
+    let (q64, k64, v64, r) = (widen(&q), widen(&k), widen(&v), widen(&r));
+    let got_dk = t.added(&dk, &bk);
+    let got_dv = t.added(&dv, &bv);
+    // Rows 8.. are past every position: not read, so no gradient at all.
+    let unseen = 8 * kvh * hd;
+    assert!(
+        got_dk[unseen..]
+            .iter()
+            .chain(&got_dv[unseen..])
+            .all(|&d| d == 0.0),
+        "attention: cache rows no query sees got a gradient"
+    );
+    check("attention dq", &t.added(&dq, &bq), &q, Elements::All, |q| {
+        weighted(&r64::attention(q, &k64, &v64, &pos, a), &r)
+    });
+    check("attention dk", &got_dk, &k, Elements::All, |k| {
+        weighted(&r64::attention(&q64, k, &v64, &pos, a), &r)
+    });
+    check("attention dv", &got_dv, &v, Elements::All, |v| {
+        weighted(&r64::attention(&q64, &k64, v, &pos, a), &r)
+    });
+}
+
+pub fn attention_gradients(t: &Target) {
+    let params = AttentionParams {
+        scale: 1.0 / 3.0,
+        softcap: None,
+        window: None,
+    };
+    attention_case(t, params, None);
+}
+
+pub fn attention_gradients_softcapped_and_windowed(t: &Target) {
+    // Scale 1 on inputs of ±1 over 9 dimensions: scores reach the cap of 2.
+    let params = AttentionParams {
+        scale: 1.0,
+        softcap: Some(2.0),
+        window: Some(3),
+    };
+    attention_case(t, params, params.window);
+}
+
+pub fn gated_gradients(t: &Target) {
+    let g = t.grad();
+    for (case, gelu) in [false, true].into_iter().enumerate() {
+        let mut rng = t.rng(case as u64);
+        let (n, d) = (4, 23);
+        let gate = random(&mut rng, n * d, 3.0);
+        let up = random(&mut rng, n * d, 2.0);
+        let r = cotangent(&mut rng, n * d);
+        let (mut dg, bg) = t.grad_buffer(&mut rng, &[n, d]);
+        let (mut du, bu) = t.grad_buffer(&mut rng, &[n, d]);
+        g.gated_backward(
+            &t.upload(DType::F32, &[n, d], &gate),
+            &t.upload(DType::F32, &[n, d], &up),
+            gelu,
+            &t.upload(DType::F32, &[n, d], &r),
+            &mut dg,
+            &mut du,
+        )
+        .unwrap();
+        let act = if gelu { r64::gelu } else { r64::silu };
+        let forward = |g: &[f64], u: &[f64]| -> Vec<f64> {
+            g.iter().zip(u).map(|(&g, &u)| act(g) * u).collect()
+        };
+        let (g64, u64, r) = (widen(&gate), widen(&up), widen(&r));
+        let name = if gelu { "gelu_mul" } else { "silu_mul" };
+        check(
+            &format!("{name} dgate"),
+            &t.added(&dg, &bg),
+            &gate,
+            Elements::All,
+            |g| weighted(&forward(g, &u64), &r),
+        );
+        check(
+            &format!("{name} dup"),
+            &t.added(&du, &bu),
+            &up,
+            Elements::All,
+            |u| weighted(&forward(&g64, u), &r),
+        );
+    }
+}
+
+pub fn gelu_and_softcap_gradients(t: &Target) {
+    let g = t.grad();
+    let mut rng = t.rng(0);
+    let (n, d, cap) = (3, 17, 2.5f32);
+    let x = random(&mut rng, n * d, 6.0);
+    let r = cotangent(&mut rng, n * d);
+    let (xt, rt) = (
+        t.upload(DType::F32, &[n, d], &x),
+        t.upload(DType::F32, &[n, d], &r),
+    );
+    let r64v = widen(&r);
+    let (mut dx, bx) = t.grad_buffer(&mut rng, &[n, d]);
+    g.gelu_backward(&xt, &rt, &mut dx).unwrap();
+    check("gelu dx", &t.added(&dx, &bx), &x, Elements::All, |x| {
+        let y: Vec<f64> = x.iter().map(|&v| r64::gelu(v)).collect();
+        weighted(&y, &r64v)
+    });
+    let mut y = t.upload(DType::F32, &[n, d], &x);
+    t.backend.softcap(&mut y, cap).unwrap();
+    let (mut dx, bx) = t.grad_buffer(&mut rng, &[n, d]);
+    g.softcap_backward(&y, cap, &rt, &mut dx).unwrap();
+    let c = cap as f64;
+    check("softcap dx", &t.added(&dx, &bx), &x, Elements::All, |x| {
+        let y: Vec<f64> = x.iter().map(|&v| c * (v / c).tanh()).collect();
+        weighted(&y, &r64v)
+    });
+}
+
+pub fn slice_cols_and_write_rows_gradients(t: &Target) {
+    let g = t.grad();
+    let mut rng = t.rng(0);
+    // slice_cols: columns 5..11 of [4, 13].
+    let src = random(&mut rng, 4 * 13, 1.0);
+    let r = cotangent(&mut rng, 4 * 6);
+    let (mut ds, bs) = t.grad_buffer(&mut rng, &[4, 13]);
+    g.slice_cols_backward(&t.upload(DType::F32, &[4, 6], &r), 5, &mut ds)
+        .unwrap();
+    let r64v = widen(&r);
+    check(
+        "slice_cols dsrc",
+        &t.added(&ds, &bs),
+        &src,
+        Elements::All,
+        |s| {
+            let cols: Vec<f64> = (0..4).flat_map(|i| s[i * 13 + 5..][..6].to_vec()).collect();
+            weighted(&cols, &r64v)
+        },
+    );
+
+    // write_rows: 3 rows of [2, 5] into rows 4, 0, 6 of [7, 2, 5].
+    let (rows, row, dst_rows) = (3, 10, 7);
+    let pos = [4, 0, 6];
+    let src = random(&mut rng, rows * row, 1.0);
+    let dst = random(&mut rng, dst_rows * row, 1.0);
+    let r = cotangent(&mut rng, dst_rows * row);
+    let forward = |s: &[f64], d: &[f64]| {
+        let mut out = d.to_vec();
+        for (i, &p) in pos.iter().enumerate() {
+            out[p as usize * row..][..row].copy_from_slice(&s[i * row..][..row]);
+        }
+        out
+    };
+    let rt = t.upload(DType::F32, &[dst_rows, 2, 5], &r);
+    let (mut dsrc, bs) = t.grad_buffer(&mut rng, &[rows, 2, 5]);
+    g.gather_rows(&rt, &t.ints(&pos), &mut dsrc).unwrap();
+    let mut ddst = t.upload(DType::F32, &[dst_rows, 2, 5], &r);
+    g.zero_rows(&mut ddst, &t.ints(&pos)).unwrap();
+    let (s64, d64, r) = (widen(&src), widen(&dst), widen(&r));
+    check(
+        "write_rows dsrc",
+        &t.added(&dsrc, &bs),
+        &src,
+        Elements::All,
+        |s| weighted(&forward(s, &d64), &r),
+    );
+    check(
+        "write_rows ddst",
+        &widen(&t.read(&ddst)),
+        &dst,
+        Elements::All,
+        |d| weighted(&forward(&s64, d), &r),
+    );
+}
+
+/// The fused loss of `n` rows of `dim` against a vocabulary of `vocab`: the losses
+/// against the float64 ones, and both gradients at up to `sample` elements each.
+fn cross_entropy_case(
+    t: &Target,
+    (n, dim, vocab): (usize, usize, usize),
+    softcap: Option<f32>,
+    sample: usize,
+) {
+    let g = t.grad();
+    let mut rng = t.rng(vocab as u64 + softcap.is_some() as u64);
+    let scale = 0.37f32;
+    let h = random(&mut rng, n * dim, 1.0);
+    let w = random(&mut rng, vocab * dim, 1.0);
+    let targets: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % vocab) as i32).collect();
+    let (mut dh, bh) = t.grad_buffer(&mut rng, &[n, dim]);
+    // Each of dw's elements sums n rows of probabilities about 1/vocab.
+    let dw_size = (n as f32 / vocab as f32).min(0.5);
+    let (mut dw, bw) = t.grad_buffer_of(&mut rng, &[vocab, dim], dw_size);
+    let mut losses = t.poisoned(&[n]);
+    g.cross_entropy(
+        &t.upload(DType::F32, &[n, dim], &h),
+        &t.upload(DType::F32, &[vocab, dim], &w),
+        &t.ints(&targets),
+        softcap,
+        scale,
+        &mut losses,
+        Some(&mut dh),
+        Some(&mut dw),
+    )
+    .unwrap();
+    let (h64, w64) = (widen(&h), widen(&w));
+    let cap = softcap.map(|c| c as f64);
+    let want = r64::cross_entropy(&h64, &w64, &targets, dim, cap);
+    for (i, (&got, want)) in t.read(&losses).iter().zip(&want).enumerate() {
+        assert!(
+            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+            "cross_entropy loss [{i}]: {got} vs {want}"
+        );
+    }
+    let total = |h: &[f64], w: &[f64]| {
+        scale as f64
+            * r64::cross_entropy(h, w, &targets, dim, cap)
+                .iter()
+                .sum::<f64>()
+    };
+    check(
+        "cross_entropy dh",
+        &t.added(&dh, &bh),
+        &h,
+        Elements::Sample(sample, &mut rng),
+        |h| total(h, &w64),
+    );
+    check(
+        "cross_entropy dw",
+        &t.added(&dw, &bw),
+        &w,
+        Elements::Sample(sample, &mut rng),
+        |w| total(&h64, w),
+    );
+
+    // Without gradients asked: the same losses, and nothing else touched.
+    let mut again = t.poisoned(&[n]);
+    g.cross_entropy(
+        &t.upload(DType::F32, &[n, dim], &h),
+        &t.upload(DType::F32, &[vocab, dim], &w),
+        &t.ints(&targets),
+        softcap,
+        scale,
+        &mut again,
+        None,
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        t.read(&again),
+        t.read(&losses),
+        "cross_entropy without gradients"
+    );
+}
+
+pub fn cross_entropy_loss_and_gradients(t: &Target) {
+    cross_entropy_case(t, (9, 13, 29), None, usize::MAX);
+    cross_entropy_case(t, (9, 13, 29), Some(3.0), usize::MAX);
+}
+
+/// A vocabulary large enough that backends take the rows a block at a time.
+pub fn cross_entropy_over_blocks_of_rows(t: &Target) {
+    cross_entropy_case(t, (30, 4, 40_000), None, 12);
+}
+
+/// Whether `f` panics (its message still printed: it shows what was caught).
+fn panics(f: impl FnOnce()) -> bool {
+    catch_unwind(AssertUnwindSafe(f)).is_err()
+}
+
+/// The checks fail for kernels that are slightly wrong: attention whose window is off by
+/// one, and a product that reads one weight 0.1% off.
+pub fn a_wrong_gradient_is_caught(t: &Target) {
+    let params = AttentionParams {
+        scale: 1.0 / 3.0,
+        softcap: None,
+        window: Some(3),
+    };
+    assert!(
+        panics(|| attention_case(t, params, Some(4))),
+        "an attention gradient with the window off by one passed"
+    );
+
+    let g = t.grad();
+    let mut rng = t.rng(0);
+    let (n, m, k) = (4, 5, 6);
+    let w = random(&mut rng, m * k, 1.0);
+    let r = cotangent(&mut rng, n * m);
+    let mut misread = w.clone();
+    misread[7] *= 1.001;
+    let (mut dx, bx) = t.grad_buffer(&mut rng, &[n, k]);
+    g.matmul_dx(
+        &t.upload(DType::F32, &[n, m], &r),
+        &t.upload(DType::F32, &[m, k], &misread),
+        &mut dx,
+    )
+    .unwrap();
+    let x = random(&mut rng, n * k, 1.0);
+    let (w64, r) = (widen(&w), widen(&r));
+    let got = t.added(&dx, &bx);
+    assert!(
+        panics(|| check(
+            "matmul dx, one weight misread",
+            &got,
+            &x,
+            Elements::All,
+            |x| { weighted(&r64::matmul(x, &w64, n, m, k), &r) }
+        )),
+        "a matmul gradient from a weight 0.1% off passed"
+    );
+}

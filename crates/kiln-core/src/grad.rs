@@ -1,0 +1,132 @@
+//! The backward kernels training needs, beside the forward ops of [`crate::Backend`].
+//!
+//! A backend that can train returns itself from [`crate::Backend::grad`]. Each method is
+//! the derivative of one forward op, taking the forward's inputs (as saved by the caller)
+//! and the gradient of its output, and *adding* into the gradients of its inputs (`+=`),
+//! so that a value read by several ops sums their contributions in place. Shapes are the
+//! forward op's; weights are F32 (their gradients are F32 of the same shape). Kernels that
+//! change a gradient in place say so.
+
+use crate::{AttentionParams, Result, RopeLayout, Tensor};
+
+pub trait GradOps: Send + Sync {
+    /// `dst = src`, of one dtype and element count (F32 activations, I32 ids and
+    /// positions): keeps a value the forward pass is about to overwrite.
+    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()>;
+
+    /// `acc += a · x`, element-wise, both F32 of one element count.
+    fn add_scaled(&self, acc: &mut Tensor, x: &Tensor, a: f32) -> Result<()>;
+
+    /// `acc[c] += Σ_r x[r, c]`: the gradient of a row added to every row (a bias).
+    fn sum_rows(&self, x: &Tensor, acc: &mut Tensor) -> Result<()>;
+
+    /// Matmul's input gradient: `dx[n, k] += dy[n, m] · w[m, k]` (`w` F32).
+    fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()>;
+
+    /// Matmul's weight gradient: `dw[m, k] += dy[n, m]ᵀ · x[n, k]`.
+    fn matmul_dw(&self, dy: &Tensor, x: &Tensor, dw: &mut Tensor) -> Result<()>;
+
+    /// Embedding's table gradient: `dtable[ids[i]] += dy[i]` (`ids` I32 `[n]`; repeated
+    /// ids sum).
+    fn embedding_backward(&self, dy: &Tensor, ids: &Tensor, dtable: &mut Tensor) -> Result<()>;
+
+    /// RMSNorm's gradients (see [`crate::Backend::rms_norm`]): `dx` always, `dweight` when
+    /// asked.
+    fn rms_norm_backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+        dy: &Tensor,
+        dx: &mut Tensor,
+        dweight: Option<&mut Tensor>,
+    ) -> Result<()>;
+
+    /// LayerNorm's gradients (see [`crate::Backend::layer_norm`]); the bias's gradient is
+    /// `sum_rows(dy)`.
+    fn layer_norm_backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+        dy: &Tensor,
+        dx: &mut Tensor,
+        dweight: Option<&mut Tensor>,
+    ) -> Result<()>;
+
+    /// Softmax's gradient from its output `y`: `dx += y · (dy − Σ_row dy·y)`.
+    fn softmax_backward(&self, y: &Tensor, dy: &Tensor, dx: &mut Tensor) -> Result<()>;
+
+    /// Rope's gradient, in place: `d` (the rotated value's gradient, shaped as
+    /// [`crate::Backend::rope`]'s `x`) is turned back by each pair's angle, becoming the
+    /// gradient of the value before rotation.
+    fn rope_backward(
+        &self,
+        d: &mut Tensor,
+        pos: &Tensor,
+        inv_freq: &Tensor,
+        layout: RopeLayout,
+    ) -> Result<()>;
+
+    /// Attention's gradients (see [`crate::Backend::attention`]), recomputing the softmax
+    /// from `q`, `k_cache` and `v_cache`: `dq` `[n, heads, head_dim]`, `dk`, `dv`
+    /// `[capacity, kv_heads, head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        pos: &Tensor,
+        params: &AttentionParams,
+        dout: &Tensor,
+        dq: &mut Tensor,
+        dk: &mut Tensor,
+        dv: &mut Tensor,
+    ) -> Result<()>;
+
+    /// The gradients of `out = act(gate) · up`: SiLU, or GELU (tanh) when `gelu`.
+    fn gated_backward(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        gelu: bool,
+        dout: &Tensor,
+        dgate: &mut Tensor,
+        dup: &mut Tensor,
+    ) -> Result<()>;
+
+    /// GELU's (tanh approximation) gradient from its input `x`: `dx += gelu'(x) · dy`.
+    fn gelu_backward(&self, x: &Tensor, dy: &Tensor, dx: &mut Tensor) -> Result<()>;
+
+    /// Softcap's gradient from its output `y = cap·tanh(x/cap)`: `dx += (1 − (y/cap)²)·dy`.
+    fn softcap_backward(&self, y: &Tensor, cap: f32, dy: &Tensor, dx: &mut Tensor) -> Result<()>;
+
+    /// `slice_cols`'s gradient: `dsrc[i, col0 + j] += ddst[i, j]`.
+    fn slice_cols_backward(&self, ddst: &Tensor, col0: usize, dsrc: &mut Tensor) -> Result<()>;
+
+    /// `write_rows`'s gradient for the source: `dsrc[i] += ddst[pos[i]]`.
+    fn gather_rows(&self, ddst: &Tensor, pos: &Tensor, dsrc: &mut Tensor) -> Result<()>;
+
+    /// `write_rows`'s gradient for the destination's earlier contents, in place: the
+    /// overwritten rows `pos[i]` of `ddst` become zero.
+    fn zero_rows(&self, ddst: &mut Tensor, pos: &Tensor) -> Result<()>;
+
+    /// Cross-entropy of the logits `h · wᵀ` (softcapped when `softcap` is given) against
+    /// `targets` (I32 `[n]`), fused so that the `[n, vocab]` logits exist a block of rows
+    /// at a time: `losses[i] = logsumexp(z_i) − z_i[targets[i]]` (F32 `[n]`), and when asked
+    /// `dh += scale · ∂L/∂h` and `dw += scale · ∂L/∂w`, where `L = Σ losses` (`scale`
+    /// makes it a mean over a batch).
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        softcap: Option<f32>,
+        scale: f32,
+        losses: &mut Tensor,
+        dh: Option<&mut Tensor>,
+        dw: Option<&mut Tensor>,
+    ) -> Result<()>;
+}

@@ -1,0 +1,706 @@
+//! The backward kernels (`kiln_core::GradOps`) on the GPU: `kernels/grad.cu`, and cuBLAS
+//! for the products. Attention's backward recomputes the softmax from q and k (nothing
+//! of the forward is kept) but holds the probabilities and the scores' gradients of a
+//! sequence in two `[tokens · heads, capacity]` work buffers: quadratic in the sequence,
+//! not the tiled, memory-flat kernel of FlashAttention-2 (that is still to come).
+
+use crate::kernels::Arg;
+use crate::matmul::sgemm;
+use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
+use kiln_core::{AttentionParams, DType, Error, GradOps, Result, RopeLayout, Tensor};
+
+/// Logits a block of the fused loss holds at once (16 MiB of f32).
+const BLOCK_LOGITS: usize = 1 << 22;
+
+fn f32s(ts: &[&Tensor], op: &str) -> Result<()> {
+    ts.iter().try_for_each(|t| expect(t, DType::F32, op))
+}
+
+fn rows_of(t: &Tensor) -> (usize, usize) {
+    (t.shape().rows(), t.shape().row_len())
+}
+
+/// Rows of `t` by its outermost dimension, and the elements of each.
+fn outer_rows(t: &Tensor) -> (usize, usize) {
+    let rows = t.dims().first().copied().unwrap_or(1);
+    (rows, t.shape().numel() / rows.max(1))
+}
+
+impl CudaBackend {
+    fn launch_rows(
+        &self,
+        name: &'static str,
+        rows: usize,
+        threads: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let grid = u32::try_from(rows).map_err(|_| Error::shape(format!("{name}: {rows} rows")))?;
+        self.launch(name, (grid, 1, 1), (threads, 1, 1), 0, args)
+    }
+}
+
+impl GradOps for CudaBackend {
+    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        if src.dtype() != dst.dtype()
+            || src.shape().numel() != dst.shape().numel()
+            || src.dtype().block_bytes() != 4
+        {
+            return Err(Error::shape(format!(
+                "copy: {} {} into {} {} (4-byte elements of one count)",
+                src.dtype(),
+                src.shape(),
+                dst.dtype(),
+                dst.shape()
+            )));
+        }
+        let n = src.shape().numel();
+        self.launch_1d(
+            "grad_copy",
+            n,
+            &[Arg::Ptr(ptr(dst)?), Arg::Ptr(ptr(src)?), Arg::U64(n as u64)],
+        )
+    }
+
+    fn add_scaled(&self, acc: &mut Tensor, x: &Tensor, a: f32) -> Result<()> {
+        f32s(&[acc, x], "add_scaled")?;
+        let n = acc.shape().numel();
+        if x.shape().numel() != n {
+            return Err(Error::shape(format!(
+                "add_scaled: {} into {}",
+                x.shape(),
+                acc.shape()
+            )));
+        }
+        self.launch_1d(
+            "grad_add_scaled",
+            n,
+            &[
+                Arg::Ptr(ptr(acc)?),
+                Arg::Ptr(ptr(x)?),
+                Arg::U64(n as u64),
+                Arg::F32(a),
+            ],
+        )
+    }
+
+    fn sum_rows(&self, x: &Tensor, acc: &mut Tensor) -> Result<()> {
+        f32s(&[x, acc], "sum_rows")?;
+        let (rows, cols) = rows_of(x);
+        if acc.shape().numel() != cols {
+            return Err(Error::shape(format!(
+                "sum_rows: rows of {} into {}",
+                x.shape(),
+                acc.shape()
+            )));
+        }
+        self.launch_1d(
+            "grad_sum_rows",
+            cols,
+            &[
+                Arg::Ptr(ptr(x)?),
+                Arg::Ptr(ptr(acc)?),
+                Arg::I32(to_i32(rows, "rows")?),
+                Arg::I32(to_i32(cols, "columns")?),
+            ],
+        )
+    }
+
+    fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()> {
+        f32s(&[dy, w, dx], "matmul_dx")?;
+        let (n, m) = rows_of(dy);
+        let &[wm, k] = w.dims() else {
+            return Err(Error::shape(format!("matmul_dx: weight {}", w.shape())));
+        };
+        if wm != m || rows_of(dx) != (n, k) {
+            return Err(Error::shape(format!(
+                "matmul_dx: dy {} · w {} into {}",
+                dy.shape(),
+                w.shape(),
+                dx.shape()
+            )));
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        // Row-major dx[n, k] += dy[n, m]·w[m, k]: column-major dxᵀ = wᵀ·dyᵀ, where w read
+        // as k × m column-major is wᵀ and dy as m × n is dyᵀ.
+        sgemm(
+            self,
+            (false, false),
+            (k, n, m),
+            (ptr(w)?, k),
+            (ptr(dy)?, m),
+            1.0,
+            (ptr(dx)?, k),
+        )
+    }
+
+    fn matmul_dw(&self, dy: &Tensor, x: &Tensor, dw: &mut Tensor) -> Result<()> {
+        f32s(&[dy, x, dw], "matmul_dw")?;
+        let (n, m) = rows_of(dy);
+        let &[wm, k] = dw.dims() else {
+            return Err(Error::shape(format!("matmul_dw: weight {}", dw.shape())));
+        };
+        if wm != m || rows_of(x) != (n, k) {
+            return Err(Error::shape(format!(
+                "matmul_dw: dy {}ᵀ · x {} into {}",
+                dy.shape(),
+                x.shape(),
+                dw.shape()
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        // Row-major dw[m, k] += dyᵀ·x: column-major dwᵀ (k × m) = xᵀ (x read as k × n) ·
+        // dy (dy read as m × n, transposed).
+        sgemm(
+            self,
+            (false, true),
+            (k, m, n),
+            (ptr(x)?, k),
+            (ptr(dy)?, m),
+            1.0,
+            (ptr(dw)?, k),
+        )
+    }
+
+    fn embedding_backward(&self, dy: &Tensor, ids: &Tensor, dtable: &mut Tensor) -> Result<()> {
+        f32s(&[dy, dtable], "embedding gradient")?;
+        expect(ids, DType::I32, "token ids")?;
+        let &[vocab, dim] = dtable.dims() else {
+            return Err(Error::shape(format!(
+                "embedding gradient: table {}",
+                dtable.shape()
+            )));
+        };
+        let (n, row) = rows_of(dy);
+        if row != dim || ids.shape().numel() != n {
+            return Err(Error::shape(format!(
+                "embedding gradient: {} rows for {} ids into {}",
+                dy.shape(),
+                ids.shape(),
+                dtable.shape()
+            )));
+        }
+        self.launch_1d(
+            "grad_embedding",
+            dim,
+            &[
+                Arg::Ptr(ptr(dy)?),
+                Arg::Ptr(ptr(ids)?),
+                Arg::Ptr(ptr(dtable)?),
+                Arg::I32(to_i32(n, "rows")?),
+                Arg::I32(to_i32(dim, "width")?),
+                Arg::I32(to_i32(vocab, "vocabulary")?),
+            ],
+        )
+    }
+
+    fn rms_norm_backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+        dy: &Tensor,
+        dx: &mut Tensor,
+        dweight: Option<&mut Tensor>,
+    ) -> Result<()> {
+        norm_backward(self, false, x, weight, eps, dy, dx, dweight)
+    }
+
+    fn layer_norm_backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+        dy: &Tensor,
+        dx: &mut Tensor,
+        dweight: Option<&mut Tensor>,
+    ) -> Result<()> {
+        norm_backward(self, true, x, weight, eps, dy, dx, dweight)
+    }
+
+    fn softmax_backward(&self, y: &Tensor, dy: &Tensor, dx: &mut Tensor) -> Result<()> {
+        f32s(&[y, dy, dx], "softmax gradient")?;
+        same_shape(y, dy, "softmax gradient")?;
+        same_shape(y, dx, "softmax gradient")?;
+        let (rows, cols) = rows_of(y);
+        self.launch_rows(
+            "grad_softmax",
+            rows,
+            256,
+            &[
+                Arg::Ptr(ptr(y)?),
+                Arg::Ptr(ptr(dy)?),
+                Arg::Ptr(ptr(dx)?),
+                Arg::I32(to_i32(cols, "columns")?),
+            ],
+        )
+    }
+
+    fn rope_backward(
+        &self,
+        d: &mut Tensor,
+        pos: &Tensor,
+        inv_freq: &Tensor,
+        layout: RopeLayout,
+    ) -> Result<()> {
+        f32s(&[d, inv_freq], "rope gradient")?;
+        expect(pos, DType::I32, "rope positions")?;
+        let &[tokens, heads, head_dim] = d.dims() else {
+            return Err(Error::shape(format!(
+                "rope gradient takes [tokens, heads, head_dim], got {}",
+                d.shape()
+            )));
+        };
+        let rot = 2 * inv_freq.shape().numel();
+        if rot > head_dim || pos.shape().numel() != tokens {
+            return Err(Error::shape(format!(
+                "rope gradient: {} frequencies, {} positions for {}",
+                rot / 2,
+                pos.shape().numel(),
+                d.shape()
+            )));
+        }
+        self.launch_rows(
+            "grad_rope",
+            tokens * heads,
+            64,
+            &[
+                Arg::Ptr(ptr(d)?),
+                Arg::Ptr(ptr(pos)?),
+                Arg::Ptr(ptr(inv_freq)?),
+                Arg::I32(to_i32(heads, "heads")?),
+                Arg::I32(to_i32(head_dim, "head width")?),
+                Arg::I32(to_i32(rot, "rotated width")?),
+                Arg::I32((layout == RopeLayout::Neox) as i32),
+            ],
+        )
+    }
+
+    fn attention_backward(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        pos: &Tensor,
+        params: &AttentionParams,
+        dout: &Tensor,
+        dq: &mut Tensor,
+        dk: &mut Tensor,
+        dv: &mut Tensor,
+    ) -> Result<()> {
+        f32s(
+            &[q, k_cache, v_cache, dout, dq, dk, dv],
+            "attention gradient",
+        )?;
+        expect(pos, DType::I32, "attention positions")?;
+        let (&[n, heads, d], &[cap, kv_heads, kd]) = (q.dims(), k_cache.dims()) else {
+            return Err(Error::shape(format!(
+                "attention gradient: q {}, k {}",
+                q.shape(),
+                k_cache.shape()
+            )));
+        };
+        if kd != d
+            || v_cache.dims() != k_cache.dims()
+            || dk.dims() != k_cache.dims()
+            || dv.dims() != k_cache.dims()
+            || dout.dims() != q.dims()
+            || dq.dims() != q.dims()
+            || pos.shape().numel() != n
+            || kv_heads == 0
+            || heads % kv_heads != 0
+        {
+            return Err(Error::shape(format!(
+                "attention gradient: q {}, k {}, v {}, dout {}",
+                q.shape(),
+                k_cache.shape(),
+                v_cache.shape(),
+                dout.shape()
+            )));
+        }
+        if d > 256 {
+            return Err(Error::unsupported(format!(
+                "the attention gradient on the GPU for heads of {d} (at most 256)"
+            )));
+        }
+        if n == 0 || d == 0 {
+            return Ok(());
+        }
+        let scores = n * heads * cap * 4;
+        let p_buf = self.scratch("grad_attention_p", scores)?;
+        let ds_buf = self.scratch("grad_attention_ds", scores)?;
+        let i = |v: usize, what| to_i32(v, what).map(Arg::I32);
+        let window = params.window.map_or(Ok(0), |w| to_i32(w, "window"))?;
+        self.launch_rows(
+            "grad_attention_scores",
+            n * heads,
+            128,
+            &[
+                Arg::Ptr(ptr(q)?),
+                Arg::Ptr(ptr(k_cache)?),
+                Arg::Ptr(ptr(v_cache)?),
+                Arg::Ptr(ptr(dout)?),
+                Arg::Ptr(ptr(pos)?),
+                Arg::Ptr(p_buf),
+                Arg::Ptr(ds_buf),
+                i(heads, "heads")?,
+                i(kv_heads, "KV heads")?,
+                i(d, "head width")?,
+                i(cap, "capacity")?,
+                Arg::F32(params.scale),
+                Arg::F32(params.softcap.unwrap_or(0.0)),
+                Arg::I32(window),
+            ],
+        )?;
+        let threads = (d as u32).div_ceil(32) * 32;
+        self.launch_rows(
+            "grad_attention_dq",
+            n * heads,
+            threads,
+            &[
+                Arg::Ptr(ptr(k_cache)?),
+                Arg::Ptr(ds_buf),
+                Arg::Ptr(ptr(dq)?),
+                i(heads, "heads")?,
+                i(kv_heads, "KV heads")?,
+                i(d, "head width")?,
+                i(cap, "capacity")?,
+            ],
+        )?;
+        self.launch_rows(
+            "grad_attention_dkv",
+            cap * kv_heads,
+            threads,
+            &[
+                Arg::Ptr(ptr(q)?),
+                Arg::Ptr(ptr(dout)?),
+                Arg::Ptr(p_buf),
+                Arg::Ptr(ds_buf),
+                Arg::Ptr(ptr(dk)?),
+                Arg::Ptr(ptr(dv)?),
+                i(n, "tokens")?,
+                i(heads, "heads")?,
+                i(kv_heads, "KV heads")?,
+                i(d, "head width")?,
+                i(cap, "capacity")?,
+            ],
+        )
+    }
+
+    fn gated_backward(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        gelu: bool,
+        dout: &Tensor,
+        dgate: &mut Tensor,
+        dup: &mut Tensor,
+    ) -> Result<()> {
+        f32s(&[gate, up, dout, dgate, dup], "gated gradient")?;
+        for t in [up, dout, &*dgate, &*dup] {
+            same_shape(gate, t, "gated gradient")?;
+        }
+        let n = gate.shape().numel();
+        self.launch_1d(
+            "grad_gated",
+            n,
+            &[
+                Arg::Ptr(ptr(gate)?),
+                Arg::Ptr(ptr(up)?),
+                Arg::Ptr(ptr(dout)?),
+                Arg::Ptr(ptr(dgate)?),
+                Arg::Ptr(ptr(dup)?),
+                Arg::U64(n as u64),
+                Arg::I32(gelu as i32),
+            ],
+        )
+    }
+
+    fn gelu_backward(&self, x: &Tensor, dy: &Tensor, dx: &mut Tensor) -> Result<()> {
+        f32s(&[x, dy, dx], "gelu gradient")?;
+        same_shape(x, dy, "gelu gradient")?;
+        let n = x.shape().numel();
+        if dx.shape().numel() != n {
+            return Err(Error::shape(format!("gelu gradient into {}", dx.shape())));
+        }
+        self.launch_1d(
+            "grad_gelu",
+            n,
+            &[
+                Arg::Ptr(ptr(x)?),
+                Arg::Ptr(ptr(dy)?),
+                Arg::Ptr(ptr(dx)?),
+                Arg::U64(n as u64),
+            ],
+        )
+    }
+
+    fn softcap_backward(&self, y: &Tensor, cap: f32, dy: &Tensor, dx: &mut Tensor) -> Result<()> {
+        f32s(&[y, dy, dx], "softcap gradient")?;
+        same_shape(y, dy, "softcap gradient")?;
+        let n = y.shape().numel();
+        if dx.shape().numel() != n {
+            return Err(Error::shape(format!(
+                "softcap gradient into {}",
+                dx.shape()
+            )));
+        }
+        self.launch_1d(
+            "grad_softcap",
+            n,
+            &[
+                Arg::Ptr(ptr(y)?),
+                Arg::Ptr(ptr(dy)?),
+                Arg::Ptr(ptr(dx)?),
+                Arg::U64(n as u64),
+                Arg::F32(cap),
+            ],
+        )
+    }
+
+    fn slice_cols_backward(&self, ddst: &Tensor, col0: usize, dsrc: &mut Tensor) -> Result<()> {
+        f32s(&[ddst, dsrc], "slice_cols gradient")?;
+        let (&[rows, cols], &[src_rows, src_cols]) = (ddst.dims(), dsrc.dims()) else {
+            return Err(Error::shape(format!(
+                "slice_cols gradient: {} into {} (both 2-D)",
+                ddst.shape(),
+                dsrc.shape()
+            )));
+        };
+        if rows != src_rows || col0.checked_add(cols).is_none_or(|e| e > src_cols) {
+            return Err(Error::shape(format!(
+                "slice_cols gradient: {} at column {col0} into {}",
+                ddst.shape(),
+                dsrc.shape()
+            )));
+        }
+        self.launch_1d(
+            "grad_slice_cols",
+            rows * cols,
+            &[
+                Arg::Ptr(ptr(ddst)?),
+                Arg::Ptr(ptr(dsrc)?),
+                Arg::I32(to_i32(rows, "rows")?),
+                Arg::I32(to_i32(cols, "columns")?),
+                Arg::I32(to_i32(src_cols, "columns")?),
+                Arg::I32(to_i32(col0, "column")?),
+            ],
+        )
+    }
+
+    fn gather_rows(&self, ddst: &Tensor, pos: &Tensor, dsrc: &mut Tensor) -> Result<()> {
+        f32s(&[ddst, dsrc], "write_rows gradient")?;
+        expect(pos, DType::I32, "write_rows positions")?;
+        let ((rows, row), (dst_rows, dst_row)) = (outer_rows(dsrc), outer_rows(ddst));
+        if row != dst_row || pos.shape().numel() != rows {
+            return Err(Error::shape(format!(
+                "write_rows gradient: {} from {}",
+                dsrc.shape(),
+                ddst.shape()
+            )));
+        }
+        self.launch_1d(
+            "grad_gather_rows",
+            rows * row,
+            &[
+                Arg::Ptr(ptr(ddst)?),
+                Arg::Ptr(ptr(pos)?),
+                Arg::Ptr(ptr(dsrc)?),
+                Arg::I32(to_i32(rows, "rows")?),
+                Arg::I32(to_i32(row, "row length")?),
+                Arg::I32(to_i32(dst_rows, "rows")?),
+            ],
+        )
+    }
+
+    fn zero_rows(&self, ddst: &mut Tensor, pos: &Tensor) -> Result<()> {
+        expect(ddst, DType::F32, "write_rows gradient")?;
+        expect(pos, DType::I32, "write_rows positions")?;
+        let (dst_rows, row) = outer_rows(ddst);
+        let rows = pos.shape().numel();
+        self.launch_1d(
+            "grad_zero_rows",
+            rows * row,
+            &[
+                Arg::Ptr(ptr(ddst)?),
+                Arg::Ptr(ptr(pos)?),
+                Arg::I32(to_i32(rows, "rows")?),
+                Arg::I32(to_i32(row, "row length")?),
+                Arg::I32(to_i32(dst_rows, "rows")?),
+            ],
+        )
+    }
+
+    fn cross_entropy(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        softcap: Option<f32>,
+        scale: f32,
+        losses: &mut Tensor,
+        dh: Option<&mut Tensor>,
+        dw: Option<&mut Tensor>,
+    ) -> Result<()> {
+        f32s(&[h, w, losses], "cross_entropy")?;
+        expect(targets, DType::I32, "targets")?;
+        let &[vocab, dim] = w.dims() else {
+            return Err(Error::shape(format!(
+                "cross_entropy: projection {}",
+                w.shape()
+            )));
+        };
+        let (n, hd) = rows_of(h);
+        let grads_fit = dh.as_deref().is_none_or(|d| d.shape() == h.shape())
+            && dw.as_deref().is_none_or(|d| d.shape() == w.shape());
+        if hd != dim || losses.shape().numel() != n || targets.shape().numel() != n || !grads_fit {
+            return Err(Error::shape(format!(
+                "cross_entropy: h {}, w {}, {} targets, losses {}",
+                h.shape(),
+                w.shape(),
+                targets.shape().numel(),
+                losses.shape()
+            )));
+        }
+        if n == 0 || vocab == 0 || dim == 0 {
+            return Ok(());
+        }
+        let grad = dh.is_some() || dw.is_some();
+        let dh_ptr = dh.map(|t| ptr(t)).transpose()?;
+        let dw_ptr = dw.map(|t| ptr(t)).transpose()?;
+        let block = (BLOCK_LOGITS / vocab).clamp(1, n);
+        let z = self.scratch("grad_cross_entropy", block * vocab * 4)?;
+        let (h_ptr, w_ptr, t_ptr, l_ptr) = (ptr(h)?, ptr(w)?, ptr(targets)?, ptr(losses)?);
+        for r0 in (0..n).step_by(block) {
+            let rows = block.min(n - r0);
+            let h_blk = h_ptr + (r0 * dim * 4) as u64;
+            // z[rows, vocab] = h·wᵀ: column-major zᵀ (vocab × rows) = w (read as dim ×
+            // vocab, transposed) · hᵀ (read as dim × rows).
+            sgemm(
+                self,
+                (true, false),
+                (vocab, rows, dim),
+                (w_ptr, dim),
+                (h_blk, dim),
+                0.0,
+                (z, vocab),
+            )?;
+            self.launch_rows(
+                "grad_cross_entropy_rows",
+                rows,
+                256,
+                &[
+                    Arg::Ptr(z),
+                    Arg::Ptr(t_ptr + (r0 * 4) as u64),
+                    Arg::Ptr(l_ptr + (r0 * 4) as u64),
+                    Arg::I32(to_i32(vocab, "vocabulary")?),
+                    Arg::F32(softcap.unwrap_or(0.0)),
+                    Arg::F32(scale),
+                    Arg::I32(grad as i32),
+                ],
+            )?;
+            if let Some(dh) = dh_ptr {
+                // dh[rows, dim] += dz[rows, vocab]·w[vocab, dim] (as matmul_dx).
+                let dh_blk = dh + (r0 * dim * 4) as u64;
+                sgemm(
+                    self,
+                    (false, false),
+                    (dim, rows, vocab),
+                    (w_ptr, dim),
+                    (z, vocab),
+                    1.0,
+                    (dh_blk, dim),
+                )?;
+            }
+            if let Some(dw) = dw_ptr {
+                // dw[vocab, dim] += dzᵀ·h (as matmul_dw).
+                sgemm(
+                    self,
+                    (false, true),
+                    (dim, vocab, rows),
+                    (h_blk, dim),
+                    (z, vocab),
+                    1.0,
+                    (dw, dim),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// RMSNorm's (`layer` false) or LayerNorm's gradients: a kernel per row for `dx` (which
+/// keeps each row's statistics), then a thread per column for the weight's.
+#[allow(clippy::too_many_arguments)]
+fn norm_backward(
+    b: &CudaBackend,
+    layer: bool,
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f32,
+    dy: &Tensor,
+    dx: &mut Tensor,
+    dweight: Option<&mut Tensor>,
+) -> Result<()> {
+    let op = if layer {
+        "layer_norm gradient"
+    } else {
+        "rms_norm gradient"
+    };
+    f32s(&[x, weight, dy, dx], op)?;
+    same_shape(x, dy, op)?;
+    same_shape(x, dx, op)?;
+    let (rows, dim) = rows_of(x);
+    let dw_fits = dweight.as_deref().is_none_or(|d| d.shape().numel() == dim);
+    if weight.shape().numel() != dim || !dw_fits {
+        return Err(Error::shape(format!(
+            "{op}: weight {} for rows of {dim}",
+            weight.shape()
+        )));
+    }
+    if rows == 0 || dim == 0 {
+        return Ok(());
+    }
+    let stats = b.scratch("grad_norm_stats", rows * 2 * 4)?;
+    let dim_arg = Arg::I32(to_i32(dim, "width")?);
+    let (dx_kernel, dw_kernel) = match layer {
+        true => ("grad_layer_norm_dx", "grad_layer_norm_dw"),
+        false => ("grad_rms_norm_dx", "grad_rms_norm_dw"),
+    };
+    b.launch_rows(
+        dx_kernel,
+        rows,
+        256,
+        &[
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(ptr(weight)?),
+            Arg::Ptr(ptr(dy)?),
+            Arg::Ptr(ptr(dx)?),
+            Arg::Ptr(stats),
+            dim_arg,
+            Arg::F32(eps),
+        ],
+    )?;
+    if let Some(dw) = dweight {
+        expect(dw, DType::F32, op)?;
+        b.launch_1d(
+            dw_kernel,
+            dim,
+            &[
+                Arg::Ptr(ptr(x)?),
+                Arg::Ptr(ptr(dy)?),
+                Arg::Ptr(stats),
+                Arg::Ptr(ptr(dw)?),
+                Arg::I32(to_i32(rows, "rows")?),
+                dim_arg,
+            ],
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,365 @@
+// Backward kernels for training (kiln_core::GradOps): each adds into the gradients of an
+// op's inputs (`+=`) from the gradient of its output. Reductions over rows run in a
+// fixed order (a thread per column walking the rows), never by atomics, so that a step
+// gives the same bits every run and a resumed run equals an uninterrupted one.
+
+// dst = src, 4-byte words (F32 values, I32 ids).   Launch: 1-D over n.
+extern "C" __global__ void grad_copy(u32* dst, const u32* src, size_t n) {
+    follow_previous();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}
+
+// acc += a * x.   Launch: 1-D over n.
+extern "C" __global__ void grad_add_scaled(float* acc, const float* x, size_t n, float a) {
+    follow_previous();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) acc[i] += a * x[i];
+}
+
+// acc[c] += sum_r x[r, c].   Launch: 1-D over cols.
+extern "C" __global__ void grad_sum_rows(const float* x, float* acc, int rows, int cols) {
+    follow_previous();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float s = 0.0f;
+    for (int r = 0; r < rows; r++) s += x[(size_t)r * cols + c];
+    acc[c] += s;
+}
+
+// dtable[ids[i], c] += dy[i, c], the tokens in order (an id outside the table is skipped:
+// its forward row was zeros).   Launch: 1-D over dim.
+extern "C" __global__ void grad_embedding(const float* dy, const int* ids, float* dtable, int n,
+                                          int dim, int vocab) {
+    follow_previous();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim) return;
+    for (int i = 0; i < n; i++) {
+        const int id = ids[i];
+        if (id >= 0 && id < vocab) dtable[(size_t)id * dim + c] += dy[(size_t)i * dim + c];
+    }
+}
+
+// RMSNorm, per row: dx += r*w*dy - x * r^3/dim * sum(dy*w*x), with r = (mean(x^2)+eps)^-1/2,
+// kept in rs for the weight's gradient.   Launch: grid (rows), block 256.
+extern "C" __global__ void grad_rms_norm_dx(const float* x, const float* w, const float* dy,
+                                            float* dx, float* rs, int dim, float eps) {
+    follow_previous();
+    __shared__ float scratch[32];
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    const float* d = dy + (size_t)blockIdx.x * dim;
+    float* o = dx + (size_t)blockIdx.x * dim;
+    float ss = 0.0f, dot = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        ss += xr[i] * xr[i];
+        dot += d[i] * w[i] * xr[i];
+    }
+    ss = block_sum(ss, scratch);
+    dot = block_sum(dot, scratch);
+    const float r = rsqrtf(ss / (float)dim + eps);
+    const float c = dot * r * r * r / (float)dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] += r * w[i] * d[i] - xr[i] * c;
+    if (threadIdx.x == 0) rs[blockIdx.x] = r;
+}
+
+// dw[c] += sum_r dy[r,c] * x[r,c] * rs[r].   Launch: 1-D over dim.
+extern "C" __global__ void grad_rms_norm_dw(const float* x, const float* dy, const float* rs,
+                                            float* dw, int rows, int dim) {
+    follow_previous();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim) return;
+    float s = 0.0f;
+    for (int r = 0; r < rows; r++) {
+        const size_t at = (size_t)r * dim + c;
+        s += dy[at] * x[at] * rs[r];
+    }
+    dw[c] += s;
+}
+
+// LayerNorm, per row: with xh = (x - mean) * r and g = dy * w,
+// dx += r * (g - mean(g) - xh * mean(g * xh)); mean and r kept in stats (2 per row).
+// Launch: grid (rows), block 256.
+extern "C" __global__ void grad_layer_norm_dx(const float* x, const float* w, const float* dy,
+                                              float* dx, float* stats, int dim, float eps) {
+    follow_previous();
+    __shared__ float scratch[32];
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    const float* d = dy + (size_t)blockIdx.x * dim;
+    float* o = dx + (size_t)blockIdx.x * dim;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i];
+    const float mean = block_sum(s, scratch) / (float)dim;
+    float v = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) v += (xr[i] - mean) * (xr[i] - mean);
+    const float r = rsqrtf(block_sum(v, scratch) / (float)dim + eps);
+    float gs = 0.0f, gx = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float g = d[i] * w[i];
+        gs += g;
+        gx += g * (xr[i] - mean) * r;
+    }
+    const float g_mean = block_sum(gs, scratch) / (float)dim;
+    const float gx_mean = block_sum(gx, scratch) / (float)dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float xh = (xr[i] - mean) * r;
+        o[i] += r * (d[i] * w[i] - g_mean - xh * gx_mean);
+    }
+    if (threadIdx.x == 0) {
+        stats[2 * blockIdx.x] = mean;
+        stats[2 * blockIdx.x + 1] = r;
+    }
+}
+
+// dw[c] += sum_r dy[r,c] * (x[r,c] - mean_r) * r_r.   Launch: 1-D over dim.
+extern "C" __global__ void grad_layer_norm_dw(const float* x, const float* dy, const float* stats,
+                                              float* dw, int rows, int dim) {
+    follow_previous();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim) return;
+    float s = 0.0f;
+    for (int r = 0; r < rows; r++) {
+        const size_t at = (size_t)r * dim + c;
+        s += dy[at] * (x[at] - stats[2 * r]) * stats[2 * r + 1];
+    }
+    dw[c] += s;
+}
+
+// Softmax from its output: dx += y * (dy - sum(dy * y)).   Launch: grid (rows), block 256.
+extern "C" __global__ void grad_softmax(const float* y, const float* dy, float* dx, int cols) {
+    follow_previous();
+    __shared__ float scratch[32];
+    const size_t base = (size_t)blockIdx.x * cols;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) s += y[base + i] * dy[base + i];
+    s = block_sum(s, scratch);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        dx[base + i] += y[base + i] * (dy[base + i] - s);
+}
+
+// Rope's inverse in place on d [tokens, heads, head_dim]: each pair turned by -theta, with
+// the forward kernel's angles.   Launch: grid (tokens * heads), block 64.
+extern "C" __global__ void grad_rope(float* d, const int* pos, const float* inv_freq, int heads,
+                                     int head_dim, int rot_dim, int neox) {
+    follow_previous();
+    const int t = blockIdx.x / heads;
+    float* v = d + (size_t)blockIdx.x * head_dim;
+    const float p = (float)pos[t];
+    const int half = rot_dim / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf(p * inv_freq[i], &s, &c);
+        const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        const float g0 = v[a], g1 = v[b];
+        v[a] = g0 * c + g1 * s;
+        v[b] = -g0 * s + g1 * c;
+    }
+}
+
+// out = act(gate) * up: dgate += dout * up * act'(gate), dup += dout * act(gate); act is
+// SiLU, or GELU (tanh) when gelu.   Launch: 1-D over n.
+extern "C" __global__ void grad_gated(const float* gate, const float* up, const float* dout,
+                                      float* dgate, float* dup, size_t n, int gelu) {
+    follow_previous();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float g = gate[i], d = dout[i];
+    float act, slope;
+    if (gelu) {
+        const float c = 0.7978845608028654f;
+        const float t = tanhf(c * (g + 0.044715f * g * g * g));
+        act = 0.5f * g * (1.0f + t);
+        slope = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * g * g);
+    } else {
+        const float s = 1.0f / (1.0f + expf(-g));
+        act = g * s;
+        slope = s * (1.0f + g * (1.0f - s));
+    }
+    dgate[i] += d * up[i] * slope;
+    dup[i] += d * act;
+}
+
+// dx += gelu'(x) * dy (tanh approximation).   Launch: 1-D over n.
+extern "C" __global__ void grad_gelu(const float* x, const float* dy, float* dx, size_t n) {
+    follow_previous();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float g = x[i], c = 0.7978845608028654f;
+    const float t = tanhf(c * (g + 0.044715f * g * g * g));
+    dx[i] += dy[i] * (0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * g * g));
+}
+
+// From the output y = cap * tanh(x / cap): dx += (1 - (y/cap)^2) * dy.   Launch: 1-D over n.
+extern "C" __global__ void grad_softcap(const float* y, const float* dy, float* dx, size_t n,
+                                        float cap) {
+    follow_previous();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float t = y[i] / cap;
+    dx[i] += dy[i] * (1.0f - t * t);
+}
+
+// dsrc[r, col0 + c] += ddst[r, c].   Launch: 1-D over rows * cols.
+extern "C" __global__ void grad_slice_cols(const float* ddst, float* dsrc, int rows, int cols,
+                                           int src_cols, int col0) {
+    follow_previous();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * cols) return;
+    const size_t r = i / cols, c = i % cols;
+    dsrc[r * src_cols + col0 + c] += ddst[i];
+}
+
+// dsrc[i, c] += ddst[pos[i], c] (positions outside ddst's rows skipped, as the forward
+// skipped them).   Launch: 1-D over rows * row_len.
+extern "C" __global__ void grad_gather_rows(const float* ddst, const int* pos, float* dsrc,
+                                            int rows, int row_len, int dst_rows) {
+    follow_previous();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * row_len) return;
+    const size_t r = i / row_len, c = i % row_len;
+    const int p = pos[r];
+    if (p >= 0 && p < dst_rows) dsrc[i] += ddst[(size_t)p * row_len + c];
+}
+
+// ddst[pos[i], c] = 0.   Launch: 1-D over rows * row_len.
+extern "C" __global__ void grad_zero_rows(float* ddst, const int* pos, int rows, int row_len,
+                                          int dst_rows) {
+    follow_previous();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * row_len) return;
+    const size_t r = i / row_len, c = i % row_len;
+    const int p = pos[r];
+    if (p >= 0 && p < dst_rows) ddst[(size_t)p * row_len + c] = 0.0f;
+}
+
+// A score after scale and softcap; *dcap is dz/draw.
+__device__ __forceinline__ float grad_score(const float* q, const float* k, int D, float scale,
+                                            float softcap, float* dcap) {
+    float s = 0.0f;
+    for (int d = 0; d < D; d++) s += q[d] * k[d];
+    s *= scale;
+    if (softcap > 0.0f) {
+        const float t = tanhf(s / softcap);
+        *dcap = 1.0f - t * t;
+        return softcap * t;
+    }
+    *dcap = 1.0f;
+    return s;
+}
+
+// Attention backward, pass 1: for query (i, h), the softmax p over its visible keys, recomputed
+// from q and k, and ds = p * (dO.v - sum_j p_j dO.v_j) * dz/draw * scale, written to P and DS
+// [n * heads, cap] (zeros for keys it does not see). Threads take keys in turn; each key's
+// dot products run over D in one thread.   Launch: grid (n * heads), block 128.
+extern "C" __global__ void grad_attention_scores(const float* q, const float* k, const float* v,
+                                                 const float* dout, const int* pos, float* P,
+                                                 float* DS, int heads, int kv_heads, int D,
+                                                 int cap, float scale, float softcap, int window) {
+    follow_previous();
+    __shared__ float scratch[32];
+    const int row = blockIdx.x, i = row / heads, h = row % heads;
+    const int g = h / (heads / kv_heads);
+    const int p = pos[i];
+    const int first = window > 0 ? max(0, p + 1 - window) : 0;
+    const float* qi = q + (size_t)row * D;
+    const float* doi = dout + (size_t)row * D;
+    float* Pr = P + (size_t)row * cap;
+    float* DSr = DS + (size_t)row * cap;
+    float dcap;
+    float m = NEG_INF;
+    for (int j = first + threadIdx.x; j <= p; j += blockDim.x)
+        m = fmaxf(m, grad_score(qi, k + ((size_t)j * kv_heads + g) * D, D, scale, softcap, &dcap));
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (int j = first + threadIdx.x; j <= p; j += blockDim.x)
+        sum += expf(grad_score(qi, k + ((size_t)j * kv_heads + g) * D, D, scale, softcap, &dcap) - m);
+    const float lse = m + logf(block_sum(sum, scratch));
+    float delta = 0.0f;
+    for (int j = threadIdx.x; j < cap; j += blockDim.x) {
+        if (j < first || j > p) {
+            Pr[j] = 0.0f;
+            DSr[j] = 0.0f;
+            continue;
+        }
+        const float z = grad_score(qi, k + ((size_t)j * kv_heads + g) * D, D, scale, softcap, &dcap);
+        const float pj = expf(z - lse);
+        const float* vj = v + ((size_t)j * kv_heads + g) * D;
+        float dp = 0.0f;
+        for (int d = 0; d < D; d++) dp += doi[d] * vj[d];
+        Pr[j] = pj;
+        DSr[j] = dp;
+        delta += pj * dp;
+    }
+    delta = block_sum(delta, scratch);
+    for (int j = first + threadIdx.x; j <= p; j += blockDim.x) {
+        grad_score(qi, k + ((size_t)j * kv_heads + g) * D, D, scale, softcap, &dcap);
+        DSr[j] = Pr[j] * (DSr[j] - delta) * dcap * scale;
+    }
+}
+
+// Pass 2: dq[i, h, d] += sum_j DS[i h, j] * k[j, g, d].   Launch: grid (n * heads), block D.
+extern "C" __global__ void grad_attention_dq(const float* k, const float* DS, float* dq,
+                                             int heads, int kv_heads, int D, int cap) {
+    follow_previous();
+    const int row = blockIdx.x, h = row % heads, g = h / (heads / kv_heads), d = threadIdx.x;
+    if (d >= D) return;
+    const float* ds = DS + (size_t)row * cap;
+    float s = 0.0f;
+    for (int j = 0; j < cap; j++) s += ds[j] * k[((size_t)j * kv_heads + g) * D + d];
+    dq[(size_t)row * D + d] += s;
+}
+
+// Pass 3: for key row j of KV head g, over every query and every head of the group,
+// dk += DS * q and dv += P * dO.   Launch: grid (cap * kv_heads), block D.
+extern "C" __global__ void grad_attention_dkv(const float* q, const float* dout, const float* P,
+                                              const float* DS, float* dk, float* dv, int n,
+                                              int heads, int kv_heads, int D, int cap) {
+    follow_previous();
+    const int j = blockIdx.x / kv_heads, g = blockIdx.x % kv_heads, d = threadIdx.x;
+    if (d >= D) return;
+    const int group = heads / kv_heads;
+    float sk = 0.0f, sv = 0.0f;
+    for (int i = 0; i < n; i++) {
+        for (int h = g * group; h < (g + 1) * group; h++) {
+            const size_t row = (size_t)i * heads + h;
+            const float ds = DS[row * cap + j], p = P[row * cap + j];
+            sk += ds * q[row * D + d];
+            sv += p * dout[row * D + d];
+        }
+    }
+    const size_t at = (size_t)blockIdx.x * D + d;
+    dk[at] += sk;
+    dv[at] += sv;
+}
+
+// Fused cross-entropy, one row of a block of logits z [rows, vocab] per block (z = h.W^T,
+// made by cuBLAS): the softcap, loss[r] = logsumexp(z) - z[target], and, when grad, z
+// replaced in place by scale * (softmax(z) - onehot) * dz/draw.   Launch: grid (rows),
+// block 256.
+extern "C" __global__ void grad_cross_entropy_rows(float* z, const int* targets, float* loss,
+                                                   int vocab, float softcap, float scale,
+                                                   int grad) {
+    follow_previous();
+    __shared__ float scratch[32];
+    float* zr = z + (size_t)blockIdx.x * vocab;
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        if (softcap > 0.0f) zr[j] = softcap * tanhf(zr[j] / softcap);
+        m = fmaxf(m, zr[j]);
+    }
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(zr[j] - m);
+    const float lse = m + logf(block_sum(s, scratch));
+    const int t = targets[blockIdx.x];
+    // A target outside the vocabulary gives a NaN loss, which stops training.
+    const bool valid = t >= 0 && t < vocab;
+    __syncthreads();
+    if (threadIdx.x == 0) loss[blockIdx.x] = valid ? lse - zr[t] : __int_as_float(0x7fc00000);
+    __syncthreads();
+    if (!grad || !valid) return;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        const float zj = zr[j];
+        const float through = softcap > 0.0f ? 1.0f - (zj / softcap) * (zj / softcap) : 1.0f;
+        zr[j] = (expf(zj - lse) - (j == t ? 1.0f : 0.0f)) * scale * through;
+    }
+}

@@ -1,0 +1,21 @@
+//! Training for kiln's models: autograd over the one model definition, the loop around
+//! it, and its checkpoints.
+//!
+//! The forward pass that training differentiates is the one inference runs
+//! (`kiln_models::Model`, immediate-mode calls on `&dyn Backend`): the model is built on a
+//! [`Tape`], a backend that runs each op on the real one and records it, and
+//! [`Tape::backward`] walks the record in reverse through the backend's backward kernels
+//! ([`kiln_core::GradOps`]). The loss, cross-entropy, is fused with the output projection
+//! and never makes the `[tokens, vocab]` logits whole.
+
+mod backward;
+pub mod checkpoint;
+pub mod data;
+pub mod init;
+pub mod optimizer;
+pub mod rng;
+mod tape;
+mod trainer;
+
+pub use tape::Tape;
+pub use trainer::{Settings, StepReport, Trainer};

@@ -1,0 +1,800 @@
+//! The tape: a [`Backend`] that runs every op on the backend it wraps and, while
+//! recording, writes down what the op was and what its backward needs. A model built on
+//! a tape runs its one forward pass (`Model::ops`) unchanged; the fused trait methods are
+//! left to their defaults here, so they arrive as the primitives they stand for.
+//!
+//! A *value* is one version of a buffer: the model reuses its scratch buffers in every
+//! layer and writes some in place (rope, `add_assign`), so each write makes a new value,
+//! and what a backward needs of an input is copied when the op runs (once per value),
+//! before a later op can overwrite it. Buffers are known by the address of their storage,
+//! which a tensor keeps for its life; a buffer the tape has not seen written is a constant.
+//! Parameters (registered by the trainer) are never copied: backward is handed them.
+
+use crate::backward::{Backward, Node, Read, Saved, Written};
+use kiln_core::{
+    AttentionParams, Backend, DType, Device, Error, GradOps, HostBytes, KernelTime, Result,
+    RopeLayout, SampleParams, Shape, Storage, Tensor,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub(crate) type ValueId = usize;
+
+/// What an op read: a parameter (by its index) or a value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Operand {
+    Param(usize),
+    Value(ValueId),
+}
+
+/// The identity of a tensor's buffer.
+fn key(t: &Tensor) -> usize {
+    t.storage() as *const dyn Storage as *const () as usize
+}
+
+pub(crate) struct ValueInfo {
+    /// Whether a gradient flows into it (it depends on a trainable parameter).
+    pub grad: bool,
+}
+
+#[derive(Default)]
+pub(crate) struct State {
+    recording: bool,
+    /// Buffer → the value it holds now.
+    current: HashMap<usize, ValueId>,
+    pub values: Vec<ValueInfo>,
+    pub nodes: Vec<Node>,
+    /// Copies made for backward, and which value each holds.
+    pub saved: Vec<Tensor>,
+    saved_of: HashMap<ValueId, usize>,
+    /// Buffer → parameter index.
+    params: HashMap<usize, usize>,
+    param_keys: Vec<usize>,
+    /// Per parameter: its gradient (F32, its shape), `None` when frozen.
+    pub param_grads: Vec<Option<Tensor>>,
+}
+
+impl State {
+    fn read(&mut self, t: &Tensor) -> Read {
+        let k = key(t);
+        let op = match self.params.get(&k) {
+            Some(&i) => Operand::Param(i),
+            None => match self.current.get(&k) {
+                Some(&v) => Operand::Value(v),
+                None => {
+                    let v = self.new_value(false);
+                    self.current.insert(k, v);
+                    Operand::Value(v)
+                }
+            },
+        };
+        Read {
+            op,
+            dims: t.dims().to_vec(),
+        }
+    }
+
+    fn new_value(&mut self, grad: bool) -> ValueId {
+        self.values.push(ValueInfo { grad });
+        self.values.len() - 1
+    }
+
+    /// `t` now holds a new value.
+    fn write(&mut self, t: &Tensor, grad: bool) -> Written {
+        let id = self.new_value(grad);
+        self.current.insert(key(t), id);
+        Written {
+            id,
+            dims: t.dims().to_vec(),
+            grad,
+        }
+    }
+
+    /// Whether a gradient flows into what `r` read.
+    pub(crate) fn needs_grad(&self, r: &Read) -> bool {
+        match r.op {
+            Operand::Param(i) => self.param_grads[i].is_some(),
+            Operand::Value(v) => self.values[v].grad,
+        }
+    }
+}
+
+/// Records the ops run through it; see the module's documentation.
+pub struct Tape {
+    inner: Arc<dyn Backend>,
+    state: Mutex<State>,
+}
+
+impl Tape {
+    /// A tape over `inner`, which must have backward kernels.
+    pub fn new(inner: Arc<dyn Backend>) -> Result<Tape> {
+        if inner.grad().is_none() {
+            return Err(Error::unsupported(format!(
+                "training on {} ({}): it has no backward kernels yet",
+                inner.device(),
+                inner.describe()
+            )));
+        }
+        Ok(Tape {
+            inner,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// The backend the ops run on.
+    pub fn inner(&self) -> &Arc<dyn Backend> {
+        &self.inner
+    }
+
+    pub(crate) fn grad_ops(&self) -> &dyn GradOps {
+        self.inner.grad().expect("checked in Tape::new")
+    }
+
+    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while recording leaves a tape that `begin` clears.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Make `params` the parameters (in this order), with a zeroed gradient each for those
+    /// `trainable` marks. Each must be an F32 tensor of this tape's backend.
+    pub fn set_parameters(&self, params: &[&Tensor], trainable: &[bool]) -> Result<()> {
+        if params.len() != trainable.len() {
+            return Err(Error::shape("set_parameters: one flag per parameter"));
+        }
+        let mut st = self.state();
+        st.params.clear();
+        st.param_keys.clear();
+        st.param_grads.clear();
+        for (i, (p, &train)) in params.iter().zip(trainable).enumerate() {
+            if p.dtype() != DType::F32 && train {
+                return Err(Error::unsupported(format!(
+                    "training a {} parameter (train F32 weights)",
+                    p.dtype()
+                )));
+            }
+            if st.params.insert(key(p), i).is_some() {
+                return Err(Error::shape(format!("parameter {i} is listed twice")));
+            }
+            st.param_keys.push(key(p));
+            let grad = match train {
+                true => Some(self.inner.zeros(DType::F32, p.shape().clone())?),
+                false => None,
+            };
+            st.param_grads.push(grad);
+        }
+        Ok(())
+    }
+
+    /// Start recording a forward pass: what an earlier one recorded is dropped
+    /// (parameter gradients are kept: they accumulate until [`Tape::zero_grads`]).
+    pub fn begin(&self) {
+        let mut st = self.state();
+        st.recording = true;
+        st.current.clear();
+        st.values.clear();
+        st.nodes.clear();
+        st.saved.clear();
+        st.saved_of.clear();
+    }
+
+    /// Stop recording and drop what was recorded: ops run through untouched (held-out
+    /// loss, generation).
+    pub fn stop(&self) {
+        self.begin();
+        self.state().recording = false;
+    }
+
+    pub fn zero_grads(&self) -> Result<()> {
+        let mut st = self.state();
+        for g in st.param_grads.iter_mut().flatten() {
+            self.inner.fill(g, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Read every trainable parameter's gradient into `out`, one flat buffer for the
+    /// optimizer (registration order, frozen parameters skipped).
+    pub fn read_grads(&self, out: &mut [f32]) -> Result<()> {
+        let st = self.state();
+        let mut at = 0;
+        for g in st.param_grads.iter().flatten() {
+            let n = g.shape().numel();
+            let dst = out
+                .get_mut(at..at + n)
+                .ok_or_else(|| Error::shape("read_grads: the buffer is too short"))?;
+            let bytes = self.inner.download(g)?;
+            for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Cross-entropy of the logits `h · wᵀ` (softcapped when `softcap` is given) against
+    /// `targets`, fused (see [`GradOps::cross_entropy`]): returns each row's loss. While
+    /// recording, the gradients of `scale · Σ losses` are made here, in the same pass: the
+    /// projection's into its parameter gradient, `h`'s kept for [`Tape::backward`].
+    pub fn cross_entropy(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        targets: &[u32],
+        softcap: Option<f32>,
+        scale: f32,
+    ) -> Result<Vec<f32>> {
+        let n = targets.len();
+        let ids: Vec<u8> = targets
+            .iter()
+            .flat_map(|&t| (t as i32).to_le_bytes())
+            .collect();
+        let targets =
+            self.inner
+                .upload(DType::I32, Shape::new(vec![n])?, HostBytes::from_vec(ids))?;
+        let mut losses = self.inner.zeros(DType::F32, Shape::new(vec![n])?)?;
+        let g = self.grad_ops();
+        let mut st = self.state();
+        if !st.recording {
+            drop(st);
+            g.cross_entropy(h, w, &targets, softcap, scale, &mut losses, None, None)?;
+        } else {
+            let (hr, wr) = (st.read(h), st.read(w));
+            let mut dh = match st.needs_grad(&hr) {
+                true => Some(self.inner.zeros(DType::F32, h.shape().clone())?),
+                false => None,
+            };
+            let mut dw = match wr.op {
+                Operand::Param(i) => st.param_grads[i].take(),
+                Operand::Value(_) if st.needs_grad(&wr) => {
+                    return Err(Error::unsupported(
+                        "a loss whose output projection is computed, not a parameter",
+                    ))
+                }
+                Operand::Value(_) => None,
+            };
+            let run = g.cross_entropy(
+                h,
+                w,
+                &targets,
+                softcap,
+                scale,
+                &mut losses,
+                dh.as_mut(),
+                dw.as_mut(),
+            );
+            if let Operand::Param(i) = wr.op {
+                st.param_grads[i] = dw;
+            }
+            run?;
+            if let Some(dh) = dh {
+                st.nodes.push(Node::Loss { h: hr, dh });
+            }
+        }
+        let bytes = self.inner.download(&losses)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// Walk the recorded ops backwards from the losses, adding into the parameters'
+    /// gradients; `params` are the registered parameters, in order. The recording is
+    /// dropped after.
+    pub fn backward(&self, params: &[&Tensor]) -> Result<()> {
+        let mut st = self.state();
+        if params.len() != st.param_keys.len()
+            || params.iter().zip(&st.param_keys).any(|(p, &k)| key(p) != k)
+        {
+            return Err(Error::shape(
+                "backward: the parameters differ from those the tape was given",
+            ));
+        }
+        let nodes = std::mem::take(&mut st.nodes);
+        let mut param_grads = std::mem::take(&mut st.param_grads);
+        let result = Backward::new(
+            self.grad_ops(),
+            self.inner.as_ref(),
+            params,
+            &st.saved,
+            &st.values,
+            &mut param_grads,
+        )
+        .run(nodes);
+        st.param_grads = param_grads;
+        drop(st);
+        self.begin();
+        result
+    }
+
+    /// While recording, `f` records an op before it runs (it may overwrite what its
+    /// backward needs).
+    fn record(&self, f: impl FnOnce(&mut Recorder) -> Result<()>) -> Result<()> {
+        let mut st = self.state();
+        if !st.recording {
+            return Ok(());
+        }
+        f(&mut Recorder {
+            st: &mut st,
+            tape: self,
+        })
+    }
+}
+
+/// Records one op: reads its inputs, saves what its backward needs (before the op runs:
+/// it may overwrite them), and names its output.
+pub(crate) struct Recorder<'a, 'b> {
+    st: &'a mut MutexGuard<'b, State>,
+    tape: &'a Tape,
+}
+
+impl Recorder<'_, '_> {
+    fn read(&mut self, t: &Tensor) -> Read {
+        self.st.read(t)
+    }
+
+    fn needs(&self, r: &Read) -> bool {
+        self.st.needs_grad(r)
+    }
+
+    /// What backward will need of `t` (read as `r`): a parameter as it is, a value copied
+    /// once.
+    fn save(&mut self, r: &Read, t: &Tensor) -> Result<Saved> {
+        let v = match r.op {
+            Operand::Param(i) => return Ok(Saved::Param(i)),
+            Operand::Value(v) => v,
+        };
+        if let Some(&s) = self.st.saved_of.get(&v) {
+            return Ok(Saved::Copy(s));
+        }
+        let mut copy = self.tape.inner.zeros(t.dtype(), t.shape().clone())?;
+        self.tape.grad_ops().copy(t, &mut copy)?;
+        self.st.saved.push(copy);
+        let s = self.st.saved.len() - 1;
+        self.st.saved_of.insert(v, s);
+        Ok(Saved::Copy(s))
+    }
+
+    /// `t` will hold the op's output, a new value with a gradient when `grad`.
+    fn write(&mut self, t: &Tensor, grad: bool) -> Written {
+        self.st.write(t, grad)
+    }
+
+    fn push(&mut self, node: Node) {
+        self.st.nodes.push(node);
+    }
+
+    /// The output of an op whose input's value is written in place: saves `before` of
+    /// the input (when `save_input`), and the output's value.
+    fn in_place(&mut self, x: &Tensor, save_input: bool) -> Result<(Read, Option<Saved>, Written)> {
+        let r = self.read(x);
+        let grad = self.needs(&r);
+        let saved = match grad && save_input {
+            true => Some(self.save(&r, x)?),
+            false => None,
+        };
+        Ok((r, saved, self.write(x, grad)))
+    }
+}
+
+/// The output `t` of an op is recorded as a value with no gradient (ids, sampled tokens).
+fn constant_output(rec: &mut Recorder, t: &Tensor) -> Result<()> {
+    rec.write(t, false);
+    Ok(())
+}
+
+impl Backend for Tape {
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (recording)", self.inner.describe())
+    }
+
+    fn zeros(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
+        let t = self.inner.zeros(dtype, shape)?;
+        // A new buffer may reuse a dropped one's address: it starts as a new value.
+        self.record(|rec| constant_output(rec, &t))?;
+        Ok(t)
+    }
+
+    fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor> {
+        let t = self.inner.upload(dtype, shape, data)?;
+        self.record(|rec| constant_output(rec, &t))?;
+        Ok(t)
+    }
+
+    fn download(&self, t: &Tensor) -> Result<Vec<u8>> {
+        self.inner.download(t)
+    }
+
+    fn write(&self, t: &mut Tensor, data: &[u8]) -> Result<()> {
+        self.record(|rec| constant_output(rec, t))?;
+        self.inner.write(t, data)
+    }
+
+    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        self.record(|rec| constant_output(rec, t))?;
+        self.inner.fill(t, value)
+    }
+
+    fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.record(|rec| {
+            let (xr, wr) = (rec.read(x), rec.read(w));
+            let (gx, gw) = (rec.needs(&xr), rec.needs(&wr));
+            let sx = match gw {
+                true => Some(rec.save(&xr, x)?),
+                false => None,
+            };
+            let sw = match gx {
+                true => Some(rec.save(&wr, w)?),
+                false => None,
+            };
+            let out = rec.write(out, gx || gw);
+            if gx || gw {
+                rec.push(Node::Matmul {
+                    x: xr,
+                    w: wr,
+                    sx,
+                    sw,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.matmul(x, w, out)
+    }
+
+    fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.record(|rec| {
+            let (tr, ir) = (rec.read(table), rec.read(ids));
+            let grad = rec.needs(&tr);
+            let ids = match grad {
+                true => Some(rec.save(&ir, ids)?),
+                false => None,
+            };
+            let out = rec.write(out, grad);
+            if let Some(ids) = ids {
+                rec.push(Node::Embedding {
+                    table: tr,
+                    ids,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.embedding(table, ids, out)
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+        self.record(|rec| {
+            let (xr, wr) = (rec.read(x), rec.read(weight));
+            let grad = rec.needs(&xr) || rec.needs(&wr);
+            let saved = match grad {
+                true => Some((rec.save(&xr, x)?, rec.save(&wr, weight)?)),
+                false => None,
+            };
+            let out = rec.write(out, grad);
+            if let Some((sx, sw)) = saved {
+                rec.push(Node::RmsNorm {
+                    x: xr,
+                    w: wr,
+                    eps,
+                    sx,
+                    sw,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.rms_norm(x, weight, eps, out)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.record(|rec| {
+            let (xr, wr, br) = (rec.read(x), rec.read(weight), rec.read(bias));
+            let grad = rec.needs(&xr) || rec.needs(&wr) || rec.needs(&br);
+            let saved = match grad {
+                true => Some((rec.save(&xr, x)?, rec.save(&wr, weight)?)),
+                false => None,
+            };
+            let out = rec.write(out, grad);
+            if let Some((sx, sw)) = saved {
+                rec.push(Node::LayerNorm {
+                    x: xr,
+                    w: wr,
+                    b: br,
+                    eps,
+                    sx,
+                    sw,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.layer_norm(x, weight, bias, eps, out)
+    }
+
+    fn softmax(&self, x: &mut Tensor) -> Result<()> {
+        // Backward needs the output: recorded after the op runs.
+        let mut st = self.state();
+        if !st.recording {
+            drop(st);
+            return self.inner.softmax(x);
+        }
+        let xr = st.read(x);
+        let grad = st.needs_grad(&xr);
+        self.inner.softmax(x)?;
+        let mut rec = Recorder {
+            st: &mut st,
+            tape: self,
+        };
+        let out = rec.write(x, grad);
+        if grad {
+            let y = rec.save(&Read::value(&out), x)?;
+            rec.push(Node::Softmax { x: xr, y, out });
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut Tensor,
+        pos: &Tensor,
+        inv_freq: &Tensor,
+        layout: RopeLayout,
+    ) -> Result<()> {
+        self.record(|rec| {
+            let (xr, _, out) = rec.in_place(x, false)?;
+            if out.grad {
+                let (pr, fr) = (rec.read(pos), rec.read(inv_freq));
+                let pos = rec.save(&pr, pos)?;
+                let inv_freq = rec.save(&fr, inv_freq)?;
+                rec.push(Node::Rope {
+                    x: xr,
+                    pos,
+                    inv_freq,
+                    layout,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.rope(x, pos, inv_freq, layout)
+    }
+
+    fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        self.record(|rec| {
+            let xr = rec.read(x);
+            let broadcast = x.shape() != acc.shape();
+            let ar = rec.read(acc);
+            let grad = rec.needs(&ar) || rec.needs(&xr);
+            let out = rec.write(acc, grad);
+            if grad {
+                rec.push(Node::Add {
+                    acc: ar,
+                    x: xr,
+                    broadcast,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.add_assign(acc, x)
+    }
+
+    fn mul_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        self.record(|rec| {
+            let (ar, xr) = (rec.read(acc), rec.read(x));
+            let broadcast = x.shape() != acc.shape();
+            let grad = rec.needs(&ar) || rec.needs(&xr);
+            let saved = match grad {
+                true => Some((rec.save(&ar, acc)?, rec.save(&xr, x)?)),
+                false => None,
+            };
+            let out = rec.write(acc, grad);
+            if let Some((sa, sx)) = saved {
+                rec.push(Node::Mul {
+                    acc: ar,
+                    x: xr,
+                    sa,
+                    sx,
+                    broadcast,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.mul_assign(acc, x)
+    }
+
+    fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
+        self.record(|rec| {
+            let (xr, _, out) = rec.in_place(x, false)?;
+            if out.grad {
+                rec.push(Node::Scale { x: xr, s, out });
+            }
+            Ok(())
+        })?;
+        self.inner.scale(x, s)
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.record(|rec| record_gated(rec, gate, up, false, out))?;
+        self.inner.silu_mul(gate, up, out)
+    }
+
+    fn gelu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.record(|rec| record_gated(rec, gate, up, true, out))?;
+        self.inner.gelu_mul(gate, up, out)
+    }
+
+    fn gelu(&self, x: &mut Tensor) -> Result<()> {
+        self.record(|rec| {
+            let (xr, sx, out) = rec.in_place(x, true)?;
+            if let Some(sx) = sx {
+                rec.push(Node::Gelu { x: xr, sx, out });
+            }
+            Ok(())
+        })?;
+        self.inner.gelu(x)
+    }
+
+    fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        // Backward needs the output: recorded after the op runs.
+        let mut st = self.state();
+        if !st.recording {
+            drop(st);
+            return self.inner.softcap(x, cap);
+        }
+        let xr = st.read(x);
+        let grad = st.needs_grad(&xr);
+        self.inner.softcap(x, cap)?;
+        let mut rec = Recorder {
+            st: &mut st,
+            tape: self,
+        };
+        let out = rec.write(x, grad);
+        if grad {
+            let y = rec.save(&Read::value(&out), x)?;
+            rec.push(Node::Softcap { x: xr, y, cap, out });
+        }
+        Ok(())
+    }
+
+    fn write_rows(&self, src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result<()> {
+        self.record(|rec| {
+            let (sr, dr) = (rec.read(src), rec.read(dst));
+            let grad = rec.needs(&dr) || rec.needs(&sr);
+            let out = rec.write(dst, grad);
+            if grad {
+                let pr = rec.read(pos);
+                let pos = rec.save(&pr, pos)?;
+                rec.push(Node::WriteRows {
+                    src: sr,
+                    dst: dr,
+                    pos,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.write_rows(src, dst, pos)
+    }
+
+    fn slice_cols(&self, src: &Tensor, col0: usize, dst: &mut Tensor) -> Result<()> {
+        self.record(|rec| {
+            let sr = rec.read(src);
+            let grad = rec.needs(&sr);
+            let out = rec.write(dst, grad);
+            if grad {
+                rec.push(Node::SliceCols { src: sr, col0, out });
+            }
+            Ok(())
+        })?;
+        self.inner.slice_cols(src, col0, dst)
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        pos: &Tensor,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.record(|rec| {
+            let (qr, kr, vr) = (rec.read(q), rec.read(k_cache), rec.read(v_cache));
+            let grad = rec.needs(&qr) || rec.needs(&kr) || rec.needs(&vr);
+            let saved = match grad {
+                true => {
+                    let pr = rec.read(pos);
+                    Some([
+                        rec.save(&qr, q)?,
+                        rec.save(&kr, k_cache)?,
+                        rec.save(&vr, v_cache)?,
+                        rec.save(&pr, pos)?,
+                    ])
+                }
+                false => None,
+            };
+            let out = rec.write(out, grad);
+            if let Some(saved) = saved {
+                rec.push(Node::Attention {
+                    q: qr,
+                    k: kr,
+                    v: vr,
+                    saved,
+                    params: *params,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.attention(q, k_cache, v_cache, pos, params, out)
+    }
+
+    fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.record(|rec| constant_output(rec, out))?;
+        self.inner.argmax(x, out)
+    }
+
+    fn sample(
+        &self,
+        logits: &mut Tensor,
+        penalized: &[u32],
+        params: &SampleParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.record(|rec| {
+            // The repetition penalty may change the logits: they are no longer what
+            // produced them.
+            constant_output(rec, logits)?;
+            constant_output(rec, out)
+        })?;
+        self.inner.sample(logits, penalized, params, out)
+    }
+
+    fn free_memory(&self) -> Result<Option<usize>> {
+        self.inner.free_memory()
+    }
+
+    fn kernel_profile(&self) -> Option<Vec<KernelTime>> {
+        self.inner.kernel_profile()
+    }
+}
+
+fn record_gated(
+    rec: &mut Recorder,
+    gate: &Tensor,
+    up: &Tensor,
+    gelu: bool,
+    out: &Tensor,
+) -> Result<()> {
+    let (gr, ur) = (rec.read(gate), rec.read(up));
+    let grad = rec.needs(&gr) || rec.needs(&ur);
+    let saved = match grad {
+        true => Some((rec.save(&gr, gate)?, rec.save(&ur, up)?)),
+        false => None,
+    };
+    let out = rec.write(out, grad);
+    if let Some((sg, su)) = saved {
+        rec.push(Node::Gated {
+            gate: gr,
+            up: ur,
+            sg,
+            su,
+            gelu,
+            out,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! Short training runs on the CPU: the loss and the held-out loss fall; a run resumed from
+//! a checkpoint ends bit-equal to one that was not interrupted; a NaN stops the run
+//! naming its step and keeps the parameters; checkpoints and exports load as models.
+
+use kiln_core::{Backend, DType, RopeLayout};
+use kiln_cpu::CpuBackend;
+use kiln_io::gguf::GgufFile;
+use kiln_models::{Arch, Ffn, Logits, Model, ModelConfig, Norm, Rope};
+use kiln_tokenizer::Tokenizer;
+use kiln_train::data::{self, HeldOut, TextData};
+use kiln_train::init::scratch_start;
+use kiln_train::optimizer::{AdamWSettings, Schedule};
+use kiln_train::{Settings, Trainer};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn tokenizer_file() -> GgufFile {
+    GgufFile::open(root().join("models/kiln-default.gguf")).unwrap()
+}
+
+fn text() -> TextData {
+    let tok = Tokenizer::from_gguf(&tokenizer_file()).unwrap();
+    data::load(
+        &root().join("tests/fixtures/ppl.txt"),
+        &HeldOut::Fraction(0.2),
+        &tok,
+    )
+    .unwrap()
+}
+
+fn config() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        vocab_size: 1024,
+        dim: 32,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        ffn_dim: 64,
+        max_positions: 64,
+        norm: Norm::Rms { eps: 1e-5 },
+        ffn: Ffn::SwiGlu,
+        rope: Some(Rope {
+            theta: 10000.0,
+            dims: 8,
+            layout: RopeLayout::Interleaved,
+            llama3: None,
+            freq_factors: None,
+        }),
+        attn_scale: 1.0 / 8f32.sqrt(),
+        attn_softcap: None,
+        final_softcap: None,
+        sliding_window: None,
+        sliding_layers: vec![false; 2],
+        embed_scale: None,
+        post_norms: false,
+    }
+}
+
+fn settings(steps: usize, lr: f32) -> Settings {
+    Settings {
+        batch: 2,
+        grad_accum: 2,
+        seq_len: 32,
+        steps,
+        lr,
+        min_lr: lr / 10.0,
+        warmup: 2,
+        schedule: Schedule::Cosine,
+        adamw: AdamWSettings {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        clip: Some(1.0),
+        seed: 7,
+        eval_windows: 8,
+    }
+}
+
+fn start() -> GgufFile {
+    let tokenizer_meta = tokenizer_file()
+        .metadata
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .collect();
+    scratch_start(&config(), true, 0.02, 1, "test model", tokenizer_meta).unwrap()
+}
+
+fn cpu() -> Arc<dyn Backend> {
+    Arc::new(CpuBackend::new(Some(2)).unwrap())
+}
+
+#[test]
+fn loss_and_held_out_loss_fall() {
+    let mut t = Trainer::new(&start(), text(), settings(40, 1e-2), cpu()).unwrap();
+    let held_before = t.held_out_loss().unwrap();
+    let mut losses = Vec::new();
+    for _ in 0..40 {
+        losses.push(t.step().unwrap().loss);
+    }
+    let held_after = t.held_out_loss().unwrap();
+    let first: f64 = losses[..4].iter().sum::<f64>() / 4.0;
+    let last: f64 = losses[36..].iter().sum::<f64>() / 4.0;
+    eprintln!("train {first:.3} -> {last:.3}, held-out {held_before:.3} -> {held_after:.3}");
+    // ln 1024 = 6.93 at the start.
+    assert!((held_before - 1024f64.ln()).abs() < 0.1, "{held_before}");
+    assert!(last < first - 1.5, "training loss {first} -> {last}");
+    assert!(
+        held_after < held_before - 1.0,
+        "held-out loss {held_before} -> {held_after}"
+    );
+}
+
+#[test]
+fn a_resumed_run_equals_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("checkpoint.gguf");
+    let mut whole = Trainer::new(&start(), text(), settings(6, 1e-2), cpu()).unwrap();
+    let whole_losses: Vec<f64> = (0..6).map(|_| whole.step().unwrap().loss).collect();
+
+    let mut first = Trainer::new(&start(), text(), settings(6, 1e-2), cpu()).unwrap();
+    let mut losses: Vec<f64> = (0..3).map(|_| first.step().unwrap().loss).collect();
+    first.save_checkpoint(&ckpt).unwrap();
+    drop(first);
+    let mut second = Trainer::resume(&GgufFile::open(&ckpt).unwrap(), text(), cpu()).unwrap();
+    assert_eq!(second.steps_done(), 3);
+    losses.extend((0..3).map(|_| second.step().unwrap().loss));
+    assert_eq!(losses, whole_losses);
+    assert!(
+        second.parameters_flat() == whole.parameters_flat(),
+        "the resumed run's parameters differ"
+    );
+    assert!(second.step().is_err(), "a seventh step of a six-step run");
+}
+
+#[test]
+fn resuming_on_other_text_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("c.gguf");
+    let mut t = Trainer::new(&start(), text(), settings(2, 1e-2), cpu()).unwrap();
+    t.step().unwrap();
+    t.save_checkpoint(&ckpt).unwrap();
+    let mut other = text();
+    other.train.pop();
+    let err = Trainer::resume(&GgufFile::open(&ckpt).unwrap(), other, cpu())
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("other text"), "{err}");
+}
+
+#[test]
+fn a_nan_loss_stops_the_run_naming_the_step() {
+    // A learning rate so large that the first update makes the weights overflow.
+    let mut s = settings(5, 1e36);
+    s.warmup = 0;
+    s.clip = None;
+    let mut t = Trainer::new(&start(), text(), s, cpu()).unwrap();
+    let mut failure = None;
+    for _ in 0..5 {
+        let before = t.parameters_flat().to_vec();
+        match t.step() {
+            Ok(_) => {}
+            Err(e) => {
+                assert!(
+                    t.parameters_flat() == before.as_slice(),
+                    "a failed step changed the parameters"
+                );
+                failure = Some((e.to_string(), t.steps_done()));
+                break;
+            }
+        }
+    }
+    let (msg, done) = failure.expect("the run should have stopped");
+    eprintln!("{msg}");
+    assert!(msg.contains(&format!("step {}", done + 1)), "{msg}");
+    assert!(msg.contains("NaN") || msg.contains("inf"), "{msg}");
+}
+
+#[test]
+fn checkpoints_and_exports_load_as_models() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = Trainer::new(&start(), text(), settings(3, 1e-2), cpu()).unwrap();
+    for _ in 0..3 {
+        t.step().unwrap();
+    }
+    let ids = [1u32, 50, 300, 7];
+    let ckpt = dir.path().join("ckpt.gguf");
+    let f32_out = dir.path().join("model-f32.gguf");
+    let q8_out = dir.path().join("model-q8_0.gguf");
+    t.save_checkpoint(&ckpt).unwrap();
+    t.export_gguf(&f32_out, DType::F32).unwrap();
+    t.export_gguf(&q8_out, DType::Q8_0).unwrap();
+    let mut logits = Vec::new();
+    for path in [&ckpt, &f32_out, &q8_out] {
+        let file = GgufFile::open(path).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        assert_eq!(tok.encode("A kiln", true).unwrap()[0], 1);
+        let mut m = Model::from_gguf(&file, cpu(), None).unwrap();
+        let mut cache = m.new_cache(8).unwrap();
+        logits.push(m.forward(&ids, 0, &mut cache, Logits::All).unwrap());
+    }
+    assert_eq!(
+        logits[0], logits[1],
+        "the checkpoint's model and the F32 export"
+    );
+    let diff = logits[0]
+        .iter()
+        .zip(&logits[2])
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff < 0.05, "Q8_0 export moved the logits by {diff}");
+
+    // The Hugging Face export: the same model (Q and K rows back to rotating halves) and
+    // the same tokenizer.
+    let hf = dir.path().join("hf");
+    let tok = Tokenizer::from_gguf(&tokenizer_file()).unwrap();
+    t.export_hf(&hf, &tok).unwrap();
+    let hf_tok = Tokenizer::from_hf_dir(&hf).unwrap();
+    let text = "Permission is hereby granted, free of charge, to any person obtaining a copy";
+    assert_eq!(
+        hf_tok.encode(text, true).unwrap(),
+        tok.encode(text, true).unwrap()
+    );
+    let mut m = Model::from_hf_dir(&hf, cpu(), None).unwrap();
+    let mut cache = m.new_cache(8).unwrap();
+    let got = m.forward(&ids, 0, &mut cache, Logits::All).unwrap();
+    let diff = got
+        .iter()
+        .zip(&logits[1])
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        diff < 1e-4,
+        "the Hugging Face export moved the logits by {diff}"
+    );
+}
