@@ -202,6 +202,24 @@ fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
     Ok((files, index.weight_map))
 }
 
+/// A safetensors file of F32 tensors `(name, shape outermost first, values)`.
+pub fn serialize_f32(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<u8>> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), b)| {
+            safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), b)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| Error::shape(format!("safetensors tensor {name}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize(views, None).map_err(|e| Error::format(format!("safetensors: {e}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,22 +277,4 @@ mod tests {
         .unwrap();
         assert!(SafetensorsModel::open_dir(dir.path()).is_err());
     }
-}
-
-/// A safetensors file of F32 tensors `(name, shape outermost first, values)`.
-pub fn serialize_f32(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<u8>> {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((name, shape, _), b)| {
-            safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), b)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| Error::shape(format!("safetensors tensor {name}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize(views, None).map_err(|e| Error::format(format!("safetensors: {e}")))
 }
