@@ -7,8 +7,9 @@
 //! sharing an activation load between rows takes several streams a thread. Here lane `r`
 //! of a register is row `r` of a panel: one load brings the same four quants of 16 rows
 //! (8 on AVX2), the 16 rows' scales of a block are one load, each lane ends holding its
-//! row's product (no horizontal sums), and a thread reads its panels front to back as one
-//! sequential stream. Decode (one activation row) and prompts (a register tile of several
+//! row's product (no horizontal sums), and a thread reads each task's panels (up to 4
+//! consecutive ones, claimed from the pool's counter) front to back as one sequential
+//! stream. Decode (one activation row) and prompts (a register tile of several
 //! activation rows per weight load) read the same panels.
 //!
 //! The layout is chosen per tensor at upload ([`Format::for_dtype`]) on CPUs whose kernels
