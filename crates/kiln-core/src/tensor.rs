@@ -11,6 +11,8 @@ use std::sync::Arc;
 pub struct HostBytes {
     owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
     range: Range<usize>,
+    /// How the owner lets go of bytes nobody will read again (see [`HostBytes::release`]).
+    release: Option<fn(&[u8])>,
 }
 
 impl HostBytes {
@@ -22,7 +24,28 @@ impl HostBytes {
                 "byte range {range:?} is outside a buffer of {len} bytes"
             )));
         }
-        Ok(HostBytes { owner, range })
+        Ok(HostBytes {
+            owner,
+            range,
+            release: None,
+        })
+    }
+
+    /// These bytes, with `release` as the way to let go of them: a file mapping's owner
+    /// drops the pages from the process's memory (they are read back from the file if
+    /// touched again).
+    pub fn with_release(mut self, release: fn(&[u8])) -> Self {
+        self.release = Some(release);
+        self
+    }
+
+    /// Tell the owner that this process will not read these bytes again (a backend that
+    /// keeps its own copy of a weight): for a mapped file, its pages leave the process's
+    /// resident memory. Bytes still read later stay correct; other owners do nothing.
+    pub fn release(&self) {
+        if let Some(release) = self.release {
+            release(self.as_slice());
+        }
     }
 
     pub fn from_vec(bytes: Vec<u8>) -> Self {
@@ -30,6 +53,7 @@ impl HostBytes {
         HostBytes {
             owner: Arc::new(bytes),
             range,
+            release: None,
         }
     }
 

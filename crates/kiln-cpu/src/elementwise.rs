@@ -153,9 +153,16 @@ pub(crate) fn embedding(table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Resul
         ))
     })?;
     let row_bytes = table.dtype().row_bytes(dim)?;
-    let data = storage(table)?.bytes();
+    let rows = f32s_mut(out)?.chunks_exact_mut(dim.max(1));
+    if let Some(panels) = storage(table)?.panels() {
+        for (&id, o) in ids.iter().zip(rows) {
+            panels.dequantize_row(id as usize, o)?;
+        }
+        return Ok(());
+    }
+    let data = storage(table)?.bytes()?;
     let dtype = table.dtype();
-    for (&id, o) in ids.iter().zip(f32s_mut(out)?.chunks_exact_mut(dim.max(1))) {
+    for (&id, o) in ids.iter().zip(rows) {
         let id = id as usize;
         quant::dequantize(dtype, &data[id * row_bytes..(id + 1) * row_bytes], o)?;
     }

@@ -3,12 +3,14 @@
 //! Matrix-vector and matrix products run on ggml's block formats directly: activations
 //! are quantized to Q8_0 or Q8_K (`quantize`) and multiplied with integer SIMD dot
 //! products chosen at run time ([`dot`]), rows spread over kiln's own thread pool
-//! ([`pool`]: the caller works too, idle workers poll before they sleep); decode on
-//! AVX-512 or AVX2 takes several weight rows per loop (`gemv`). Products with several activation
-//! rows (prompts) use register-tiled kernels on AVX-512 (`qgemm` and `kgemm` for quantized
-//! weights, `fgemm` for F32/F16/BF16, on AMX tiles where present: `amx`) and the `gemm`
-//! crate for float weights elsewhere. The remaining ops are f32 loops, the heavier ones
-//! (SiLU, attention) compiled for AVX-512 where the CPU has it.
+//! ([`pool`]: the caller works too, idle workers poll before they sleep). On AVX2 and
+//! AVX-512, Q4_0 and Q4_K weights are repacked at upload into panels of 16 interleaved
+//! rows (`panels`), read by their own decode and prompt kernels; other weights keep the
+//! file's layout, where decode takes several weight rows per loop (`gemv`). Products with
+//! several activation rows (prompts) use register-tiled kernels on AVX-512 (`qgemm` and
+//! `kgemm` for quantized weights, `fgemm` for F32/F16/BF16, on AMX tiles where present:
+//! `amx`) and the `gemm` crate for float weights elsewhere. The remaining ops are f32
+//! loops, the heavier ones (SiLU, attention) compiled for AVX-512 where the CPU has it.
 
 // The AVX-512/AMX kernel modules: on other targets only their `available() == false`
 // paths are reachable, so the kernel-side items they declare go unused there.
@@ -33,6 +35,11 @@ mod kgemm;
 mod matmul;
 mod norm;
 mod optim;
+#[cfg_attr(
+    not(target_arch = "x86_64"),
+    allow(dead_code, unused, unreachable_code)
+)]
+mod panels;
 mod pool;
 mod profile;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
@@ -41,6 +48,7 @@ mod quantize;
 mod rope;
 mod storage;
 
+use panels::Panels;
 use pool::Pool;
 use profile::Profile;
 pub use storage::CpuStorage;
@@ -53,22 +61,40 @@ use kiln_core::{
 pub struct CpuBackend {
     pool: Pool,
     profile: Profile,
+    /// Whether quantized weights go into the interleaved layout of [`panels`] where the
+    /// kernels read one.
+    panels: bool,
 }
 
 impl CpuBackend {
     /// A backend running on `threads` threads, the calling one included (all cores when
-    /// `None`).
+    /// `None`). `KILN_CPU_LAYOUT=file` keeps weights in the file's layout (as
+    /// [`CpuBackend::file_layout`]).
     pub fn new(threads: Option<usize>) -> Result<Self> {
         let threads =
             threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         Ok(CpuBackend {
             pool: Pool::new(threads)?,
             profile: Profile::from_env(),
+            panels: std::env::var("KILN_CPU_LAYOUT").map_or(true, |v| v.trim() != "file"),
         })
+    }
+
+    /// This backend with every weight kept in the file's layout, read by the kernels that
+    /// take it (where the CPU's interleaved layout would be chosen otherwise): for
+    /// comparing the two.
+    pub fn file_layout(mut self) -> Self {
+        self.panels = false;
+        self
     }
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// The interleaved layout weights of `dtype` take on this backend, if any.
+    fn panel_format(&self, dtype: DType) -> Option<panels::Format> {
+        panels::Format::for_dtype(dtype).filter(|_| self.panels)
     }
 }
 
@@ -91,12 +117,12 @@ pub(crate) fn storage_mut(t: &mut Tensor) -> Result<&mut CpuStorage> {
 /// An F32 tensor's values.
 pub(crate) fn f32s(t: &Tensor) -> Result<&[f32]> {
     expect_f32(t)?;
-    Ok(bytemuck::cast_slice(storage(t)?.bytes()))
+    Ok(bytemuck::cast_slice(storage(t)?.bytes()?))
 }
 
 pub(crate) fn f32s_mut(t: &mut Tensor) -> Result<&mut [f32]> {
     expect_f32(t)?;
-    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()))
+    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()?))
 }
 
 fn expect_f32(t: &Tensor) -> Result<()> {
@@ -135,7 +161,7 @@ pub(crate) fn indices<'a>(
             t.shape()
         )));
     }
-    let v: &[i32] = bytemuck::cast_slice(storage(t)?.bytes());
+    let v: &[i32] = bytemuck::cast_slice(storage(t)?.bytes()?);
     match v
         .iter()
         .find(|&&i| usize::try_from(i).map_or(true, |i| i >= limit))
@@ -148,12 +174,12 @@ pub(crate) fn indices<'a>(
 /// An I32 tensor's values.
 pub(crate) fn i32s<'a>(t: &'a Tensor, what: &str) -> Result<&'a [i32]> {
     expect_i32(t, what)?;
-    Ok(bytemuck::cast_slice(storage(t)?.bytes()))
+    Ok(bytemuck::cast_slice(storage(t)?.bytes()?))
 }
 
 pub(crate) fn i32s_mut(t: &mut Tensor) -> Result<&mut [i32]> {
     expect_i32(t, "the output")?;
-    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()))
+    Ok(bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()?))
 }
 
 pub(crate) fn same_shape(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
@@ -212,11 +238,13 @@ impl Backend for CpuBackend {
             .rows()
             .checked_mul(dtype.row_bytes(shape.row_len())?)
             .ok_or_else(|| Error::shape(format!("{shape} of {dtype} does not fit in memory")))?;
-        Ok(Tensor::from_storage(
-            Box::new(CpuStorage::try_zeroed(bytes)?),
-            dtype,
-            shape,
-        ))
+        let storage = match self.panel_format(dtype) {
+            Some(format) => {
+                CpuStorage::Panels(Panels::zeroed(format, shape.rows(), shape.row_len())?)
+            }
+            None => CpuStorage::try_zeroed(bytes)?,
+        };
+        Ok(Tensor::from_storage(Box::new(storage), dtype, shape))
     }
 
     fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor> {
@@ -230,15 +258,30 @@ impl Backend for CpuBackend {
                 data.len()
             )));
         }
-        Ok(Tensor::from_storage(
-            Box::new(CpuStorage::from_host(data)),
-            dtype,
-            shape,
-        ))
+        // Weights the kernels read interleaved are repacked once, here; the file's pages
+        // then leave this process's memory (`release`), so only the panels stay resident.
+        let storage = match self.panel_format(dtype) {
+            Some(format) => {
+                let panels = Panels::from_file(
+                    &self.pool,
+                    format,
+                    shape.rows(),
+                    shape.row_len(),
+                    data.as_slice(),
+                )?;
+                data.release();
+                CpuStorage::Panels(panels)
+            }
+            None => CpuStorage::from_host(data),
+        };
+        Ok(Tensor::from_storage(Box::new(storage), dtype, shape))
     }
 
     fn download(&self, t: &Tensor) -> Result<Vec<u8>> {
-        Ok(storage(t)?.bytes().to_vec())
+        match storage(t)? {
+            CpuStorage::Panels(p) => Ok(p.to_file()),
+            s => Ok(s.bytes()?.to_vec()),
+        }
     }
 
     fn write(&self, t: &mut Tensor, data: &[u8]) -> Result<()> {
@@ -251,7 +294,10 @@ impl Backend for CpuBackend {
                 data.len()
             )));
         }
-        storage_mut(t)?.bytes_mut().copy_from_slice(data);
+        match storage_mut(t)? {
+            CpuStorage::Panels(p) => p.write_file(&self.pool, data),
+            s => s.bytes_mut()?.copy_from_slice(data),
+        }
         Ok(())
     }
 

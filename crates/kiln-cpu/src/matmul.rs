@@ -11,7 +11,9 @@
 //! `gemv`; elsewhere each weight row is dotted on its own (`by_rows`).
 
 use crate::pool::{Pool, SharedMut};
-use crate::{amx, dot, f32s, f32s_mut, fgemm, gemv, kgemm, qgemm, quantize, storage};
+use crate::{
+    amx, dot, f32s, f32s_mut, fgemm, gemv, kgemm, panels, qgemm, quantize, storage, CpuStorage,
+};
 use half::{bf16, f16};
 use kiln_core::quant::{
     self, as_blocks, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K,
@@ -42,33 +44,48 @@ pub(crate) fn matmul(pool: &Pool, x: &Tensor, w: &Tensor, out: &mut Tensor) -> R
     }
     let exact_rows = x.exact_rows();
     let xs = f32s(x)?;
-    let wb = storage(w)?.bytes();
     let out = f32s_mut(out)?;
     if n == 0 || m == 0 {
         return Ok(());
     }
+    let w_storage = storage(w)?;
     if exact_rows && n > 1 {
         // Each row as a one-row product (see `Tensor::set_exact_rows`).
         for (x, o) in xs.chunks_exact(k).zip(out.chunks_exact_mut(m)) {
-            product(pool, x, wb, w.dtype(), o, 1, m, k)?;
+            product(pool, x, w_storage, w.dtype(), o, 1, m, k)?;
         }
         return Ok(());
     }
-    product(pool, xs, wb, w.dtype(), out, n, m, k)
+    product(pool, xs, w_storage, w.dtype(), out, n, m, k)
 }
 
-/// `out[n, m] = x[n, k] · w[m, k]ᵀ` on slices, the kernel chosen by weight type and rows.
+/// `out[n, m] = x[n, k] · w[m, k]ᵀ` on slices, the kernel chosen by weight type, layout
+/// and rows.
 #[allow(clippy::too_many_arguments)]
 fn product(
     pool: &Pool,
     xs: &[f32],
-    wb: &[u8],
+    w: &CpuStorage,
     dtype: DType,
     out: &mut [f32],
     n: usize,
     m: usize,
     k: usize,
 ) -> Result<()> {
+    // Weights in the interleaved layout: decode and prompts read the panels.
+    if let Some(w) = w.panels() {
+        return match w.format() {
+            panels::Format::Q4_0 => {
+                let xq = quantize::q8_0_rows(pool, xs, k)?;
+                panels::matmul_q4_0(pool, w, &xq, out, n)
+            }
+            panels::Format::Q4K => {
+                let xq = quantize::q8_k_rows(pool, xs, k)?;
+                panels::matmul_q4_k(pool, w, &xq, out, n)
+            }
+        };
+    }
+    let wb = w.bytes()?;
     match dtype {
         DType::I32 => return Err(Error::unsupported("matmul weights cannot be i32")),
         // Prefill on AMX: 16-bit weights split into bf16 tiles.
@@ -169,14 +186,17 @@ fn product(
             let xq: &[BlockQ8K] = &xq;
             // Prefill on AMX-INT8 (Q4_K), else the register-tiled VNNI kernel (`kgemm`).
             if dtype == DType::Q4_K && n >= kgemm::amx::MIN_ROWS && amx::int8_available() {
-                kgemm::amx::matmul(pool, &as_blocks(wb)?, xq, out, n, m, k);
+                let w = as_blocks(wb)?;
+                kgemm::amx::matmul(pool, kgemm::KRows::File(&w), xq, out, n, m, k);
                 return Ok(());
             }
             if n >= qgemm::MIN_ROWS && qgemm::available() {
                 if dtype == DType::Q4_K {
-                    kgemm::matmul::<BlockQ4K>(pool, &as_blocks(wb)?, xq, out, n, m, k);
+                    let w = as_blocks(wb)?;
+                    kgemm::matmul::<BlockQ4K>(pool, kgemm::KRows::File(&w), xq, out, n, m, k);
                 } else {
-                    kgemm::matmul::<BlockQ6K>(pool, &as_blocks(wb)?, xq, out, n, m, k);
+                    let w = as_blocks(wb)?;
+                    kgemm::matmul::<BlockQ6K>(pool, kgemm::KRows::File(&w), xq, out, n, m, k);
                 }
                 return Ok(());
             }

@@ -33,7 +33,7 @@ impl OptimKernels for CpuBackend {
         };
         control.prepare(config, stats);
         storage_mut(bufs.control)?
-            .bytes_mut()
+            .bytes_mut()?
             .copy_from_slice(&control.to_bytes());
         if control.skipped != 0 || n == 0 {
             return Ok(());
@@ -52,7 +52,7 @@ impl OptimKernels for CpuBackend {
         let copy = match bufs.compute_copy {
             Some(t) => {
                 let dtype = t.dtype();
-                let halves: &mut [u16] = bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut());
+                let halves: &mut [u16] = bytemuck::cast_slice_mut(storage_mut(t)?.bytes_mut()?);
                 Some((dtype, SharedMut::new(halves)))
             }
             None => None,
@@ -90,7 +90,7 @@ impl OptimKernels for CpuBackend {
 }
 
 fn read_control(t: &mut Tensor) -> Result<StepControl> {
-    StepControl::from_bytes(storage_mut(t)?.bytes_mut())
+    StepControl::from_bytes(storage_mut(t)?.bytes_mut()?)
 }
 
 /// Σ (g·inv_scale)² and whether any g is inf/NaN, in chunks summed in order: the same

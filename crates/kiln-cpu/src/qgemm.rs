@@ -1,5 +1,7 @@
 //! Batched (prefill) matmul for Q8_0 and Q4_0 weights against Q8_0 activations on
-//! AVX-512 VNNI: `out[n, m] = x[n, k] · w[m, k]ᵀ` with n ≥ [`MIN_ROWS`].
+//! AVX-512 VNNI: `out[n, m] = x[n, k] · w[m, k]ᵀ` with n ≥ [`MIN_ROWS`]. (Q4_0 comes here
+//! only in the file's layout: by default it is in [`crate::panels`], stored in the
+//! transposed form this kernel repacks into, and read by their own tile.)
 //!
 //! The per-row dot kernels in [`crate::dot`] re-unpack every weight block and reduce
 //! horizontally once per (weight row, activation row). Here weights are handled in panels
@@ -326,6 +328,11 @@ pub(crate) fn for_panels<B: Send>(
         repack(std::array::from_fn(|r| (p * P + r).min(m - 1)), panel);
         product(panel, o);
     });
+    panels_to_rows(pool, &t, out, n, m);
+}
+
+/// `out[n, m]` from panel-major results: `t[p·n + c][r]` is `out[c, p·P + r]`.
+pub(crate) fn panels_to_rows(pool: &Pool, t: &[[f32; P]], out: &mut [f32], n: usize, m: usize) {
     // Output rows over the pool, each written front to back from every panel's slice.
     pool.for_chunks_mut(&mut out[..n * m], m, |i, row| {
         for (p, dst) in row.chunks_mut(P).enumerate() {

@@ -16,7 +16,22 @@ fn rounding(_: &CpuBackend, weight: DType, rows: usize, _k: usize) -> Rounding {
     }
 }
 
-kiln_conformance::suite! {
-    backend: CpuBackend::new(Some(2)).unwrap(),
-    rounding: rounding,
+/// As a model runs: Q4_0 and Q4_K weights in the CPU's interleaved layout where the CPU
+/// has its kernels (AVX2, AVX-512).
+mod default_layout {
+    use super::*;
+    kiln_conformance::suite! {
+        backend: CpuBackend::new(Some(2)).unwrap(),
+        rounding: rounding,
+    }
+}
+
+/// Every weight in the file's layout (`KILN_CPU_LAYOUT=file`), whose kernels the
+/// interleaved layout bypasses.
+mod file_layout {
+    use super::*;
+    kiln_conformance::suite! {
+        backend: CpuBackend::new(Some(2)).unwrap().file_layout(),
+        rounding: rounding,
+    }
 }

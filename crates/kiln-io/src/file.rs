@@ -170,6 +170,41 @@ pub fn read_to_string_if_present(path: &Path, kind: FileKind) -> Result<Option<S
     }
 }
 
+/// Drop the whole pages of `bytes`, part of a read-only file mapping made by [`map`],
+/// from this process's resident memory (`MADV_DONTNEED`): on a file mapping that discards
+/// nothing, the kernel reads a page back from the file if it is touched again.
+pub(crate) fn release_mapped(bytes: &[u8]) {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let Ok(page) = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }) else {
+            return;
+        };
+        if page == 0 {
+            return;
+        }
+        let (start, end) = (
+            bytes.as_ptr() as usize,
+            bytes.as_ptr() as usize + bytes.len(),
+        );
+        let (first, last) = (start.next_multiple_of(page), end / page * page);
+        if last > first {
+            // SAFETY: [first, last) lies inside `bytes`, a read-only mapping of a file:
+            // MADV_DONTNEED there changes no byte anyone can read, only whether the page
+            // is resident. A failure leaves the pages resident, which is harmless.
+            unsafe {
+                libc::madvise(
+                    first as *mut libc::c_void,
+                    last - first,
+                    libc::MADV_DONTNEED,
+                )
+            };
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = bytes;
+}
+
 /// Maps a whole regular file read-only (GGUF files and safetensors shards, which may be
 /// larger than memory: mapping reads nothing until a tensor is used).
 pub(crate) fn map(path: &Path) -> Result<FileBytes> {

@@ -15,7 +15,9 @@
 //!   ([`Streaming`]).
 //!
 //! Formats: Q8_0/Q4_0 ([`q8_0`]), Q4_K/Q6_K ([`k_quants`]), F32/F16/BF16 ([`float`]); each
-//! hands over to [`avx2`] on CPUs without AVX-512 (`KILN_CPU_ISA=avx2` forces it).
+//! hands over to [`avx2`] on CPUs without AVX-512 (`KILN_CPU_ISA=avx2` forces it). Q4_0
+//! and Q4_K weights come here only in the file's layout (`KILN_CPU_LAYOUT=file`): by
+//! default they are repacked into [`crate::panels`], whose kernels read them.
 
 pub(crate) mod avx2;
 pub(crate) mod float;
@@ -158,7 +160,7 @@ fn by_groups_batched(
 /// [`Streaming`] chose.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch<T>(p: *const T) {
+pub(crate) fn prefetch<T>(p: *const T) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
     // SAFETY: a prefetch has no architectural effect and never faults; SSE is baseline on
     // x86_64.

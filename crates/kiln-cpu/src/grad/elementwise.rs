@@ -30,8 +30,8 @@ pub(crate) fn copy(src: &Tensor, dst: &mut Tensor) -> Result<()> {
         )));
     }
     storage_mut(dst)?
-        .bytes_mut()
-        .copy_from_slice(storage(src)?.bytes());
+        .bytes_mut()?
+        .copy_from_slice(storage(src)?.bytes()?);
     Ok(())
 }
 

@@ -19,6 +19,7 @@
 //! are one B tile. C[c][r] is activation row c · weight row r, the orientation of the
 //! output.
 
+use crate::kgemm::KRows;
 use crate::pool::Pool;
 use crate::qgemm::{self, P};
 use bytemuck::Zeroable;
@@ -81,7 +82,7 @@ fn a_tiles(xq: &[BlockQ8K], n: usize, nb: usize) -> Vec<ATile> {
 /// activations (`n` rows). Requires [`crate::amx::int8_available()`].
 pub(crate) fn matmul(
     pool: &Pool,
-    w: &[BlockQ4K],
+    w: KRows<'_, BlockQ4K>,
     xq: &[BlockQ8K],
     out: &mut [f32],
     n: usize,
@@ -90,7 +91,8 @@ pub(crate) fn matmul(
 ) {
     assert!(crate::amx::int8_available(), "AMX-INT8 tiles not available");
     let nb = k / QK_K;
-    assert!(w.len() >= m * nb && xq.len() >= n * nb && out.len() >= n * m);
+    assert!(xq.len() >= n * nb && out.len() >= n * m);
+    w.check(m, k, true);
     if n == 0 || m == 0 {
         return;
     }
@@ -115,7 +117,10 @@ pub(crate) fn matmul(
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `int8_available()` (asserted) implies the AVX-512 features.
             unsafe {
-                x86::repack(w, rows, nb, panel)
+                match &w {
+                    KRows::File(w) => x86::repack(w, rows, nb, panel),
+                    KRows::Panels(p) => x86::repack_panel(p.panel(rows[0] / P), nb, panel),
+                }
             };
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (rows, panel);
@@ -136,7 +141,7 @@ pub(crate) fn matmul(
 mod x86 {
     use super::*;
     use crate::amx::{x86 as tiles, TileConfig};
-    use crate::kgemm::{KBlock, Q4KLanes};
+    use crate::kgemm::{panel_quants, KBlock, Q4KLanes};
     use std::arch::x86_64::*;
 
     /// Repack rows `rows` (16 indices into `w`, each a row of `nb` super-blocks) into
@@ -157,35 +162,76 @@ mod x86 {
         unsafe {
             for (b, out) in panel[..nb].iter_mut().enumerate() {
                 let blocks: [&BlockQ4K; P] = std::array::from_fn(|r| &rows[r][b]);
-                let s = Q4KLanes::of(&blocks);
-                _mm512_storeu_ps(out.d.as_mut_ptr(), s.d);
-                _mm512_storeu_ps(out.dmin.as_mut_ptr(), s.dmin);
-                for (i, mins) in out.mins.iter_mut().enumerate() {
-                    let pair = _mm512_or_si512(s.mn[2 * i], _mm512_slli_epi32(s.mn[2 * i + 1], 16));
-                    _mm512_storeu_si512(mins.as_mut_ptr() as *mut _, pair);
-                }
-                for g in 0..8 {
-                    let lo: &mut [[u8; 64]; 8] = (&mut out.lo[8 * g..8 * g + 8])
-                        .try_into()
-                        .expect("8 registers");
+                fill(&Q4KLanes::of(&blocks), out, |g, lo| {
                     let mut parts = [_mm256_setzero_si256(); P];
                     for (p, block) in parts.iter_mut().zip(&blocks) {
                         *p = block.unsigned(g);
                     }
                     qgemm::transpose_rows(parts, lo);
-                    // Each 16-bit lane holds two quants of one row, so one 16-bit multiply
-                    // by the digit in both halves scales both; no product carries into
-                    // the other byte (≤ 225).
-                    let both = |v: __m512i| _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
-                    let slo = both(_mm512_and_si512(s.sc[g], _mm512_set1_epi32(15)));
-                    let shi = both(_mm512_srli_epi32(s.sc[g], 4));
-                    for j in 8 * g..8 * g + 8 {
-                        let q = _mm512_load_si512(out.lo[j].as_ptr() as *const _);
-                        let hi = _mm512_mullo_epi16(q, shi);
-                        _mm512_store_si512(out.hi[j].as_mut_ptr() as *mut _, hi);
-                        let lo = _mm512_mullo_epi16(q, slo);
-                        _mm512_store_si512(out.lo[j].as_mut_ptr() as *mut _, lo);
+                });
+            }
+        }
+    }
+
+    /// Repack panel `panel` of Q4_K panels (`nb` super-blocks a row; rows already one a
+    /// lane) into `out`.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn repack_panel(panel: &[u8], nb: usize, out: &mut [AmxBlock]) {
+        assert!(panel.len() >= 2304 * nb && out.len() >= nb);
+        // SAFETY: the features are enabled on this function; the panel holds nb
+        // super-blocks (asserted) and stores go through references.
+        unsafe {
+            for (b, out) in out[..nb].iter_mut().enumerate() {
+                fill(&Q4KLanes::of_panel(panel, nb, b), out, |g, lo| {
+                    for (t, reg) in lo.iter_mut().enumerate() {
+                        let v = panel_quants(panel, nb, b, 8 * g + t);
+                        _mm512_storeu_si512(reg.as_mut_ptr() as *mut _, v);
                     }
+                });
+            }
+        }
+    }
+
+    /// One super-block of `out` from its scales `s` and `quants(g, lo)`, which stores the
+    /// unsigned quants of group g (32 of each row) into the 8 registers `lo` (lane r of
+    /// register t = quants `32g + 4t..` of row r).
+    ///
+    /// # Safety
+    /// AVX-512 F and BW must be available.
+    #[inline(always)]
+    unsafe fn fill(
+        s: &Q4KLanes,
+        out: &mut AmxBlock,
+        mut quants: impl FnMut(usize, &mut [[u8; 64]; 8]),
+    ) {
+        // SAFETY: the caller enabled the features; memory goes through references.
+        unsafe {
+            _mm512_storeu_ps(out.d.as_mut_ptr(), s.d);
+            _mm512_storeu_ps(out.dmin.as_mut_ptr(), s.dmin);
+            for (i, mins) in out.mins.iter_mut().enumerate() {
+                let pair = _mm512_or_si512(s.mn[2 * i], _mm512_slli_epi32(s.mn[2 * i + 1], 16));
+                _mm512_storeu_si512(mins.as_mut_ptr() as *mut _, pair);
+            }
+            for g in 0..8 {
+                let lo: &mut [[u8; 64]; 8] = (&mut out.lo[8 * g..8 * g + 8])
+                    .try_into()
+                    .expect("8 registers");
+                quants(g, lo);
+                // Each 16-bit lane holds two quants of one row, so one 16-bit multiply
+                // by the digit in both halves scales both; no product carries into
+                // the other byte (≤ 225).
+                let both = |v: __m512i| _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
+                let slo = both(_mm512_and_si512(s.sc[g], _mm512_set1_epi32(15)));
+                let shi = both(_mm512_srli_epi32(s.sc[g], 4));
+                for j in 8 * g..8 * g + 8 {
+                    let q = _mm512_load_si512(out.lo[j].as_ptr() as *const _);
+                    let hi = _mm512_mullo_epi16(q, shi);
+                    _mm512_store_si512(out.hi[j].as_mut_ptr() as *mut _, hi);
+                    let lo = _mm512_mullo_epi16(q, slo);
+                    _mm512_store_si512(out.lo[j].as_mut_ptr() as *mut _, lo);
                 }
             }
         }

@@ -20,6 +20,7 @@
 
 pub(crate) mod amx;
 
+use crate::panels::{Format, Panels};
 use crate::pool::Pool;
 use crate::qgemm::{self, C, P};
 use bytemuck::Zeroable;
@@ -96,17 +97,8 @@ impl KBlock for BlockQ4K {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn panel_scales(blocks: [&Self; P], out: &mut KPanelBlock) {
-        use std::arch::x86_64::*;
         // SAFETY: the caller enabled the features; stores go through references.
-        unsafe {
-            let s = Q4KLanes::of(&blocks);
-            for j in 0..8 {
-                let scale = _mm512_mul_ps(s.d, _mm512_cvtepi32_ps(s.sc[j]));
-                _mm512_storeu_ps(out.scale[j].as_mut_ptr(), scale);
-                let min = _mm512_mul_ps(s.dmin, _mm512_cvtepi32_ps(s.mn[j]));
-                _mm512_storeu_ps(out.min[j].as_mut_ptr(), min);
-            }
-        }
+        unsafe { Q4KLanes::of(&blocks).store(out) }
     }
 }
 
@@ -134,11 +126,50 @@ impl Q4KLanes {
             });
             let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
             let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
-            let (u0, u1, u2) = (
-                lanes(blocks, |b| word(&b.scales, 0)),
-                lanes(blocks, |b| word(&b.scales, 4)),
-                lanes(blocks, |b| word(&b.scales, 8)),
-            );
+            let u0 = lanes(blocks, |b| word(&b.scales, 0));
+            let u1 = lanes(blocks, |b| word(&b.scales, 4));
+            let u2 = lanes(blocks, |b| word(&b.scales, 8));
+            Q4KLanes::from_words(d, dmin, [u0, u1, u2])
+        }
+    }
+
+    /// Super-block `b` of a Q4_K panel (`nb` super-blocks a row; see [`crate::panels`]),
+    /// whose headers already hold the 16 rows side by side.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VL and F16C must be available; `panel` must hold `nb` super-blocks
+    /// of 16 rows (checked).
+    #[inline(always)]
+    unsafe fn of_panel(panel: &[u8], nb: usize, b: usize) -> Q4KLanes {
+        use std::arch::x86_64::*;
+        assert!(b < nb && panel.len() >= 2304 * nb);
+        // SAFETY: the caller enabled the features; the 256 header bytes of super-block b
+        // lie inside `panel` (asserted).
+        unsafe {
+            let hdr = panel.as_ptr().add(256 * b);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(hdr as *const __m256i));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(hdr.add(32) as *const __m256i));
+            let u0 = _mm512_loadu_si512(hdr.add(64) as *const _);
+            let u1 = _mm512_loadu_si512(hdr.add(128) as *const _);
+            let u2 = _mm512_loadu_si512(hdr.add(192) as *const _);
+            Q4KLanes::from_words(d, dmin, [u0, u1, u2])
+        }
+    }
+
+    /// The lanes from each block's scales and mins as three u32 words (bytes 0..4, 4..8
+    /// and 8..12 of `scales`).
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VL must be available.
+    #[inline(always)]
+    unsafe fn from_words(
+        d: std::arch::x86_64::__m512,
+        dmin: std::arch::x86_64::__m512,
+        [u0, u1, u2]: [std::arch::x86_64::__m512i; 3],
+    ) -> Q4KLanes {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller enabled the features.
+        unsafe {
             // The 6-bit fields as ggml's `utmp` unpacking lays them out (see
             // `dot::k_quants::unpack_q4k_scales`), four per u32.
             let k6 = _mm512_set1_epi32(0x3f3f_3f3f);
@@ -174,6 +205,55 @@ impl Q4KLanes {
             }
             lanes
         }
+    }
+
+    /// `out.scale[j]` = `d · sc_j` and `out.min[j]` = `dmin · m_j`, per lane.
+    ///
+    /// # Safety
+    /// AVX-512 F must be available.
+    #[inline(always)]
+    unsafe fn store(&self, out: &mut KPanelBlock) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller enabled the features; stores go through references.
+        unsafe {
+            for j in 0..8 {
+                let scale = _mm512_mul_ps(self.d, _mm512_cvtepi32_ps(self.sc[j]));
+                _mm512_storeu_ps(out.scale[j].as_mut_ptr(), scale);
+                let min = _mm512_mul_ps(self.dmin, _mm512_cvtepi32_ps(self.mn[j]));
+                _mm512_storeu_ps(out.min[j].as_mut_ptr(), min);
+            }
+        }
+    }
+}
+
+/// Lane r = unsigned quants `4j..4j + 4` of row r of super-block `b` of a Q4_K panel (the
+/// lane layout of [`KPanelBlock::q`]): element `4j` is in the group of 64 `j / 16`, a low
+/// nibble of the group's chunk `j % 8` for `j % 16 < 8`, else a high nibble.
+///
+/// # Safety
+/// AVX-512 F and BW must be available; `panel` must hold `nb` super-blocks of 16 rows,
+/// `b < nb` and `j < 64`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn panel_quants(
+    panel: &[u8],
+    nb: usize,
+    b: usize,
+    j: usize,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    debug_assert!(b < nb && j < 64 && panel.len() >= 2304 * nb);
+    let c = 8 * (j / 16) + j % 8;
+    // SAFETY: the caller enabled the features; chunk c of super-block b lies inside the
+    // panel's quants (below 256·nb + 2048·nb: the caller's guarantee).
+    unsafe {
+        let v = _mm512_loadu_si512(panel.as_ptr().add(256 * nb + 2048 * b + 64 * c) as *const _);
+        let v = if j % 16 < 8 {
+            v
+        } else {
+            _mm512_srli_epi16(v, 4)
+        };
+        _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
     }
 }
 
@@ -262,6 +342,26 @@ mod x86 {
         }
     }
 
+    /// Repack panel `panel` of Q4_K panels (`nb` super-blocks a row) into `out`.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn repack_q4k_panel(panel: &[u8], nb: usize, out: &mut [KPanelBlock]) {
+        assert!(panel.len() >= 2304 * nb && out.len() >= nb);
+        // SAFETY: the features are enabled on this function; the panel holds nb
+        // super-blocks (asserted) and stores go through references.
+        unsafe {
+            for (b, out) in out[..nb].iter_mut().enumerate() {
+                for (j, q) in out.q.iter_mut().enumerate() {
+                    let v = panel_quants(panel, nb, b, j);
+                    _mm512_storeu_si512(q.as_mut_ptr() as *mut _, v);
+                }
+                Q4KLanes::of_panel(panel, nb, b).store(out);
+            }
+        }
+    }
+
     /// The tile `panel · x[c]ᵀ` for the C activation rows `x` (each `nb` blocks, with
     /// `act` beside them): lane r of result c is row r · x[c].
     ///
@@ -329,11 +429,33 @@ mod x86 {
     }
 }
 
+/// Where a prompt kernel reads its weight rows.
+pub(crate) enum KRows<'a, W> {
+    /// The file's layout: `m` rows of `k / QK_K` super-blocks.
+    File(&'a [W]),
+    /// Q4_K panels of the CPU's layout ([`crate::panels`]): already interleaved a row per
+    /// lane, so repacking a panel is unpacking its nibbles and scales.
+    Panels(&'a Panels),
+}
+
+impl<W> KRows<'_, W> {
+    /// That `self` holds `m` rows of `k`: in panels, Q4_K ones (`W` must be Q4_K too).
+    pub(crate) fn check(&self, m: usize, k: usize, q4k: bool) {
+        match self {
+            KRows::File(w) => assert!(w.len() >= m * (k / QK_K), "{m} weight rows of {k}"),
+            KRows::Panels(p) => assert!(
+                q4k && p.format() == Format::Q4K && p.rows() == m && p.cols() == k,
+                "Q4_K panels of {m} × {k}"
+            ),
+        }
+    }
+}
+
 /// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k / QK_K` super-blocks and `xq` the Q8_K
 /// activations (`n` rows). Requires [`qgemm::available()`].
 pub(crate) fn matmul<W: KBlock>(
     pool: &Pool,
-    w: &[W],
+    w: KRows<'_, W>,
     xq: &[BlockQ8K],
     out: &mut [f32],
     n: usize,
@@ -342,7 +464,8 @@ pub(crate) fn matmul<W: KBlock>(
 ) {
     assert!(qgemm::available(), "batched matmul needs AVX-512 VNNI");
     let nb = k / QK_K;
-    assert!(w.len() >= m * nb && xq.len() >= n * nb && out.len() >= n * m);
+    assert!(xq.len() >= n * nb && out.len() >= n * m);
+    w.check(m, k, W::HAS_MIN);
     let act: Vec<ActBlock> = xq[..n * nb]
         .iter()
         .map(|b| ActBlock {
@@ -364,7 +487,10 @@ pub(crate) fn matmul<W: KBlock>(
             // SAFETY: `available()` (asserted above) means AVX-512 F/BW/VL/VNNI, AVX2,
             // FMA and F16C were detected.
             unsafe {
-                x86::repack(w, rows, nb, panel)
+                match &w {
+                    KRows::File(w) => x86::repack(w, rows, nb, panel),
+                    KRows::Panels(p) => x86::repack_q4k_panel(p.panel(rows[0] / P), nb, panel),
+                }
             };
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (rows, panel);
@@ -384,145 +510,5 @@ pub(crate) fn matmul<W: KBlock>(
     );
 }
 
-/// A batched K-format kernel, as the tests and benches take it: `(w, xq, out, n, m, k)`.
 #[cfg(test)]
-type Kernel<W> = fn(&Pool, &[W], &[BlockQ8K], &mut [f32], usize, usize, usize);
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::dot::{
-        self,
-        test_util::{assert_batched, ref_dot, test_pool},
-    };
-    use kiln_core::quant::{as_blocks, dequantize_to_vec, quantize, quantize_q8_k};
-    use kiln_core::DType;
-    use rand::rngs::StdRng;
-    use rand::{Rng, SeedableRng};
-
-    /// The product of `matmul` against the per-row dot kernels (`dot`) and the plain f64
-    /// sums of the dequantized values.
-    fn check<W: KBlock>(dtype: DType, dot: fn(&[W], &[BlockQ8K]) -> f32, matmul: Kernel<W>) {
-        let mut rng = StdRng::seed_from_u64(0x4b9e);
-        for &k in &[256usize, 768, 2048] {
-            for &m in &[1usize, 7, 130] {
-                for &n in &[4usize, 5, 17, 64] {
-                    let wv: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
-                    let xv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-                    let wbytes = quantize(dtype, &wv).unwrap();
-                    let w = as_blocks::<W>(&wbytes).unwrap().into_owned();
-                    let mut xq = vec![BlockQ8K::zeroed(); n * k / QK_K];
-                    quantize_q8_k(&xv, &mut xq).unwrap();
-                    let wf = dequantize_to_vec(dtype, &wbytes, m * k).unwrap();
-                    let xf: Vec<f32> = xq
-                        .iter()
-                        .flat_map(|b| b.qs.map(|q| q as f32 * b.d))
-                        .collect();
-                    let mut out = vec![f32::NAN; n * m];
-                    matmul(test_pool(), &w, &xq, &mut out, n, m, k);
-                    let nb = k / QK_K;
-                    let what = format!("{dtype} k={k} m={m} n={n}");
-                    assert_batched(&out, n, m, &what, |i, r| {
-                        let want = dot(&w[r * nb..][..nb], &xq[i * nb..][..nb]);
-                        (want, ref_dot(&wf[r * k..][..k], &xf[i * k..][..k]).1)
-                    });
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn batched_matches_dot_q4_k() {
-        if !qgemm::available() {
-            eprintln!("no AVX-512 VNNI: batched path not testable here");
-            return;
-        }
-        check::<BlockQ4K>(DType::Q4_K, dot::dot_q4_k, matmul::<BlockQ4K>);
-    }
-
-    #[test]
-    fn amx_matches_dot_q4_k() {
-        if !crate::amx::int8_available() {
-            eprintln!("no AMX-INT8 (or not granted): AMX Q4_K path not testable here");
-            return;
-        }
-        check::<BlockQ4K>(DType::Q4_K, dot::dot_q4_k, amx::matmul);
-    }
-
-    #[test]
-    fn batched_matches_dot_q6_k() {
-        if !qgemm::available() {
-            eprintln!("no AVX-512 VNNI: batched path not testable here");
-            return;
-        }
-        check::<BlockQ6K>(DType::Q6_K, dot::dot_q6_k, matmul::<BlockQ6K>);
-    }
-}
-
-#[cfg(test)]
-mod bench {
-    use super::*;
-    use crate::dot::test_util::best_seconds;
-    use kiln_core::quant::{as_blocks, quantize, quantize_q8_k};
-    use kiln_core::DType;
-
-    /// The best of 5 runs of each kernel, alternating 3 times (this machine's speed moves
-    /// between runs: only kernels timed side by side compare).
-    fn throughput<W: KBlock>(
-        dtype: DType,
-        (n, m, k): (usize, usize, usize),
-        kernels: &[(&str, Kernel<W>)],
-    ) {
-        let wv: Vec<f32> = (0..m * k)
-            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
-            .collect();
-        let xv: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 104729 % 1000) as f32 - 500.0) * 1e-3)
-            .collect();
-        let wb = quantize(dtype, &wv).unwrap();
-        let w = as_blocks::<W>(&wb).unwrap().into_owned();
-        let mut xq = vec![BlockQ8K::zeroed(); n * k / QK_K];
-        quantize_q8_k(&xv, &mut xq).unwrap();
-        let mut out = vec![0f32; n * m];
-        let mut best = vec![f64::INFINITY; kernels.len()];
-        for _ in 0..3 {
-            for (b, (_, kernel)) in best.iter_mut().zip(kernels) {
-                *b = b.min(best_seconds(1, 5, |pool| {
-                    kernel(pool, &w, &xq, &mut out, n, m, k)
-                }));
-            }
-        }
-        for ((name, _), best) in kernels.iter().zip(best) {
-            eprintln!(
-                "{dtype} {name} n={n} m={m} k={k}: {:.2} ms, {:.1} GMAC/s on 1 thread",
-                best * 1e3,
-                (n * m * k) as f64 / best / 1e9
-            );
-        }
-    }
-
-    /// `cargo test --release -p kiln-cpu --lib kgemm::bench -- --ignored --nocapture`;
-    /// `KILN_BENCH_NMK=n,m,k` measures that shape instead of the two defaults.
-    #[test]
-    #[ignore]
-    fn batched_throughput() {
-        if !qgemm::available() {
-            return;
-        }
-        let shapes = match std::env::var("KILN_BENCH_NMK").ok().and_then(|v| {
-            let d: Vec<usize> = v.split(',').filter_map(|x| x.parse().ok()).collect();
-            (d.len() == 3).then(|| (d[0], d[1], d[2]))
-        }) {
-            Some(shape) => vec![shape],
-            None => vec![(64, 2048, 2048), (512, 2048, 2048)],
-        };
-        for shape in shapes {
-            let mut q4k: Vec<(&str, Kernel<BlockQ4K>)> = vec![("avx512", matmul::<BlockQ4K>)];
-            if crate::amx::int8_available() {
-                q4k.push(("amx", amx::matmul));
-            }
-            throughput(DType::Q4_K, shape, &q4k);
-            throughput(DType::Q6_K, shape, &[("avx512", matmul::<BlockQ6K>)]);
-        }
-    }
-}
+mod tests;

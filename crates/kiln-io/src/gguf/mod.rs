@@ -66,21 +66,23 @@ pub struct GgufFile {
     key_index: HashMap<String, usize>,
     tensor_index: HashMap<String, usize>,
     bytes: FileBytes,
+    /// Whether `bytes` map the file (rather than hold a copy in memory).
+    mapped: bool,
 }
 
 impl GgufFile {
     /// Map and validate a GGUF file. Every error message starts with the path.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        Self::from_file_bytes(path, crate::file::map(path)?)
+        Self::from_file_bytes(path, crate::file::map(path)?, true)
     }
 
     /// Parse a GGUF image held in memory; `name` stands for the path in messages.
     pub fn from_bytes(name: impl AsRef<Path>, bytes: Vec<u8>) -> Result<Self> {
-        Self::from_file_bytes(name.as_ref(), Arc::new(bytes))
+        Self::from_file_bytes(name.as_ref(), Arc::new(bytes), false)
     }
 
-    fn from_file_bytes(path: &Path, bytes: FileBytes) -> Result<Self> {
+    fn from_file_bytes(path: &Path, bytes: FileBytes, mapped: bool) -> Result<Self> {
         let parsed = read::parse((*bytes).as_ref())
             .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
         let key_index = parsed
@@ -105,6 +107,7 @@ impl GgufFile {
             key_index,
             tensor_index,
             bytes,
+            mapped,
         })
     }
 
@@ -132,9 +135,15 @@ impl GgufFile {
         &(*self.bytes).as_ref()[self.data_range(t)]
     }
 
-    /// The tensor's bytes as a shareable handle (for uploading to a backend without a copy).
+    /// The tensor's bytes as a shareable handle (for uploading to a backend without a
+    /// copy); a backend that keeps its own copy can [`HostBytes::release`] the mapped pages.
     pub fn tensor_bytes(&self, t: &TensorInfo) -> Result<HostBytes> {
-        HostBytes::new(self.bytes.clone(), self.data_range(t))
+        let bytes = HostBytes::new(self.bytes.clone(), self.data_range(t))?;
+        Ok(if self.mapped {
+            bytes.with_release(crate::file::release_mapped)
+        } else {
+            bytes
+        })
     }
 
     pub fn file_size(&self) -> u64 {
