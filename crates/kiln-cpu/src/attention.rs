@@ -233,7 +233,7 @@ impl<'a> Stored<'a> {
     fn of(t: &'a Tensor) -> Result<Self> {
         Ok(match t.dtype() {
             DType::F32 => Stored::F32(f32s(t)?),
-            dtype => Stored::Encoded(dtype, storage(t)?.bytes()),
+            dtype => Stored::Encoded(dtype, storage(t)?.bytes()?),
         })
     }
 

@@ -203,8 +203,8 @@ pub(crate) fn write_rows(src: &Tensor, dst: &mut Tensor, pos: &Tensor) -> Result
     } else {
         Some(f32s(src)?)
     };
-    let s = storage(src)?.bytes();
-    let d = storage_mut(dst)?.bytes_mut();
+    let s = storage(src)?.bytes()?;
+    let d = storage_mut(dst)?.bytes_mut()?;
     if row_bytes == 0 {
         return Ok(());
     }

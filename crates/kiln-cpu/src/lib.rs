@@ -3,10 +3,10 @@
 //! Matrix-vector and matrix products run on ggml's block formats directly: activations
 //! are quantized to Q8_0 or Q8_K (`quantize`) and multiplied with integer SIMD dot
 //! products chosen at run time ([`dot`]), rows spread over kiln's own thread pool
-//! ([`pool`]: the caller works too, idle workers poll before they sleep). On AVX2 and
-//! AVX-512, Q4_0 and Q4_K weights are repacked at upload into panels of 16 interleaved
-//! rows (`panels`), read by their own decode and prompt kernels; other weights keep the
-//! file's layout, where decode takes several weight rows per loop (`gemv`). Products with
+//! ([`pool`]: the caller works too, idle workers poll before they sleep). On AVX2 (and on
+//! AVX-512 when asked: [`panels_by_default`]), Q4_0 and Q4_K weights are repacked at
+//! upload into panels of 16 interleaved rows (`panels`), read by their own decode and
+//! prompt kernels; other weights keep the file's layout, where decode takes several weight rows per loop (`gemv`). Products with
 //! several activation rows (prompts) use register-tiled kernels on AVX-512 (`qgemm` and
 //! `kgemm` for quantized weights, `fgemm` for F32/F16/BF16, on AMX tiles where present:
 //! `amx`) and the `gemm` crate for float weights elsewhere. The remaining ops are f32
@@ -66,17 +66,30 @@ pub struct CpuBackend {
     panels: bool,
 }
 
+/// Whether weights go into panels unless `KILN_CPU_LAYOUT` says: on AVX2 machines, where
+/// their kernels were measured (and tested). The AVX-512 panel kernels (and the AMX and
+/// AVX-512 prompt paths that read panels) have not yet run on an AVX-512 machine, so such
+/// machines keep the file's layout and its measured kernels until they have.
+pub fn panels_by_default() -> bool {
+    dot::isa() == dot::Isa::Avx2
+}
+
 impl CpuBackend {
     /// A backend running on `threads` threads, the calling one included (all cores when
-    /// `None`). `KILN_CPU_LAYOUT=file` keeps weights in the file's layout (as
-    /// [`CpuBackend::file_layout`]).
+    /// `None`). Weights go into panels where [`panels_by_default`] says so;
+    /// `KILN_CPU_LAYOUT=file` or `=panels` decides instead.
     pub fn new(threads: Option<usize>) -> Result<Self> {
         let threads =
             threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let panels = match std::env::var("KILN_CPU_LAYOUT").as_deref().map(str::trim) {
+            Ok("file") => false,
+            Ok("panels") => true,
+            _ => panels_by_default(),
+        };
         Ok(CpuBackend {
             pool: Pool::new(threads)?,
             profile: Profile::from_env(),
-            panels: std::env::var("KILN_CPU_LAYOUT").map_or(true, |v| v.trim() != "file"),
+            panels,
         })
     }
 

@@ -16,8 +16,8 @@ fn rounding(_: &CpuBackend, weight: DType, rows: usize, _k: usize) -> Rounding {
     }
 }
 
-/// As a model runs: Q4_0 and Q4_K weights in the CPU's interleaved layout where the CPU
-/// has its kernels (AVX2, AVX-512).
+/// As a model runs: Q4_0 and Q4_K weights in the CPU's interleaved layout where it is the
+/// default (AVX2; AVX-512 with `KILN_CPU_LAYOUT=panels`).
 mod default_layout {
     use super::*;
     kiln_conformance::suite! {
