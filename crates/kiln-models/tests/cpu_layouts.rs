@@ -18,7 +18,7 @@ const DECODE_STEPS: usize = 4;
 /// Every position's logits of `PROMPT`, then the last logits of each greedy decode step
 /// (the picks returned beside them).
 fn run(mut model: Model) -> (Vec<Vec<f32>>, Vec<u32>) {
-    let mut cache = model.new_cache(64).unwrap();
+    let mut cache = model.new_cache(64, DType::F32).unwrap();
     let mut out = vec![model.forward(PROMPT, 0, &mut cache, Logits::All).unwrap()];
     let vocab = model.config.vocab_size;
     let mut picks = Vec::new();
