@@ -56,10 +56,17 @@ pub struct NoRoom {
 pub fn human_bytes(b: u128) -> String {
     const GIB: f64 = (1u64 << 30) as f64;
     const MIB: f64 = (1u64 << 20) as f64;
+    const KIB: f64 = 1024.0;
+    // Small amounts keep a unit that shows them: "0.0 MiB" of a 4096-byte setting says
+    // nothing to the user who typed it.
     if b >= 1 << 30 {
         format!("{:.2} GiB", b as f64 / GIB)
-    } else {
+    } else if b >= 1 << 20 {
         format!("{:.1} MiB", b as f64 / MIB)
+    } else if b >= 1 << 10 {
+        format!("{:.1} KiB", b as f64 / KIB)
+    } else {
+        format!("{b} bytes")
     }
 }
 
@@ -255,6 +262,15 @@ fn address_space_limit() -> Option<u128> {
 mod tests {
     use super::*;
     use crate::synthetic::SyntheticShape;
+
+    #[test]
+    fn amounts_keep_a_unit_that_shows_them() {
+        assert_eq!(human_bytes(0), "0 bytes");
+        assert_eq!(human_bytes(1000), "1000 bytes");
+        assert_eq!(human_bytes(4096), "4.0 KiB");
+        assert_eq!(human_bytes(3 << 20), "3.0 MiB");
+        assert_eq!(human_bytes(5 << 29), "2.50 GiB");
+    }
 
     fn free(bytes: u128) -> FreeMemory {
         FreeMemory {
