@@ -422,7 +422,7 @@ pub(crate) fn matmul_q4_k(
 
 /// [`matmul_q4_k`] with the kernels of `isa` (which this CPU must run). Prompts on
 /// AVX-512 go to the register-tiled kernels of [`crate::kgemm`] (AMX-INT8 where present),
-/// which take each panel's rows back as file blocks and repack them their own way.
+/// which read the panels' rows directly (`KRows::Panels`).
 fn matmul_q4_k_on(
     isa: Isa,
     pool: &Pool,

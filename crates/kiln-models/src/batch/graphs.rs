@@ -98,10 +98,16 @@ impl Model {
         )?);
         exact_rows(&mut s);
         let ints = || b.zeros(DType::I32, Shape::new(vec![bucket])?);
+        // Row i reads table row i, in every step.
+        let mut seq = ints()?;
+        b.write(
+            &mut seq,
+            &i32_bytes(&(0..bucket as i32).collect::<Vec<_>>()),
+        )?;
         Ok(Bucket {
             s,
             slots: ints()?,
-            seq: ints()?,
+            seq,
             next: ints()?,
             widths: HashMap::new(),
         })
@@ -133,11 +139,9 @@ impl Model {
                 *t = blk as i32;
             }
         }
-        let seq: Vec<i32> = (0..bucket as i32).collect();
         b.write(&mut bk.s.ids, &i32_bytes(&ids))?;
         b.write(&mut bk.s.positions, &i32_bytes(&positions))?;
         b.write(&mut bk.slots, &i32_bytes(&slots))?;
-        b.write(&mut bk.seq, &i32_bytes(&seq))?;
         let fresh = !bk.widths.contains_key(&width);
         if fresh {
             let t = b.zeros(DType::I32, Shape::new(vec![bucket, width])?)?;

@@ -39,9 +39,8 @@ impl Model {
         } else {
             None
         };
-        let mut row = b.zeros(DType::F32, Shape::new(vec![1, vocab])?)?;
-        let mut one = b.zeros(DType::I32, Shape::new(vec![1])?)?;
-        let mut next = b.zeros(DType::I32, Shape::new(vec![1])?)?;
+        // A draw's buffers, made only when some item draws (a greedy step needs none).
+        let mut draw = None;
         for (it, (out, r)) in items.iter().zip(outs.iter_mut().zip(row_of)) {
             let Some(r) = *r else { continue };
             match &it.want {
@@ -50,10 +49,18 @@ impl Model {
                     *out = StepOutput::Logits(all[r * vocab..][..vocab].to_vec());
                 }
                 StepWant::Sample { params, penalized } => {
-                    b.write(&mut one, &i32_bytes(&[r as i32]))?;
-                    b.embedding(logits, &one, &mut row)?;
-                    b.sample(&mut row, penalized, params, &mut next)?;
-                    *out = StepOutput::Token(token(&b.download(&next)?)?);
+                    let (row, one, next) = match &mut draw {
+                        Some(d) => d,
+                        None => draw.insert((
+                            b.zeros(DType::F32, Shape::new(vec![1, vocab])?)?,
+                            b.zeros(DType::I32, Shape::new(vec![1])?)?,
+                            b.zeros(DType::I32, Shape::new(vec![1])?)?,
+                        )),
+                    };
+                    b.write(one, &i32_bytes(&[r as i32]))?;
+                    b.embedding(logits, one, row)?;
+                    b.sample(row, penalized, params, next)?;
+                    *out = StepOutput::Token(token(&b.download(next)?)?);
                 }
                 StepWant::Argmax | StepWant::Nothing => {}
             }
