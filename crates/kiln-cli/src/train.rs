@@ -13,8 +13,7 @@ use kiln_models::{Arch, Ffn, ModelConfig, Norm, Rope};
 use kiln_tokenizer::Tokenizer;
 use kiln_train::data::{self, HeldOut};
 use kiln_train::init;
-use kiln_train::optimizer::{AdamWSettings, Schedule};
-use kiln_train::{Settings, StepReport, Trainer};
+use kiln_train::{Rule, Schedule, Settings, StepConfig, StepReport, Trainer};
 use serde_json::json;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -38,13 +37,22 @@ const RUN_FLAGS: &[&str] = &[
     "seq_len",
     "grad_accum",
     "steps",
+    "optimizer",
     "lr",
     "min_lr",
     "warmup",
     "schedule",
+    "step_size",
+    "gamma",
+    "pct_start",
     "weight_decay",
-    "beta1",
-    "beta2",
+    "betas",
+    "eps",
+    "momentum",
+    "nesterov",
+    "amsgrad",
+    "alpha",
+    "centered",
     "clip",
     "seed",
     "eval_windows",
@@ -106,25 +114,59 @@ pub struct TrainArgs {
     pub grad_accum: usize,
     #[arg(long, default_value_t = 1000)]
     pub steps: usize,
-    /// Peak learning rate.
+    /// The update rule: adamw, adam, sgd, rmsprop or adagrad (kiln-optim's, with
+    /// PyTorch's formulas).
+    #[arg(long, default_value = "adamw")]
+    pub optimizer: String,
+    /// Peak learning rate (one-cycle's max_lr).
     #[arg(long, default_value_t = 3e-3)]
-    pub lr: f32,
-    /// The schedule's last learning rate.
+    pub lr: f64,
+    /// cosine: the learning rate it ends at.
     #[arg(long, default_value_t = 0.0)]
-    pub min_lr: f32,
-    /// Steps of linear warm-up.
-    #[arg(long, default_value_t = 100)]
-    pub warmup: usize,
-    /// cosine, linear or constant.
+    pub min_lr: f64,
+    /// Steps of linear warm-up (cosine and linear; default 100, at most --steps / 10).
+    #[arg(long)]
+    pub warmup: Option<u64>,
+    /// cosine (warm-up, then half a cosine down to --min-lr at the last step), linear
+    /// (warm-up from lr/warmup, then constant), constant, step (× --gamma every
+    /// --step-size steps) or onecycle (PyTorch's OneCycleLR, cosine, up to --lr).
     #[arg(long, default_value = "cosine")]
     pub schedule: String,
-    /// AdamW's weight decay (on matrices, not on norms or biases).
+    /// step: steps between decays.
+    #[arg(long)]
+    pub step_size: Option<u64>,
+    /// step: the factor of each decay.
     #[arg(long, default_value_t = 0.1)]
-    pub weight_decay: f32,
-    #[arg(long, default_value_t = 0.9)]
-    pub beta1: f32,
-    #[arg(long, default_value_t = 0.95)]
-    pub beta2: f32,
+    pub gamma: f64,
+    /// onecycle: the fraction of steps spent rising.
+    #[arg(long, default_value_t = 0.3)]
+    pub pct_start: f64,
+    /// Weight decay of every parameter (decoupled for adamw, added to the gradient for
+    /// the others).
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    /// adam, adamw: beta1,beta2.
+    #[arg(long, default_value = "0.9,0.95", value_delimiter = ',', num_args = 1)]
+    pub betas: Vec<f64>,
+    /// adam, adamw, rmsprop, adagrad: the denominator's epsilon (default PyTorch's: 1e-8,
+    /// adagrad 1e-10).
+    #[arg(long)]
+    pub eps: Option<f64>,
+    /// sgd, rmsprop: momentum.
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f64,
+    /// sgd: Nesterov momentum.
+    #[arg(long)]
+    pub nesterov: bool,
+    /// adam, adamw: AMSGrad.
+    #[arg(long)]
+    pub amsgrad: bool,
+    /// rmsprop: the square average's smoothing constant.
+    #[arg(long, default_value_t = 0.99)]
+    pub alpha: f64,
+    /// rmsprop: centered.
+    #[arg(long)]
+    pub centered: bool,
     /// Clip the gradient's global norm to this; 0 turns clipping off.
     #[arg(long, default_value_t = 1.0)]
     pub clip: f32,
@@ -148,21 +190,16 @@ pub struct TrainArgs {
     /// general.name of what is written.
     #[arg(long, default_value = "kiln-trained")]
     pub name: String,
-    /// Training runs on the CPU (the other backends have no backward kernels yet).
+    /// cpu or cuda[:N] (wgpu has no backward kernels yet).
     #[arg(long, default_value_t = DeviceChoice::Cpu)]
     pub device: DeviceChoice,
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
 }
 
-/// Refuse flags that cannot be used, before anything is read.
-fn check(a: &TrainArgs) -> CliResult<(Schedule, DType)> {
-    let schedule = Schedule::from_name(&a.schedule).ok_or_else(|| {
-        Failure::usage(format!(
-            "--schedule {}: one of cosine, linear, constant",
-            a.schedule
-        ))
-    })?;
+/// Refuse flags that cannot be used, before anything is read; the optimizer's
+/// configuration and the export's type.
+fn check(a: &TrainArgs) -> CliResult<(StepConfig, DType)> {
     let export = DType::from_name(&a.export_type)
         .filter(|d| *d != DType::I32)
         .ok_or_else(|| {
@@ -182,7 +219,7 @@ fn check(a: &TrainArgs) -> CliResult<(Schedule, DType)> {
             return Err(Failure::usage(format!("{flag} 0: it must be at least 1")));
         }
     }
-    let finite = |flag: &str, v: f32, ok: bool| {
+    let finite = |flag: &str, v: f64, ok: bool| {
         if v.is_finite() && ok {
             Ok(())
         } else {
@@ -191,18 +228,132 @@ fn check(a: &TrainArgs) -> CliResult<(Schedule, DType)> {
     };
     finite("--lr", a.lr, a.lr > 0.0)?;
     finite("--min-lr", a.min_lr, a.min_lr >= 0.0 && a.min_lr <= a.lr)?;
-    finite("--weight-decay", a.weight_decay, a.weight_decay >= 0.0)?;
-    finite("--beta1", a.beta1, (0.0..1.0).contains(&a.beta1))?;
-    finite("--beta2", a.beta2, (0.0..1.0).contains(&a.beta2))?;
-    finite("--clip", a.clip, a.clip >= 0.0)?;
-    finite("--init-std", a.init_std, a.init_std > 0.0)?;
-    if a.device != DeviceChoice::Cpu {
+    finite("--clip", a.clip as f64, a.clip >= 0.0)?;
+    finite("--init-std", a.init_std as f64, a.init_std > 0.0)?;
+    if !matches!(a.device, DeviceChoice::Cpu | DeviceChoice::Cuda(_)) {
         return Err(Failure::usage(format!(
-            "--device {}: training runs on the CPU for now (backward kernels exist only there)",
+            "--device {}: training runs on cpu or cuda (backward kernels exist only there)",
             a.device
         )));
     }
-    Ok((schedule, export))
+    let config = StepConfig {
+        rule: rule(a)?,
+        schedule: schedule(a)?,
+        max_grad_norm: (a.clip > 0.0).then_some(a.clip),
+        loss_scaling: None,
+    };
+    // kiln-optim's own checks, in its words.
+    config.validate().map_err(Failure::usage)?;
+    Ok((config, export))
+}
+
+/// `--optimizer` and its hyperparameters.
+fn rule(a: &TrainArgs) -> CliResult<Rule> {
+    let &[beta1, beta2] = a.betas.as_slice() else {
+        return Err(Failure::usage(format!(
+            "--betas {:?}: two values, beta1,beta2",
+            a.betas
+        )));
+    };
+    let eps = a.eps.unwrap_or(1e-8);
+    Ok(match a.optimizer.as_str() {
+        "adamw" | "adam" => Rule::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay: a.weight_decay,
+            decoupled_weight_decay: a.optimizer == "adamw",
+            amsgrad: a.amsgrad,
+        },
+        "sgd" => Rule::Sgd {
+            momentum: a.momentum,
+            dampening: 0.0,
+            nesterov: a.nesterov,
+            weight_decay: a.weight_decay,
+        },
+        "rmsprop" => Rule::RmsProp {
+            alpha: a.alpha,
+            eps,
+            weight_decay: a.weight_decay,
+            momentum: a.momentum,
+            centered: a.centered,
+        },
+        "adagrad" => Rule::Adagrad {
+            lr_decay: 0.0,
+            weight_decay: a.weight_decay,
+            eps: a.eps.unwrap_or(1e-10),
+            initial_accumulator_value: 0.0,
+        },
+        other => {
+            return Err(Failure::usage(format!(
+                "--optimizer {other}: one of adamw, adam, sgd, rmsprop, adagrad"
+            )))
+        }
+    })
+}
+
+/// `--schedule` over the run's `--steps`.
+fn schedule(a: &TrainArgs) -> CliResult<Schedule> {
+    let steps = a.steps as u64;
+    let no_warmup = |name: &str| match a.warmup {
+        Some(w) if w > 0 => Err(Failure::usage(format!(
+            "--warmup {w}: the {name} schedule has no warm-up (cosine and linear have)"
+        ))),
+        _ => Ok(()),
+    };
+    let warmup = match a.warmup {
+        Some(w) if w >= steps && a.schedule == "cosine" => {
+            return Err(Failure::usage(format!(
+                "--warmup {w}: the cosine schedule's warm-up must end before the last of --steps {steps}"
+            )))
+        }
+        Some(w) => w,
+        None => 100.min(steps / 10),
+    };
+    Ok(match a.schedule.as_str() {
+        "cosine" => Schedule::Cosine {
+            lr: a.lr,
+            min_lr: a.min_lr,
+            warmup,
+            total: steps,
+        },
+        "linear" if warmup == 0 => Schedule::Constant { lr: a.lr },
+        "linear" => Schedule::LinearWarmup {
+            lr: a.lr,
+            start_factor: 1.0 / warmup as f64,
+            warmup,
+        },
+        "constant" => {
+            no_warmup("constant")?;
+            Schedule::Constant { lr: a.lr }
+        }
+        "step" => {
+            no_warmup("step")?;
+            let step_size = a.step_size.ok_or_else(|| {
+                Failure::usage("--schedule step needs --step-size N (steps between decays)")
+            })?;
+            Schedule::Step {
+                lr: a.lr,
+                step_size,
+                gamma: a.gamma,
+            }
+        }
+        "onecycle" => {
+            no_warmup("onecycle")?;
+            Schedule::OneCycle {
+                max_lr: a.lr,
+                total: steps,
+                pct_start: a.pct_start,
+                div_factor: 25.0,
+                final_div_factor: 1e4,
+            }
+        }
+        other => {
+            return Err(Failure::usage(format!(
+                "--schedule {other}: one of cosine, linear, constant, step, onecycle"
+            )))
+        }
+    })
 }
 
 /// The configuration a from-scratch run asks for.
@@ -294,7 +445,7 @@ fn tokenizer_metadata(file: &model_file::ModelFile) -> kiln_core::Result<Vec<(St
 }
 
 /// What the run starts from, and its tokenizer.
-fn start(a: &TrainArgs, cpu: &Arc<dyn Backend>) -> CliResult<(GgufFile, Tokenizer)> {
+fn start(a: &TrainArgs, backend: &Arc<dyn Backend>) -> CliResult<(GgufFile, Tokenizer)> {
     let ckpt = a.out.join("checkpoint.gguf");
     if a.resume {
         if !ckpt.exists() {
@@ -319,7 +470,7 @@ fn start(a: &TrainArgs, cpu: &Arc<dyn Backend>) -> CliResult<(GgufFile, Tokenize
             )));
         }
         let meta = tokenizer_metadata(&file)?;
-        let model = file.checkpoint.load(cpu.clone(), None)?;
+        let model = file.checkpoint.load(backend.clone(), None)?;
         let start = init::model_start(&model, &a.name, meta)?;
         return Ok((start, file.tokenizer));
     }
@@ -337,10 +488,10 @@ fn start(a: &TrainArgs, cpu: &Arc<dyn Backend>) -> CliResult<(GgufFile, Tokenize
 }
 
 pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
-    let (schedule, export_type) = check(&a)?;
-    let cpu = model_file::backend(a.device, a.threads)?;
+    let (optimizer, export_type) = check(&a)?;
+    let backend = model_file::backend(a.device, a.threads)?;
     std::fs::create_dir_all(&a.out).map_err(|e| Error::io(a.out.display(), e))?;
-    let (start_file, tokenizer) = start(&a, &cpu)?;
+    let (start_file, tokenizer) = start(&a, &backend)?;
     let held_out = match &a.held_out {
         Some(p) => HeldOut::File(p.clone()),
         None => HeldOut::Fraction(0.1),
@@ -348,35 +499,25 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
     // The text is an argument: what is wrong with it is for the user to change.
     let text = data::load(&a.data, &held_out, &tokenizer).map_err(Failure::usage)?;
     let mut t = if a.resume {
-        Trainer::resume(&start_file, text, cpu.clone())
+        Trainer::resume(&start_file, text, backend.clone())
     } else {
         let settings = Settings {
             batch: a.batch,
             grad_accum: a.grad_accum,
             seq_len: a.seq_len,
             steps: a.steps,
-            lr: a.lr,
-            min_lr: a.min_lr,
-            warmup: a.warmup,
-            schedule,
-            adamw: AdamWSettings {
-                beta1: a.beta1,
-                beta2: a.beta2,
-                eps: 1e-8,
-                weight_decay: a.weight_decay,
-            },
-            clip: (a.clip > 0.0).then_some(a.clip),
+            optimizer,
             seed: a.seed,
             eval_windows: a.eval_windows,
         };
-        Trainer::new(&start_file, text, settings, cpu.clone())
+        Trainer::new(&start_file, text, settings, backend.clone())
     }
     .map_err(|e| match e {
         // Settings that do not fit the text or the model.
         Error::Format(msg) => Failure::Usage(msg),
         e => Failure::Kiln(e),
     })?;
-    let mut log = Log::open(&a.out, &t, &cpu.describe())?;
+    let mut log = Log::open(&a.out, &t, &backend.describe())?;
     let mut bar = Progress::new(&t, quiet);
     let ckpt = a.out.join("checkpoint.gguf");
     let steps = t.settings().steps;

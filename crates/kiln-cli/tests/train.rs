@@ -1,8 +1,8 @@
 //! `kiln train` as a user runs it, on a tiny model and the fixtures' text: the loss and
 //! the held-out perplexity fall and the result runs; a paused and resumed run ends with
-//! the same model, byte for byte, as one that ran through; a crash in the middle of a
-//! save leaves the last complete checkpoint, from which the run goes on; bad flags and
-//! a NaN are one-line errors.
+//! the same model, byte for byte, as one that ran through; a process killed in the
+//! middle of a save leaves the last complete checkpoint, from which the run goes on; bad
+//! flags and a NaN are one-line errors.
 
 use kiln_io::gguf::{GgufFile, Value};
 use std::path::{Path, PathBuf};
@@ -185,18 +185,85 @@ fn step_records(out: &Path) -> Vec<String> {
 }
 
 #[test]
-fn a_crash_while_saving_leaves_the_last_checkpoint() {
+fn a_kill_while_saving_leaves_the_last_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    let o = train(
-        dir.path(),
-        &["--steps", "6", "--save-every", "2", "--pause-after", "2"],
-        &[],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let ckpt = dir.path().join("checkpoint.gguf");
-    let good = std::fs::read(&ckpt).unwrap();
-    // The next save (after step 4) aborts the process half way through the file.
     let out = dir.path().to_str().unwrap();
+    // Wider than the other tests' model, so that a save (weights and Adam's moments,
+    // ~20 MB, then fsync) lasts long enough to be caught in the middle.
+    let args = [
+        "train",
+        "--data",
+        "tests/fixtures/ppl.txt",
+        "--out",
+        out,
+        "--dim",
+        "256",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--ffn",
+        "512",
+        "--context",
+        "64",
+        "--seq-len",
+        "32",
+        "--batch",
+        "1",
+        "--grad-accum",
+        "1",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "0",
+        "--steps",
+        "400",
+        "--save-every",
+        "1",
+        "--eval-windows",
+        "2",
+        "-t",
+        "2",
+    ];
+    let partial = |dir: &Path| {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| e.file_name().to_string_lossy().ends_with(".partial"))
+    };
+    let ckpt = dir.path().join("checkpoint.gguf");
+    let mut caught = false;
+    for _attempt in 0..20 {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(args)
+            .current_dir(repo())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // Wait until a checkpoint exists and the next save has begun, then SIGKILL.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !(ckpt.exists() && partial(dir.path())) {
+            if std::time::Instant::now() > deadline || child.try_wait().unwrap().is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // The kill may have landed after the rename: then no half-written file is left,
+        // and the run is tried again.
+        if ckpt.exists() && partial(dir.path()) {
+            caught = true;
+            break;
+        }
+    }
+    assert!(caught, "no kill landed in the middle of a save in 20 tries");
+    // The checkpoint is a whole one, and the run goes on from it.
+    let step = checkpoint_step(&ckpt);
+    assert!(step >= 1);
     let resume = [
         "train",
         "--data",
@@ -204,33 +271,12 @@ fn a_crash_while_saving_leaves_the_last_checkpoint() {
         "--out",
         out,
         "--resume",
+        "--pause-after",
+        "1",
     ];
-    let o = kiln(&resume, &[("KILN_TEST_ABORT_IN_SAVE", "1")]);
-    assert!(!o.status.success(), "the save did not crash");
-    assert!(
-        stderr(&o).contains("aborting in the middle of a save"),
-        "{}",
-        stderr(&o)
-    );
-    assert!(
-        std::fs::read(&ckpt).unwrap() == good,
-        "the checkpoint changed"
-    );
-    let partial: Vec<_> = std::fs::read_dir(dir.path())
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".partial"))
-        .collect();
-    assert_eq!(
-        partial.len(),
-        1,
-        "the crash left its half-written file beside"
-    );
-    assert_eq!(checkpoint_step(&ckpt), 2);
-    // The run goes on from the last good checkpoint.
     let o = kiln(&resume, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(checkpoint_step(&ckpt), 6);
+    assert_eq!(checkpoint_step(&ckpt), step + 1);
 }
 
 #[test]
@@ -267,7 +313,12 @@ fn a_nan_loss_stops_naming_the_step_and_saves_nothing_of_it() {
     let ckpt = dir.path().join("checkpoint.gguf");
     assert_eq!(checkpoint_step(&ckpt), failed - 1);
     let f = GgufFile::open(&ckpt).unwrap();
-    for t in &f.tensors {
+    // The weights (the optimizer's state is bytes, read back by the resume tests).
+    for t in f
+        .tensors
+        .iter()
+        .filter(|t| t.ggml_type.dtype() == Some(kiln_core::DType::F32))
+    {
         let v = kiln_core::quant::dequantize_to_vec(
             kiln_core::DType::F32,
             f.tensor_data(t),
@@ -287,9 +338,8 @@ fn bad_flags_and_data_are_one_line_errors() {
         (&["--batch", "0"][..], "--batch 0"),
         (&["--heads", "3"][..], "heads must divide dim"),
         (&["--resume"][..], "cannot be used with"),
-        (&["--device", "cuda"][..], "--device cuda"),
     ] {
-        let o = train(dir.path(), &[&["--steps", "1"][..], extra].concat(), &[]);
+        let o = train(dir.path(), &[&["--steps", "3"][..], extra].concat(), &[]);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
         assert_eq!(err.lines().count(), 1, "{extra:?}: {err}");

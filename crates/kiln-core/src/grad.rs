@@ -14,6 +14,24 @@ pub trait GradOps: Send + Sync {
     /// positions): keeps a value the forward pass is about to overwrite.
     fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()>;
 
+    /// `dst[dst_at..dst_at + n] = src[src_at..src_at + n]`, F32 elements of two buffers
+    /// of any shapes: moves a parameter or its gradient in and out of the flat buffers an
+    /// optimizer steps over (a tensor cannot be a view of one of them).
+    fn copy_span(
+        &self,
+        src: &Tensor,
+        src_at: usize,
+        dst: &mut Tensor,
+        dst_at: usize,
+        n: usize,
+    ) -> Result<()>;
+
+    /// `Σ x²` of an F32 tensor, each square and the sum in f64 (a finite `x` gives a
+    /// finite sum; an inf or NaN anywhere gives a sum that is not finite). Read back to
+    /// the host: the trainer's check that gradients and parameters are finite, and the
+    /// gradient norm it reports.
+    fn sum_squares(&self, x: &Tensor) -> Result<f64>;
+
     /// `acc += a · x`, element-wise, both F32 of one element count.
     fn add_scaled(&self, acc: &mut Tensor, x: &Tensor, a: f32) -> Result<()>;
 

@@ -7,10 +7,15 @@
 use crate::kernels::Arg;
 use crate::matmul::sgemm;
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
-use kiln_core::{AttentionParams, DType, Error, GradOps, Result, RopeLayout, Tensor};
+use kiln_core::{
+    AttentionParams, Backend, DType, Error, GradOps, Result, RopeLayout, Shape, Tensor,
+};
 
 /// Logits a block of the fused loss holds at once (16 MiB of f32).
 const BLOCK_LOGITS: usize = 1 << 22;
+
+/// Blocks of `sum_squares` at most: its partials are read back and added on the host.
+const SUM_BLOCKS: usize = 1024;
 
 fn f32s(ts: &[&Tensor], op: &str) -> Result<()> {
     ts.iter().try_for_each(|t| expect(t, DType::F32, op))
@@ -62,6 +67,58 @@ impl GradOps for CudaBackend {
             n,
             &[Arg::Ptr(ptr(dst)?), Arg::Ptr(ptr(src)?), Arg::U64(n as u64)],
         )
+    }
+
+    fn copy_span(
+        &self,
+        src: &Tensor,
+        src_at: usize,
+        dst: &mut Tensor,
+        dst_at: usize,
+        n: usize,
+    ) -> Result<()> {
+        f32s(&[src, dst], "copy_span")?;
+        for (what, t, at) in [("source", src, src_at), ("destination", &*dst, dst_at)] {
+            let len = t.shape().numel();
+            if at.checked_add(n).is_none_or(|end| end > len) {
+                return Err(Error::shape(format!(
+                    "copy_span: {n} elements at {at} reach past the {what}'s {len}"
+                )));
+            }
+        }
+        self.launch_1d(
+            "grad_copy",
+            n,
+            &[
+                Arg::Ptr(ptr(dst)? + 4 * dst_at as u64),
+                Arg::Ptr(ptr(src)? + 4 * src_at as u64),
+                Arg::U64(n as u64),
+            ],
+        )
+    }
+
+    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        f32s(&[x], "sum_squares")?;
+        let n = x.shape().numel();
+        let blocks = n.div_ceil(256 * 16).clamp(1, SUM_BLOCKS);
+        // f64 partials in an F32 tensor of twice as many words, read back whole.
+        let partials = self.zeros(DType::F32, Shape::new(vec![2 * blocks])?)?;
+        self.launch(
+            "grad_sum_squares",
+            (blocks as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(ptr(x)?),
+                Arg::U64(n as u64),
+                Arg::Ptr(ptr(&partials)?),
+            ],
+        )?;
+        Ok(self
+            .download(&partials)?
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .sum())
     }
 
     fn add_scaled(&self, acc: &mut Tensor, x: &Tensor, a: f32) -> Result<()> {

@@ -192,8 +192,8 @@ impl Tape {
         Ok(())
     }
 
-    /// Read every trainable parameter's gradient into `out`, one flat buffer for the
-    /// optimizer (registration order, frozen parameters skipped).
+    /// Read every trainable parameter's gradient into `out` on the host (registration
+    /// order, frozen parameters skipped): for checks, not for the training step.
     pub fn read_grads(&self, out: &mut [f32]) -> Result<()> {
         let st = self.state();
         let mut at = 0;
@@ -207,6 +207,26 @@ impl Tape {
                 *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
             at += n;
+        }
+        Ok(())
+    }
+
+    /// Copy every trainable parameter's gradient into `flat` (F32, on this tape's
+    /// backend), the `i`-th (registration order, frozen parameters skipped) at
+    /// `offsets[i]`: the flat gradient buffer an optimizer steps over.
+    pub fn write_grads(&self, flat: &mut Tensor, offsets: &[usize]) -> Result<()> {
+        let st = self.state();
+        let grads: Vec<&Tensor> = st.param_grads.iter().flatten().collect();
+        if grads.len() != offsets.len() {
+            return Err(Error::shape(format!(
+                "write_grads: {} offsets for {} trainable parameters",
+                offsets.len(),
+                grads.len()
+            )));
+        }
+        for (g, &at) in grads.into_iter().zip(offsets) {
+            self.grad_ops()
+                .copy_span(g, 0, flat, at, g.shape().numel())?;
         }
         Ok(())
     }

@@ -1,7 +1,14 @@
 //! The training loop: sequences drawn at random from the training text, each run forward
 //! through the model on a [`Tape`] and backward, their gradients summed over the step's
-//! sequences; then one optimizer update of the flat parameters, copied back to the
-//! model's tensors.
+//! sequences; then one step of a kiln-optim [`Optimizer`] over flat buffers.
+//!
+//! The trainer owns three kinds of flat F32 buffers on the backend, laid out by a
+//! [`ParamLayout`] in the order of `Model::parameters`: the parameters (the master
+//! weights), their gradients, and the optimizer's states. A tensor cannot be a view of a
+//! flat buffer yet, so the model keeps its own weight tensors and two device copies per
+//! step move values between them: each parameter's gradient into the flat gradient buffer
+//! after backward, and the updated master weights back into the model's tensors after
+//! the step (8 bytes a parameter per step, against the optimizer's 28).
 //!
 //! The model runs one sequence per forward pass (its KV cache holds one), so a step's
 //! `batch × grad_accum` sequences run one after another and their gradients accumulate in
@@ -10,15 +17,14 @@
 
 use crate::checkpoint::{self, RunState};
 use crate::data::TextData;
-use crate::optimizer::{clip_global_norm, learning_rate, AdamW, AdamWSettings, Schedule};
 use crate::rng::Rng;
 use crate::tape::Tape;
-use kiln_core::{quant, Backend, DType, Error, Result, Tensor};
+use kiln_core::{Backend, DType, Error, GradOps, Result, Shape, Tensor};
 use kiln_io::gguf::{GgufFile, GgufWriter, Value};
 use kiln_models::{KvCache, Model};
+use kiln_optim::{Optimizer, ParamLayout, StepConfig};
 use kiln_tokenizer::Tokenizer;
 use serde::{Deserialize, Serialize};
-use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -31,14 +37,12 @@ pub struct Settings {
     /// Tokens per sequence (each predicts the next, so a window is one longer).
     pub seq_len: usize,
     pub steps: usize,
-    /// Peak learning rate, reached after `warmup` steps; the schedule ends at `min_lr`.
-    pub lr: f32,
-    pub min_lr: f32,
-    pub warmup: usize,
-    pub schedule: Schedule,
-    pub adamw: AdamWSettings,
-    /// Global gradient-norm clipping.
-    pub clip: Option<f32>,
+    /// The update rule, the learning-rate schedule (its clock counts optimizer steps)
+    /// and gradient clipping, as kiln-optim takes them. Weight decay applies to every
+    /// parameter, as `torch.optim.AdamW(model.parameters())`: all of them are one flat
+    /// buffer, stepped in one launch, so that clipping sees the global norm (kiln-optim's
+    /// parameter groups are separate optimizers).
+    pub optimizer: StepConfig,
     pub seed: u64,
     /// Held-out windows of `seq_len` tokens scored at most by one evaluation.
     pub eval_windows: usize,
@@ -51,15 +55,11 @@ pub struct StepReport {
     pub step: usize,
     /// Mean cross-entropy of the step's tokens (nats).
     pub loss: f64,
-    pub lr: f32,
+    /// The learning rate of this step's update.
+    pub lr: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub tokens: usize,
-}
-
-/// One parameter's place in the flat buffers.
-struct Slot {
-    range: Range<usize>,
 }
 
 pub struct Trainer {
@@ -70,19 +70,17 @@ pub struct Trainer {
     data: TextData,
     /// The start file's `tokenizer.*` and `general.name` metadata, for what is written.
     carried: Vec<(String, Value)>,
-    /// Every parameter, flat (the optimizer's master copy), and their gradients.
-    params: Vec<f32>,
-    grads: Vec<f32>,
-    slots: Vec<Slot>,
-    /// The parameters weight decay applies to: matrices, not norms or biases.
-    decay: Vec<Range<usize>>,
-    opt: AdamW,
+    /// Every parameter, flat (the optimizer's master copy), and their gradients: F32 on
+    /// the backend, laid out by the optimizer's [`ParamLayout`].
+    params: Tensor,
+    grads: Tensor,
+    opt: Optimizer,
     rng: Rng,
     step: usize,
-}
-
-fn f32_values(b: &dyn Backend, t: &Tensor) -> Result<Vec<f32>> {
-    quant::dequantize_to_vec(t.dtype(), &b.download(t)?, t.shape().numel())
+    /// Why the run cannot go on: an update made a parameter non-finite, so the master
+    /// weights and the optimizer's state are past the model's tensors and must not be
+    /// saved.
+    broken: Option<String>,
 }
 
 impl Trainer {
@@ -111,17 +109,18 @@ impl Trainer {
             )));
         }
         let mut t = Self::build(ckpt, data, state.settings, backend, Rng::new(state.rng))?;
-        if state.m.len() != t.params.len() || state.v.len() != t.params.len() {
+        let inner = t.tape.inner().clone();
+        t.opt
+            .load(inner.as_ref(), &state.optimizer)
+            .map_err(|e| Error::format(format!("{file}: {e}")))?;
+        t.step = usize::try_from(state.step).unwrap_or(usize::MAX);
+        let updates = t.opt.status(inner.as_ref())?.steps;
+        if updates != state.step as f64 {
             return Err(Error::format(format!(
-                "{file}: the optimizer state holds {} values, the model {} parameters",
-                state.m.len(),
-                t.params.len()
+                "{file}: the optimizer's state is after {updates} updates, the run after {} steps",
+                state.step
             )));
         }
-        t.opt.m = state.m;
-        t.opt.v = state.v;
-        t.opt.t = state.adam_t;
-        t.step = usize::try_from(state.step).unwrap_or(usize::MAX);
         if t.step > t.settings.steps {
             return Err(Error::format(format!(
                 "{file}: step {} is past the run's {} steps",
@@ -142,9 +141,6 @@ impl Trainer {
         let model = Model::from_gguf(start, tape.clone(), None)?;
         check_settings(&settings, &model, &data)?;
         let inner = tape.inner().clone();
-        let mut params = Vec::new();
-        let mut slots = Vec::new();
-        let mut decay = Vec::new();
         for (name, t) in model.parameters() {
             if t.dtype() != DType::F32 {
                 return Err(Error::unsupported(format!(
@@ -153,13 +149,21 @@ impl Trainer {
                     t.dtype()
                 )));
             }
-            let range = params.len()..params.len() + t.shape().numel();
-            params.extend(f32_values(inner.as_ref(), t)?);
-            if t.dims().len() == 2 {
-                decay.push(range.clone());
-            }
-            slots.push(Slot { range });
         }
+        let layout = ParamLayout::new(
+            model
+                .parameters()
+                .into_iter()
+                .map(|(name, t)| (name, t.dims().to_vec())),
+        )?;
+        let flat = Shape::new(vec![layout.numel()])?;
+        let mut params = inner.zeros(DType::F32, flat.clone())?;
+        let grad_ops = tape.grad_ops();
+        for ((_, t), e) in model.parameters().into_iter().zip(layout.entries()) {
+            grad_ops.copy_span(t, 0, &mut params, e.offset, e.len)?;
+        }
+        let grads = inner.zeros(DType::F32, flat)?;
+        let opt = Optimizer::new(inner.as_ref(), layout, settings.optimizer)?;
         let refs: Vec<&Tensor> = model.parameters().into_iter().map(|(_, t)| t).collect();
         tape.set_parameters(&refs, &vec![true; refs.len()])?;
         let cache = model.new_cache(settings.seq_len, DType::F32)?;
@@ -169,9 +173,7 @@ impl Trainer {
             .filter(|(k, _)| k.starts_with("tokenizer.") || k == "general.name")
             .cloned()
             .collect();
-        let opt = AdamW::new(settings.adamw, params.len());
         Ok(Trainer {
-            grads: vec![0.0; params.len()],
             tape,
             model,
             cache,
@@ -179,11 +181,11 @@ impl Trainer {
             data,
             carried,
             params,
-            slots,
-            decay,
+            grads,
             opt,
             rng,
             step: 0,
+            broken: None,
         })
     }
 
@@ -206,7 +208,7 @@ impl Trainer {
 
     /// Parameters in all.
     pub fn parameter_count(&self) -> usize {
-        self.params.len()
+        self.opt.layout().entries().iter().map(|e| e.len).sum()
     }
 
     fn param_refs(&self) -> Vec<&Tensor> {
@@ -240,9 +242,14 @@ impl Trainer {
     }
 
     /// One optimizer step over `batch × grad_accum` random windows of the training text.
-    /// A loss or gradient that is not finite stops the run with an error naming the step;
-    /// the parameters are then left as they were.
+    /// A loss or gradient that is not finite stops the run with an error naming the step,
+    /// the parameters and the optimizer left as they were; an update that makes a
+    /// parameter non-finite stops it too, and the run can then be neither continued nor
+    /// saved (its last checkpoint is the step before).
     pub fn step(&mut self) -> Result<StepReport> {
+        if let Some(why) = &self.broken {
+            return Err(Error::format(why.clone()));
+        }
         let s = self.settings.clone();
         if self.step >= s.steps {
             return Err(Error::format(format!(
@@ -269,24 +276,36 @@ impl Trainer {
                 "step {number}: the training loss is {loss}; the run stops here (nothing of this step is kept or saved)"
             )));
         }
-        self.tape.read_grads(&mut self.grads)?;
-        let grad_norm = clip_global_norm(&mut self.grads, s.clip);
+        let inner = self.tape.inner().clone();
+        let offsets: Vec<usize> = self
+            .opt
+            .layout()
+            .entries()
+            .iter()
+            .map(|e| e.offset)
+            .collect();
+        self.tape.write_grads(&mut self.grads, &offsets)?;
+        let grad_norm = self.grad_ops().sum_squares(&self.grads)?.sqrt();
         if !grad_norm.is_finite() {
             return Err(Error::format(format!(
                 "step {number}: the gradient's norm is {grad_norm}; the run stops here (nothing of this step is kept or saved)"
             )));
         }
-        let lr = learning_rate(s.schedule, s.lr, s.min_lr, s.warmup, self.step, s.steps);
-        let before = (self.params.clone(), self.opt.m.clone(), self.opt.v.clone());
         self.opt
-            .step(&mut self.params, &self.grads, lr, &self.decay);
-        if let Some(i) = self.params.iter().position(|p| !p.is_finite()) {
-            let bad = self.params[i];
-            (self.params, self.opt.m, self.opt.v) = before;
-            self.opt.t -= 1;
-            return Err(Error::format(format!(
-                "step {number}: the update made parameter value {i} {bad} (learning rate {lr:e}); the run stops here (nothing of this step is kept or saved)"
-            )));
+            .step(inner.as_ref(), &mut self.params, &self.grads, None)?;
+        let lr = self.opt.status(inner.as_ref())?.lr;
+        if !self.grad_ops().sum_squares(&self.params)?.is_finite() {
+            let flat = self.parameters_flat()?;
+            let (i, bad) = flat
+                .iter()
+                .enumerate()
+                .find(|(_, p)| !p.is_finite())
+                .map_or((0, f32::NAN), |(i, &p)| (i, p));
+            let why = format!(
+                "step {number}: the update made parameter value {i} {bad} (learning rate {lr:e}); the run stops here (nothing of this step is saved)"
+            );
+            self.broken = Some(why.clone());
+            return Err(Error::format(why));
         }
         self.write_params()?;
         self.step = number;
@@ -299,12 +318,16 @@ impl Trainer {
         })
     }
 
-    /// Copy the flat parameters into the model's tensors.
+    fn grad_ops(&self) -> &dyn GradOps {
+        self.tape.grad_ops()
+    }
+
+    /// Copy the flat master weights into the model's tensors.
     fn write_params(&mut self) -> Result<()> {
-        let inner = self.tape.inner().clone();
-        let params = &self.params;
-        for ((_, t), slot) in self.model.parameters_mut().into_iter().zip(&self.slots) {
-            inner.write(t, f32_bytes(&params[slot.range.clone()]).as_slice())?;
+        let grad_ops = self.tape.grad_ops();
+        let entries = self.opt.layout().entries();
+        for ((_, t), e) in self.model.parameters_mut().into_iter().zip(entries) {
+            grad_ops.copy_span(&self.params, e.offset, t, 0, e.len)?;
         }
         Ok(())
     }
@@ -345,33 +368,36 @@ impl Trainer {
         Ok(w)
     }
 
-    /// Write a checkpoint to `path` (atomically; see [`checkpoint`]). Refused, before
-    /// anything is written, when a parameter is not finite.
+    /// Write a checkpoint to `path` (atomically; see [`checkpoint`]): the model's
+    /// weights, the optimizer's state as kiln-optim saves it, the step, the random
+    /// generator, the settings. Refused, before anything is written, after an update that
+    /// made a parameter non-finite.
     pub fn save_checkpoint(&self, path: &Path) -> Result<()> {
-        if let Some(i) = self.params.iter().position(|p| !p.is_finite()) {
-            return Err(Error::format(format!(
-                "after step {}: parameter value {i} is {}; no checkpoint is written",
-                self.step, self.params[i]
-            )));
-        }
+        self.check_not_broken()?;
         let mut w = self.model_gguf(DType::F32)?;
         checkpoint::add_state(
             &mut w,
             &RunState {
                 step: self.step as u64,
                 rng: self.rng.state,
-                adam_t: self.opt.t,
                 settings: self.settings.clone(),
                 data: self.data.fingerprint(),
-                m: self.opt.m.clone(),
-                v: self.opt.v.clone(),
+                optimizer: self.opt.save(self.tape.inner().as_ref())?,
             },
         )?;
         checkpoint::write(&w, path)
     }
 
+    fn check_not_broken(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(Error::format(format!("nothing is written: {why}"))),
+            None => Ok(()),
+        }
+    }
+
     /// Write the model to `path` as GGUF, matrices as `dtype` (atomically).
     pub fn export_gguf(&self, path: &Path, dtype: DType) -> Result<()> {
+        self.check_not_broken()?;
         let w = self.model_gguf(dtype)?;
         kiln_io::file::write_replacing(path, |b| w.write_to(b))
     }
@@ -380,6 +406,7 @@ impl Trainer {
     /// (`config.json`, `model.safetensors` in F32, and `tokenizer`'s files), each file
     /// atomically; llama and mistral models with SentencePiece vocabularies.
     pub fn export_hf(&self, dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
+        self.check_not_broken()?;
         let mut files = self
             .model
             .to_hf(tokenizer.bos_id(), tokenizer.eos_ids().first().copied())?;
@@ -394,14 +421,15 @@ impl Trainer {
         Ok(())
     }
 
-    /// The flat parameters (for comparing runs).
-    pub fn parameters_flat(&self) -> &[f32] {
-        &self.params
+    /// The flat master weights, read from the backend (gaps of the layout included; for
+    /// comparing runs).
+    pub fn parameters_flat(&self) -> Result<Vec<f32>> {
+        let bytes = self.tape.inner().download(&self.params)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
-}
-
-fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
 /// Refuse settings no run can take: sizes of zero, a context past the model's, text too
@@ -441,11 +469,9 @@ fn check_settings(s: &Settings, model: &Model, data: &TextData) -> Result<()> {
             s.seq_len + 1
         ));
     }
-    if !(s.lr.is_finite() && s.lr > 0.0 && s.min_lr.is_finite() && s.min_lr >= 0.0) {
-        return bad(format!(
-            "--lr {} / --min-lr {}: finite, lr > 0",
-            s.lr, s.min_lr
-        ));
+    s.optimizer.validate()?;
+    if s.optimizer.loss_scaling.is_some() {
+        return bad("loss scaling is for F16 gradients; kiln train computes in F32".to_string());
     }
     Ok(())
 }

@@ -37,6 +37,45 @@ pub fn copy_add_scaled_and_sum_rows(t: &Target) {
     }
 }
 
+/// The flat-buffer moves of a training step: a span of one buffer into another (the rest
+/// untouched, a span past either end refused), and `Σ x²` against float64 at a length
+/// that leaves partial blocks, then with an inf and a NaN in it.
+pub fn copy_span_and_sum_squares(t: &Target) {
+    let g = t.grad();
+    let mut rng = t.rng(1);
+    let src = random(&mut rng, 1000, 3.0);
+    let x = t.upload(DType::F32, &[8, 125], &src);
+    let before = random(&mut rng, 777, 1.0);
+    let mut dst = t.upload(DType::F32, &[777], &before);
+    g.copy_span(&x, 301, &mut dst, 45, 500).unwrap();
+    let mut want = before.clone();
+    want[45..545].copy_from_slice(&src[301..801]);
+    assert_eq!(t.read(&dst), want, "copy_span");
+    for (src_at, dst_at, n) in [(600, 0, 401), (0, 300, 478), (usize::MAX, 0, 2)] {
+        assert!(
+            g.copy_span(&x, src_at, &mut dst, dst_at, n).is_err(),
+            "copy_span of {n} from {src_at} to {dst_at} was accepted"
+        );
+    }
+    assert_eq!(t.read(&dst), want, "a refused copy_span wrote");
+
+    for n in [1, 1000, 70_001] {
+        let v = random(&mut rng, n, 2.0);
+        let want: f64 = v.iter().map(|&a| a as f64 * a as f64).sum();
+        let got = g.sum_squares(&t.upload(DType::F32, &[n], &v)).unwrap();
+        assert!(
+            (got - want).abs() <= 1e-9 * want,
+            "sum_squares of {n}: {got} vs {want}"
+        );
+    }
+    for bad in [f32::INFINITY, f32::NAN] {
+        let mut v = random(&mut rng, 5000, 1.0);
+        v[4321] = bad;
+        let got = g.sum_squares(&t.upload(DType::F32, &[5000], &v)).unwrap();
+        assert!(!got.is_finite(), "sum_squares with {bad} in it: {got}");
+    }
+}
+
 /// The gradients of `x · wᵀ` for `x [n, k]`, `w [m, k]`, checked at up to `sample`
 /// elements of each.
 fn matmul_case(t: &Target, (n, m, k): (usize, usize, usize), sample: usize) {

@@ -42,6 +42,7 @@ macro_rules! with_grad_cases {
     ([$($callback:tt)*] $args:tt) => {
         $($callback)*! { $args
             copy_add_scaled_and_sum_rows
+            copy_span_and_sum_squares
             matmul_gradients
             matmul_gradients_over_many_tasks
             embedding_gradient_sums_repeated_ids

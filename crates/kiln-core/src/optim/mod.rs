@@ -34,7 +34,7 @@ use crate::{DType, Error, Result, Tensor};
 /// scale; the step unscales them, and an inf/NaN among them skips the step and multiplies
 /// the scale by `backoff_factor`; after `growth_interval` steps in a row without one, the
 /// scale is multiplied by `growth_factor`.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LossScaling {
     pub init_scale: f32,
     pub growth_factor: f32,
@@ -55,7 +55,7 @@ impl Default for LossScaling {
 }
 
 /// Everything a step does besides the buffers it runs over.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepConfig {
     pub rule: Rule,
     pub schedule: Schedule,

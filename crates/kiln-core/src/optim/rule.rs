@@ -3,7 +3,8 @@
 use crate::{Error, Result};
 
 /// An update rule and its hyperparameters, with PyTorch's names (`torch.optim`).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Rule {
     /// `torch.optim.SGD`. State: the momentum buffer when `momentum != 0`.
     Sgd {

@@ -5,7 +5,8 @@ use crate::{Error, Result};
 /// The learning rate as a function of the step: `lr(k)` for the `k`-th call of the step
 /// (from 0), skipped calls included, as PyTorch's schedulers when `scheduler.step()`
 /// follows every `optimizer.step()`.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Schedule {
     Constant {
         lr: f64,

@@ -35,6 +35,40 @@ pub(crate) fn copy(src: &Tensor, dst: &mut Tensor) -> Result<()> {
     Ok(())
 }
 
+pub(crate) fn copy_span(
+    src: &Tensor,
+    src_at: usize,
+    dst: &mut Tensor,
+    dst_at: usize,
+    n: usize,
+) -> Result<()> {
+    let (src_len, dst_len) = (src.shape().numel(), dst.shape().numel());
+    let outside = |what: &str, at: usize, len: usize| {
+        Error::shape(format!(
+            "copy_span: {n} elements at {at} reach past the {what}'s {len}"
+        ))
+    };
+    let from = f32s(src)?
+        .get(src_at..src_at.saturating_add(n))
+        .ok_or_else(|| outside("source", src_at, src_len))?;
+    f32s_mut(dst)?
+        .get_mut(dst_at..dst_at.saturating_add(n))
+        .ok_or_else(|| outside("destination", dst_at, dst_len))?
+        .copy_from_slice(from);
+    Ok(())
+}
+
+pub(crate) fn sum_squares(pool: &Pool, x: &Tensor) -> Result<f64> {
+    let xs = f32s(x)?;
+    // Chunks summed in order: the same bits whatever the number of threads.
+    let mut partials = vec![0f64; xs.len().div_ceil(CHUNK)];
+    pool.for_chunks_mut(&mut partials, 1, |i, out| {
+        let chunk = &xs[i * CHUNK..xs.len().min((i + 1) * CHUNK)];
+        out[0] = chunk.iter().map(|&v| v as f64 * v as f64).sum();
+    });
+    Ok(partials.iter().sum())
+}
+
 pub(crate) fn add_scaled(pool: &Pool, acc: &mut Tensor, x: &Tensor, a: f32) -> Result<()> {
     same_len(acc, x, "add_scaled")?;
     let xs = f32s(x)?;

@@ -15,6 +15,21 @@ impl GradOps for CpuBackend {
         elementwise::copy(src, dst)
     }
 
+    fn copy_span(
+        &self,
+        src: &Tensor,
+        src_at: usize,
+        dst: &mut Tensor,
+        dst_at: usize,
+        n: usize,
+    ) -> Result<()> {
+        elementwise::copy_span(src, src_at, dst, dst_at, n)
+    }
+
+    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        elementwise::sum_squares(&self.pool, x)
+    }
+
     fn add_scaled(&self, acc: &mut Tensor, x: &Tensor, a: f32) -> Result<()> {
         elementwise::add_scaled(&self.pool, acc, x, a)
     }

@@ -10,6 +10,27 @@ extern "C" __global__ void grad_copy(u32* dst, const u32* src, size_t n) {
     if (i < n) dst[i] = src[i];
 }
 
+// partial[b] = Σ x² over block b's share of x, each square and the sums in f64 (a finite
+// x never overflows them). Launch: grid (partials, at most 1024), block 256; the host
+// adds the partials in order, so the result is the same every run.
+extern "C" __global__ void grad_sum_squares(const float* x, u64 n, double* partial) {
+    follow_previous();
+    double sum = 0.0;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const double v = x[i];
+        sum += v * v;
+    }
+    __shared__ double sums[256];
+    sums[threadIdx.x] = sum;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sums[threadIdx.x] += sums[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = sums[0];
+}
+
 // acc += a * x.   Launch: 1-D over n.
 extern "C" __global__ void grad_add_scaled(float* acc, const float* x, size_t n, float a) {
     follow_previous();
