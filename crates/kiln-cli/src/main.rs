@@ -4,6 +4,7 @@ mod bench;
 mod bench_model;
 mod bench_optim;
 mod bench_serve;
+mod bench_train;
 mod chat_sandbox;
 mod console;
 mod devices;
@@ -48,7 +49,8 @@ enum Command {
         /// The file or directory.
         path: PathBuf,
     },
-    /// Measure speed: llama-bench's pp/tg tests on a model, `--kernels`, or `--optimizer`.
+    /// Measure speed: llama-bench's pp/tg tests on a model, `--kernels`, `--optimizer` or
+    /// `--train`.
     Bench(BenchArgs),
     /// Serve the model over HTTP with OpenAI's API (completions, chat, models).
     Serve(serve::ServeArgs),
@@ -77,10 +79,10 @@ enum Command {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Model file or Hugging Face directory.
-    #[arg(short = 'm', long, conflicts_with_all = ["synthetic", "kernels", "optimizer"])]
+    #[arg(short = 'm', long, conflicts_with_all = ["synthetic", "kernels", "optimizer", "train"])]
     model: Option<PathBuf>,
     /// A random-weight model of a known shape: tinyllama-1.1b or llama3-8b.
-    #[arg(long, conflicts_with_all = ["kernels", "optimizer"])]
+    #[arg(long, conflicts_with_all = ["kernels", "optimizer", "train"])]
     synthetic: Option<String>,
     /// Weight type of a synthetic model: f32, f16, bf16, q8_0, q4_0, q4_k_m.
     #[arg(long = "type", default_value = "f16")]
@@ -96,7 +98,8 @@ struct BenchArgs {
           value_parser = clap::value_parser!(u16).range(1..=1000))]
     reps: u16,
     /// Sequences decoded together in the tg test, as a server steps them (one batch over a
-    /// paged KV cache); the speed is all sequences' tokens per second.
+    /// paged KV cache); the speed is all sequences' tokens per second. With --train: the
+    /// sequences of a step.
     #[arg(short = 'b', long, default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=1024))]
     batch: u16,
@@ -127,6 +130,13 @@ struct BenchArgs {
     /// With --optimizer: tensors they are split into.
     #[arg(long, default_value_t = 64, requires = "optimizer")]
     tensors: usize,
+    /// Time training steps of a model of this shape made from scratch instead
+    /// (tokens/s): llama-134m or kiln-default. -b sequences a step, -r timed steps.
+    #[arg(long, conflicts_with_all = ["kernels", "optimizer"])]
+    train: Option<String>,
+    /// With --train: tokens a sequence.
+    #[arg(long, default_value_t = 1024, requires = "train")]
+    seq_len: usize,
 }
 
 fn bench(a: BenchArgs) -> CliResult {
@@ -136,7 +146,17 @@ fn bench(a: BenchArgs) -> CliResult {
             a.output
         )));
     }
-    let text = if a.optimizer {
+    let text = if let Some(shape) = a.train {
+        bench_train::run(&bench_train::TrainBench {
+            shape,
+            device: a.device,
+            threads: a.threads,
+            reps: usize::from(a.reps),
+            batch: usize::from(a.batch),
+            seq_len: a.seq_len,
+            json: a.output == "json",
+        })?
+    } else if a.optimizer {
         bench_optim::run(&bench_optim::OptimizerBench {
             device: a.device,
             threads: a.threads,

@@ -356,9 +356,32 @@ fn schedule(a: &TrainArgs) -> CliResult<Schedule> {
     })
 }
 
-/// The configuration a from-scratch run asks for.
-fn scratch_config(a: &TrainArgs, vocab: usize) -> CliResult<ModelConfig> {
-    let arch = match a.arch.as_str() {
+/// The sizes of a model made from scratch (`--dim`, `--layers`, ...).
+pub(crate) struct ScratchShape {
+    pub dim: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub ffn: usize,
+    pub context: usize,
+}
+
+impl ScratchShape {
+    fn of(a: &TrainArgs) -> ScratchShape {
+        ScratchShape {
+            dim: a.dim,
+            layers: a.layers,
+            heads: a.heads,
+            kv_heads: a.kv_heads.unwrap_or(a.heads),
+            ffn: a.ffn,
+            context: a.context,
+        }
+    }
+}
+
+/// The configuration of a from-scratch `arch` model (llama or gpt2) of shape `a`.
+pub(crate) fn scratch_config(arch: &str, a: &ScratchShape, vocab: usize) -> CliResult<ModelConfig> {
+    let arch = match arch {
         "llama" => Arch::Llama,
         "gpt2" => Arch::Gpt2,
         other => {
@@ -367,7 +390,7 @@ fn scratch_config(a: &TrainArgs, vocab: usize) -> CliResult<ModelConfig> {
         )))
         }
     };
-    let kv = a.kv_heads.unwrap_or(a.heads);
+    let kv = a.kv_heads;
     let sizes = [
         ("--dim", a.dim),
         ("--layers", a.layers),
@@ -475,7 +498,7 @@ fn start(a: &TrainArgs, backend: &Arc<dyn Backend>) -> CliResult<(GgufFile, Toke
         return Ok((start, file.tokenizer));
     }
     let file = model_file::open(a.tokenizer.as_deref())?;
-    let config = scratch_config(a, file.tokenizer.vocab_size())?;
+    let config = scratch_config(&a.arch, &ScratchShape::of(a), file.tokenizer.vocab_size())?;
     if a.seq_len > a.context {
         return Err(Failure::usage(format!(
             "--seq-len {}: the model's --context is {}",

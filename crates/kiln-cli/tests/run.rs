@@ -169,6 +169,32 @@ fn bench_prints_llama_bench_rows() {
 }
 
 #[test]
+fn bench_times_training_steps() {
+    let o = kiln(&[
+        "bench",
+        "--train",
+        "kiln-default",
+        "-b",
+        "2",
+        "--seq-len",
+        "16",
+        "-r",
+        "2",
+        "--device",
+        "cpu",
+        "-o",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let row: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(row["params"].as_u64(), Some(3_475_712), "{row}");
+    assert!(row["tokens_per_s"].as_f64().unwrap() > 0.0, "{row}");
+    let o = kiln(&["bench", "--train", "gpt-9", "--device", "cpu"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--train gpt-9"), "{}", stderr(&o));
+}
+
+#[test]
 fn a_context_the_machine_cannot_hold_is_refused_with_what_fits() {
     let o = kiln(&["run", "-p", "hi", "-c", "2000000000", "-n", "2"]);
     assert_eq!(o.status.code(), Some(2));
