@@ -2,7 +2,7 @@
 //! float64, the mean next-token cross-entropy of the fixture's prompt and its gradient
 //! with respect to every weight (`scripts/fixtures/make_grads.py`, which also brought
 //! those gradients into GGUF's names and layout through llama.cpp's converter). Here kiln
-//! loads the fixture's F32 GGUF, runs the same loss forward and backward through the tape
+//! loads the fixture's F32 GGUF (Gemma 2: its Hugging Face files), runs the same loss forward and backward through the tape
 //! on the CPU, and compares the loss and every parameter's gradient.
 
 use kiln_core::{quant, Backend, DType};
@@ -18,9 +18,9 @@ const FIXTURES: [&str; 8] = [
 ];
 
 /// A gradient element may be off PyTorch's float64 one by this much of its tensor's
-/// largest: kiln's forward and backward run in f32 over sums of a few hundred terms
-/// (measured worst: see the failure message). A gradient 1% off fails.
-const TOL: f64 = 2e-4;
+/// largest: kiln's forward and backward run in f32 (measured worst of the eight, CPU,
+/// 2026-11-25: 5.1e-6, Gemma's attn_norm). A gradient 0.01% off fails.
+const TOL: f64 = 5e-5;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -43,8 +43,15 @@ fn check(name: &str) {
 
     let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(Some(2)).unwrap());
     let tape = Arc::new(Tape::new(cpu.clone()).unwrap());
-    let file = GgufFile::open(dir.join(format!("{name}-f32.gguf"))).unwrap();
-    let mut model = Model::from_gguf(&file, tape.clone(), None).unwrap();
+    // Gemma 2's GGUF cannot say its query_pre_attn_scalar (llama.cpp assumes head_dim;
+    // the fixture sets it apart on purpose): kiln reads that one from hf/, with its
+    // parameters in the same names and layout as the converter's.
+    let mut model = if name == "gemma2" {
+        Model::from_hf_dir(&dir.join("hf"), tape.clone(), None).unwrap()
+    } else {
+        let file = GgufFile::open(dir.join(format!("{name}-f32.gguf"))).unwrap();
+        Model::from_gguf(&file, tape.clone(), None).unwrap()
+    };
     let params: Vec<_> = model.parameters().into_iter().map(|(_, t)| t).collect();
     tape.set_parameters(&params, &vec![true; params.len()])
         .unwrap();
@@ -61,7 +68,7 @@ fn check(name: &str) {
     tape.backward(&params).unwrap();
     let loss = losses.iter().map(|&l| l as f64).sum::<f64>() / n as f64;
     assert!(
-        (loss - torch_loss).abs() < 1e-5 * torch_loss,
+        (loss - torch_loss).abs() < 1e-6 * torch_loss,
         "{name}: loss {loss}, PyTorch's {torch_loss}"
     );
 
