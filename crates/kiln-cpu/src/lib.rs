@@ -3,10 +3,11 @@
 //! Matrix-vector and matrix products run on ggml's block formats directly: activations
 //! are quantized to Q8_0 or Q8_K (`quantize`) and multiplied with integer SIMD dot
 //! products chosen at run time ([`dot`]), rows spread over kiln's own thread pool
-//! ([`pool`]: the caller works too, idle workers poll before they sleep). On AVX2 (and on
-//! AVX-512 when asked: [`panels_by_default`]), Q4_0 and Q4_K weights are repacked at
-//! upload into panels of 16 interleaved rows (`panels`), read by their own decode and
-//! prompt kernels; other weights keep the file's layout, where decode takes several weight rows per loop (`gemv`). Products with
+//! ([`pool`]: the caller works too, idle workers poll before they sleep). On AVX2 and
+//! AVX-512 ([`panels_by_default`]), Q4_0 and Q4_K weights are repacked at upload into
+//! panels of 16 interleaved rows (`panels`), read by their own decode and prompt kernels;
+//! other weights keep the file's layout, where decode takes several weight rows per loop
+//! (`gemv`). Products with
 //! several activation rows (prompts) use register-tiled kernels on AVX-512 (`qgemm` and
 //! `kgemm` for quantized weights, `fgemm` for F32/F16/BF16, on AMX tiles where present:
 //! `amx`) and the `gemm` crate for float weights elsewhere. The remaining ops are f32
@@ -66,12 +67,12 @@ pub struct CpuBackend {
     panels: bool,
 }
 
-/// Whether weights go into panels unless `KILN_CPU_LAYOUT` says: on AVX2 machines, where
-/// their kernels were measured (and tested). The AVX-512 panel kernels (and the AMX and
-/// AVX-512 prompt paths that read panels) have not yet run on an AVX-512 machine, so such
-/// machines keep the file's layout and its measured kernels until they have.
+/// Whether weights go into panels unless `KILN_CPU_LAYOUT` says: on every CPU with panel
+/// kernels (AVX2, AVX-512). Measured faster in decode on AVX2 (Zen 3) and on AVX-512 with
+/// AMX (Sapphire Rapids, where the AVX-512 kernels and the AMX prompts passed their tests);
+/// not yet measured on AVX-512 without AMX (Zen 4): see BENCHMARKS.md.
 pub fn panels_by_default() -> bool {
-    dot::isa() == dot::Isa::Avx2
+    matches!(dot::isa(), dot::Isa::Avx2 | dot::Isa::Avx512Vnni)
 }
 
 impl CpuBackend {

@@ -17,7 +17,7 @@ fn rounding(_: &CpuBackend, weight: DType, rows: usize, _k: usize) -> Rounding {
 }
 
 /// As a model runs: Q4_0 and Q4_K weights in the CPU's interleaved layout where it is the
-/// default (AVX2; AVX-512 with `KILN_CPU_LAYOUT=panels`).
+/// default (AVX2, AVX-512).
 mod default_layout {
     use super::*;
     kiln_conformance::suite! {

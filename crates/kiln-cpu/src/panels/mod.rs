@@ -15,10 +15,8 @@
 //! The layout is chosen per tensor at upload ([`Format::for_dtype`]) on CPUs whose kernels
 //! read it (AVX2, AVX-512), and is invisible outside this crate: shapes and dtypes stay
 //! the file's, `download` returns the file's bytes, and the embedding lookup reads rows
-//! out of the panels. By default only AVX2 machines take panels (see
-//! [`crate::panels_by_default`]); `KILN_CPU_LAYOUT=file` (or
-//! [`crate::CpuBackend::file_layout`]) keeps the file's layout, `KILN_CPU_LAYOUT=panels`
-//! asks for panels on AVX-512 too.
+//! out of the panels. `KILN_CPU_LAYOUT=file` (or [`crate::CpuBackend::file_layout`])
+//! keeps the file's layout.
 //!
 //! Q4_0, a panel of `nb` blocks a row ([`Format::Q4_0`]):
 //! - `nb × 32` bytes: block `b`'s 16 f16 scales, row `r` at `32b + 2r`;

@@ -21,17 +21,10 @@ fn random_file(rng: &mut StdRng, format: Format, rows: usize, nb: usize) -> Vec<
 }
 
 /// The ISAs of this CPU that have panel kernels.
-/// The ISAs with panel kernels on this CPU. The AVX-512 ones run only where panels are
-/// asked for (`KILN_CPU_LAYOUT=panels`): models do not reach them by default yet (see
-/// `panels_by_default`), and they have not been seen to pass on a machine with AVX-512.
 fn panel_isas() -> Vec<Isa> {
-    let avx512 = std::env::var("KILN_CPU_LAYOUT").is_ok_and(|v| v.trim() == "panels");
-    if !avx512 && isas().contains(&Isa::Avx512Vnni) {
-        eprintln!("skipped: the AVX-512 panel kernels (set KILN_CPU_LAYOUT=panels to test them)");
-    }
     isas()
         .into_iter()
-        .filter(|i| *i == Isa::Avx2 || (avx512 && *i == Isa::Avx512Vnni))
+        .filter(|i| matches!(i, Isa::Avx2 | Isa::Avx512Vnni))
         .collect()
 }
 
