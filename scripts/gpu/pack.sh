@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 out=.gpu-bin
-crates=(-p kiln-cuda -p kiln-wgpu -p kiln-models -p kiln-optim)
+crates=(-p kiln-cuda -p kiln-wgpu -p kiln-models -p kiln-optim -p kiln-train -p kiln-cpu)
 rm -rf "$out"; mkdir -p "$out"
 cargo test --profile gpu --no-run --message-format=json "${crates[@]}" \
   | python3 -c '
