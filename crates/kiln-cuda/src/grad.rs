@@ -1,8 +1,8 @@
 //! The backward kernels (`kiln_core::GradOps`) on the GPU: `kernels/grad.cu`, and cuBLAS
-//! for the products. Attention's backward recomputes the softmax from q and k (nothing
-//! of the forward is kept) but holds the probabilities and the scores' gradients of a
-//! sequence in two `[tokens · heads, capacity]` work buffers: quadratic in the sequence,
-//! not the tiled, memory-flat kernel of FlashAttention-2 (that is still to come).
+//! for the products. Attention's backward recomputes the scores from q and k with cuBLAS
+//! (nothing of the forward is kept) and holds the probabilities and the scores' gradients
+//! of a sequence in two `[tokens · heads, capacity]` work buffers: quadratic in the
+//! sequence, not the tiled, memory-flat kernel of FlashAttention-2 (that is still to come).
 
 use crate::kernels::Arg;
 use crate::matmul::sgemm;
@@ -381,73 +381,84 @@ impl GradOps for CudaBackend {
                 dout.shape()
             )));
         }
-        if d > 256 {
-            return Err(Error::unsupported(format!(
-                "the attention gradient on the GPU for heads of {d} (at most 256)"
-            )));
-        }
         if n == 0 || d == 0 {
             return Ok(());
         }
+        // Five cuBLAS products a head around one softmax-backward kernel (the scores of
+        // every query against every key of the cache are n × cap, as the forward's):
+        //   S = Q·Kᵀ, dP = dO·Vᵀ; (S, dP) → (P, dS) by rows; dQ += dS·K, dK += dSᵀ·Q,
+        //   dV += Pᵀ·dO.
+        // Row-major [rows, cols] with row stride `ld` is, to cuBLAS, a column-major
+        // cols × rows matrix of leading dimension `ld`: each product is written below as
+        // the transposed one cuBLAS computes.
         let scores = n * heads * cap * 4;
-        let p_buf = self.scratch("grad_attention_p", scores)?;
+        let s_buf = self.scratch("grad_attention_p", scores)?;
         let ds_buf = self.scratch("grad_attention_ds", scores)?;
+        let (q_ld, kv_ld, s_ld) = (heads * d, kv_heads * d, heads * cap);
+        let f = std::mem::size_of::<f32>() as u64;
+        let (q_p, k_p, v_p, do_p) = (ptr(q)?, ptr(k_cache)?, ptr(v_cache)?, ptr(dout)?);
+        let (dq_p, dk_p, dv_p) = (ptr(dq)?, ptr(dk)?, ptr(dv)?);
+        let head = |base: u64, h: usize, width: usize| base + (h * width) as u64 * f;
+        let group = heads / kv_heads;
+        for h in 0..heads {
+            let g = h / group;
+            // Sᵀ[cap, n] = K_g[cap, d] · Q_hᵀ[d, n]; dPᵀ likewise from V and dO.
+            for (keys, rows, out) in [(k_p, q_p, s_buf), (v_p, do_p, ds_buf)] {
+                sgemm(
+                    self,
+                    (true, false),
+                    (cap, n, d),
+                    (head(keys, g, d), kv_ld),
+                    (head(rows, h, d), q_ld),
+                    0.0,
+                    (head(out, h, cap), s_ld),
+                )?;
+            }
+        }
         let i = |v: usize, what| to_i32(v, what).map(Arg::I32);
         let window = params.window.map_or(Ok(0), |w| to_i32(w, "window"))?;
         self.launch_rows(
-            "grad_attention_scores",
+            "grad_attention_rows",
             n * heads,
-            128,
+            256,
             &[
-                Arg::Ptr(ptr(q)?),
-                Arg::Ptr(ptr(k_cache)?),
-                Arg::Ptr(ptr(v_cache)?),
-                Arg::Ptr(ptr(dout)?),
-                Arg::Ptr(ptr(pos)?),
-                Arg::Ptr(p_buf),
+                Arg::Ptr(s_buf),
                 Arg::Ptr(ds_buf),
+                Arg::Ptr(ptr(pos)?),
                 i(heads, "heads")?,
-                i(kv_heads, "KV heads")?,
-                i(d, "head width")?,
                 i(cap, "capacity")?,
                 Arg::F32(params.scale),
                 Arg::F32(params.softcap.unwrap_or(0.0)),
                 Arg::I32(window),
             ],
         )?;
-        let threads = (d as u32).div_ceil(32) * 32;
-        self.launch_rows(
-            "grad_attention_dq",
-            n * heads,
-            threads,
-            &[
-                Arg::Ptr(ptr(k_cache)?),
-                Arg::Ptr(ds_buf),
-                Arg::Ptr(ptr(dq)?),
-                i(heads, "heads")?,
-                i(kv_heads, "KV heads")?,
-                i(d, "head width")?,
-                i(cap, "capacity")?,
-            ],
-        )?;
-        self.launch_rows(
-            "grad_attention_dkv",
-            cap * kv_heads,
-            threads,
-            &[
-                Arg::Ptr(ptr(q)?),
-                Arg::Ptr(ptr(dout)?),
-                Arg::Ptr(p_buf),
-                Arg::Ptr(ds_buf),
-                Arg::Ptr(ptr(dk)?),
-                Arg::Ptr(ptr(dv)?),
-                i(n, "tokens")?,
-                i(heads, "heads")?,
-                i(kv_heads, "KV heads")?,
-                i(d, "head width")?,
-                i(cap, "capacity")?,
-            ],
-        )
+        for h in 0..heads {
+            let g = h / group;
+            // dQ_hᵀ[d, n] += K_gᵀ[d, cap] · dS_hᵀ[cap, n].
+            sgemm(
+                self,
+                (false, false),
+                (d, n, cap),
+                (head(k_p, g, d), kv_ld),
+                (head(ds_buf, h, cap), s_ld),
+                1.0,
+                (head(dq_p, h, d), q_ld),
+            )?;
+            // dK_gᵀ[d, cap] += Q_hᵀ[d, n] · dS_h[n, cap]; dV_g from dO and P likewise.
+            // The heads of a group add into their KV head one after another.
+            for (rows, weights, out) in [(q_p, ds_buf, dk_p), (do_p, s_buf, dv_p)] {
+                sgemm(
+                    self,
+                    (false, true),
+                    (d, cap, n),
+                    (head(rows, h, d), q_ld),
+                    (head(weights, h, cap), s_ld),
+                    1.0,
+                    (head(out, g, d), kv_ld),
+                )?;
+            }
+        }
+        Ok(())
     }
 
     fn gated_backward(

@@ -252,104 +252,54 @@ extern "C" __global__ void grad_zero_rows(float* ddst, const int* pos, int rows,
     if (p >= 0 && p < dst_rows) ddst[(size_t)p * row_len + c] = 0.0f;
 }
 
-// A score after scale and softcap; *dcap is dz/draw.
-__device__ __forceinline__ float grad_score(const float* q, const float* k, int D, float scale,
-                                            float softcap, float* dcap) {
-    float s = 0.0f;
-    for (int d = 0; d < D; d++) s += q[d] * k[d];
-    s *= scale;
-    if (softcap > 0.0f) {
-        const float t = tanhf(s / softcap);
-        *dcap = 1.0f - t * t;
-        return softcap * t;
-    }
-    *dcap = 1.0f;
-    return s;
-}
-
-// Attention backward, pass 1: for query (i, h), the softmax p over its visible keys, recomputed
-// from q and k, and ds = p * (dO.v - sum_j p_j dO.v_j) * dz/draw * scale, written to P and DS
-// [n * heads, cap] (zeros for keys it does not see). Threads take keys in turn; each key's
-// dot products run over D in one thread.   Launch: grid (n * heads), block 128.
-extern "C" __global__ void grad_attention_scores(const float* q, const float* k, const float* v,
-                                                 const float* dout, const int* pos, float* P,
-                                                 float* DS, int heads, int kv_heads, int D,
-                                                 int cap, float scale, float softcap, int window) {
+// The softmax's backward over one row of scores, between the cuBLAS products of the
+// attention gradient (see grad.rs): for query (i, h), S holds the raw scores q.k of every
+// key and DS holds dO.v. With z = softcap(scale * s) over the keys it sees (the causal
+// limit pos[i] and the window), p = softmax(z), and ds = p * (dp - sum_j p_j dp_j) * dz/ds;
+// S and DS are overwritten in place with p and ds, zeros for keys it does not see (whose
+// scores are never read: the cache past the filled rows may hold anything).
+// Launch: grid (n * heads), block 256.
+extern "C" __global__ void grad_attention_rows(float* S, float* DS, const int* pos, int heads,
+                                               int cap, float scale, float softcap,
+                                               int window) {
     follow_previous();
     __shared__ float scratch[32];
-    const int row = blockIdx.x, i = row / heads, h = row % heads;
-    const int g = h / (heads / kv_heads);
-    const int p = pos[i];
+    const int row = blockIdx.x, i = row / heads;
+    const int p = min(pos[i], cap - 1);
     const int first = window > 0 ? max(0, p + 1 - window) : 0;
-    const float* qi = q + (size_t)row * D;
-    const float* doi = dout + (size_t)row * D;
-    float* Pr = P + (size_t)row * cap;
+    float* Sr = S + (size_t)row * cap;
     float* DSr = DS + (size_t)row * cap;
-    float dcap;
+    auto z_of = [&](int j, float* dz) {
+        const float s = Sr[j] * scale;
+        if (softcap > 0.0f) {
+            const float t = tanhf(s / softcap);
+            *dz = (1.0f - t * t) * scale;
+            return softcap * t;
+        }
+        *dz = scale;
+        return s;
+    };
+    float dz;
     float m = NEG_INF;
-    for (int j = first + threadIdx.x; j <= p; j += blockDim.x)
-        m = fmaxf(m, grad_score(qi, k + ((size_t)j * kv_heads + g) * D, D, scale, softcap, &dcap));
+    for (int j = first + threadIdx.x; j <= p; j += blockDim.x) m = fmaxf(m, z_of(j, &dz));
     m = block_max(m, scratch);
     float sum = 0.0f;
-    for (int j = first + threadIdx.x; j <= p; j += blockDim.x)
-        sum += expf(grad_score(qi, k + ((size_t)j * kv_heads + g) * D, D, scale, softcap, &dcap) - m);
+    for (int j = first + threadIdx.x; j <= p; j += blockDim.x) sum += expf(z_of(j, &dz) - m);
     const float lse = m + logf(block_sum(sum, scratch));
     float delta = 0.0f;
+    for (int j = first + threadIdx.x; j <= p; j += blockDim.x)
+        delta += expf(z_of(j, &dz) - lse) * DSr[j];
+    delta = block_sum(delta, scratch);
     for (int j = threadIdx.x; j < cap; j += blockDim.x) {
         if (j < first || j > p) {
-            Pr[j] = 0.0f;
+            Sr[j] = 0.0f;
             DSr[j] = 0.0f;
             continue;
         }
-        const float z = grad_score(qi, k + ((size_t)j * kv_heads + g) * D, D, scale, softcap, &dcap);
-        const float pj = expf(z - lse);
-        const float* vj = v + ((size_t)j * kv_heads + g) * D;
-        float dp = 0.0f;
-        for (int d = 0; d < D; d++) dp += doi[d] * vj[d];
-        Pr[j] = pj;
-        DSr[j] = dp;
-        delta += pj * dp;
+        const float pj = expf(z_of(j, &dz) - lse);
+        DSr[j] = pj * (DSr[j] - delta) * dz;
+        Sr[j] = pj;
     }
-    delta = block_sum(delta, scratch);
-    for (int j = first + threadIdx.x; j <= p; j += blockDim.x) {
-        grad_score(qi, k + ((size_t)j * kv_heads + g) * D, D, scale, softcap, &dcap);
-        DSr[j] = Pr[j] * (DSr[j] - delta) * dcap * scale;
-    }
-}
-
-// Pass 2: dq[i, h, d] += sum_j DS[i h, j] * k[j, g, d].   Launch: grid (n * heads), block D.
-extern "C" __global__ void grad_attention_dq(const float* k, const float* DS, float* dq,
-                                             int heads, int kv_heads, int D, int cap) {
-    follow_previous();
-    const int row = blockIdx.x, h = row % heads, g = h / (heads / kv_heads), d = threadIdx.x;
-    if (d >= D) return;
-    const float* ds = DS + (size_t)row * cap;
-    float s = 0.0f;
-    for (int j = 0; j < cap; j++) s += ds[j] * k[((size_t)j * kv_heads + g) * D + d];
-    dq[(size_t)row * D + d] += s;
-}
-
-// Pass 3: for key row j of KV head g, over every query and every head of the group,
-// dk += DS * q and dv += P * dO.   Launch: grid (cap * kv_heads), block D.
-extern "C" __global__ void grad_attention_dkv(const float* q, const float* dout, const float* P,
-                                              const float* DS, float* dk, float* dv, int n,
-                                              int heads, int kv_heads, int D, int cap) {
-    follow_previous();
-    const int j = blockIdx.x / kv_heads, g = blockIdx.x % kv_heads, d = threadIdx.x;
-    if (d >= D) return;
-    const int group = heads / kv_heads;
-    float sk = 0.0f, sv = 0.0f;
-    for (int i = 0; i < n; i++) {
-        for (int h = g * group; h < (g + 1) * group; h++) {
-            const size_t row = (size_t)i * heads + h;
-            const float ds = DS[row * cap + j], p = P[row * cap + j];
-            sk += ds * q[row * D + d];
-            sv += p * dout[row * D + d];
-        }
-    }
-    const size_t at = (size_t)blockIdx.x * D + d;
-    dk[at] += sk;
-    dv[at] += sv;
 }
 
 // Fused cross-entropy, one row of a block of logits z [rows, vocab] per block (z = h.W^T,
