@@ -45,8 +45,9 @@ fn the_default_model_runs_and_json_output_is_complete() {
         "SentencePiece prompts start with BOS"
     );
     assert!(v["timings"]["generation_tokens_per_s"].as_f64().unwrap() > 0.0);
-    // The model learned license texts; greedy text from this prompt reads like one.
-    assert!(v["text"].as_str().unwrap().contains("paragraph"), "{line}");
+    // The model learned license texts; greedy text from this prompt reads like one
+    // (" by You to the extent of the", from the model of 2026-11-25).
+    assert!(v["text"].as_str().unwrap().contains("to the extent"), "{line}");
     // Greedy is deterministic; a seed makes sampling reproducible.
     let again = kiln(&[
         "run",
@@ -84,13 +85,13 @@ fn stop_strings_end_generation() {
         "--temp",
         "0",
         "--stop",
-        "section",
+        "extent",
         "-o",
         "json",
     ]);
     let v: serde_json::Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
     assert_eq!(v["stop"], "stopstring");
-    assert!(!v["text"].as_str().unwrap().contains("section"));
+    assert_eq!(v["text"], " by You to the ");
 }
 
 #[test]
