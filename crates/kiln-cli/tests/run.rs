@@ -47,7 +47,10 @@ fn the_default_model_runs_and_json_output_is_complete() {
     assert!(v["timings"]["generation_tokens_per_s"].as_f64().unwrap() > 0.0);
     // The model learned license texts; greedy text from this prompt reads like one
     // (" by You to the extent of the", from the model of 2026-11-25).
-    assert!(v["text"].as_str().unwrap().contains("to the extent"), "{line}");
+    assert!(
+        v["text"].as_str().unwrap().contains("to the extent"),
+        "{line}"
+    );
     // Greedy is deterministic; a seed makes sampling reproducible.
     let again = kiln(&[
         "run",
