@@ -42,6 +42,14 @@ impl Blas {
         let handle = blas::create_handle().map_err(|e| Error::Device(format!("cuBLAS: {e:?}")))?;
         unsafe { blas::set_stream(handle, stream.cu_stream() as _) }
             .map_err(|e| Error::Device(format!("cuBLAS: {e:?}")))?;
+        // Opt-in, as PyTorch's `allow_tf32`: F32 products (F32 weights, and every product
+        // of training) on tensor cores with TF32 inputs (10-bit mantissas), F32 sums.
+        if std::env::var("KILN_CUDA_TF32").is_ok_and(|v| v.trim() == "1") {
+            let mode = blas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH;
+            unsafe { blas_sys::cublasSetMathMode(handle, mode) }
+                .result()
+                .map_err(|e| Error::Device(format!("cuBLAS TF32 math: {e:?}")))?;
+        }
         Ok(Blas {
             handle: Mutex::new(BlasHandle(handle)),
         })
