@@ -9,6 +9,7 @@ use crate::model_file::{self, DeviceChoice};
 use crate::train::{scratch_config, ScratchShape};
 use kiln_train::data::TextData;
 use kiln_train::init::scratch_start;
+use kiln_train::rng::Rng;
 use kiln_train::{Rule, Schedule, Settings, StepConfig, Trainer};
 use std::time::Instant;
 
@@ -58,17 +59,9 @@ pub fn run(opts: &TrainBench) -> CliResult<String> {
     let backend = model_file::backend(opts.device, opts.threads)?;
     let start = scratch_start(&config, true, 0.02, 0, &opts.shape, vec![])?;
     // Random ids: the speed does not depend on the text. Enough for a window a sequence.
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut ids = |n: usize| -> Vec<u32> {
-        (0..n)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                ((state >> 33) % vocab as u64) as u32
-            })
-            .collect()
-    };
+    let mut rng = Rng::new(0);
+    let mut ids =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(vocab as u64) as u32).collect() };
     let data = TextData {
         train: ids(4 * (opts.seq_len + 1)),
         held_out: ids(opts.seq_len + 1),
