@@ -18,6 +18,7 @@
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
 mod amx;
 mod attention;
+mod calibrate;
 pub mod dot;
 mod elementwise;
 #[cfg_attr(
@@ -48,6 +49,7 @@ mod qgemm;
 mod quantize;
 mod rope;
 mod storage;
+mod stream;
 
 use panels::Panels;
 use pool::Pool;
@@ -288,6 +290,14 @@ impl Backend for CpuBackend {
             }
             None => CpuStorage::from_host(data),
         };
+        // The first weight large enough for decode's prefetch distance to matter has the
+        // distance measured on this machine, before any of the model runs.
+        if want >= calibrate::FROM_BYTES {
+            let in_panels = matches!(storage, CpuStorage::Panels(_));
+            if let Some(kind) = calibrate::stream_of(dtype, in_panels) {
+                calibrate::ensure(&self.pool, kind);
+            }
+        }
         Ok(Tensor::from_storage(Box::new(storage), dtype, shape))
     }
 

@@ -283,7 +283,7 @@ pub(crate) fn matmul_q6k(
 mod x86 {
     use super::*;
     use crate::dot::k_quants::x86::{f16x2_times, hsum256, q4k_block_avx2, q6k_block_avx2};
-    use crate::gemv::prefetch;
+    use crate::stream::prefetch;
 
     /// `Σ` over the first `GROUP · (x.len() / GROUP)` blocks of `w[r] · x` for ROWS rows.
     ///

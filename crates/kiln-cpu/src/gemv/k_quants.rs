@@ -48,7 +48,7 @@ mod x86 {
     use super::*;
     use crate::dot::k_quants::unpack_q4k_scales;
     use crate::dot::k_quants::x86::{f16x2_times, q6k_block, q6k_scale_index};
-    use crate::gemv::prefetch;
+    use crate::stream::prefetch;
     use std::arch::x86_64::*;
 
     /// Prefetch every cache line of the block at `p`, [`ROWS`] rows on (`row_len` blocks

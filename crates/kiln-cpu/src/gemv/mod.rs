@@ -6,13 +6,14 @@
 //! - [`ROWS`] weight rows go through the loop together, so each piece of the activation
 //!   row is loaded (and anything derived from it computed) once for all of them;
 //! - work that depends only on the activation row is done once per call, not per row;
-//! - each load of a weight row is paired with a software prefetch of the same place
-//!   [`ROWS`] rows on, the rows the next group reads. Rows are a few KiB, too short for
-//!   the hardware prefetcher to ramp up on four interleaved streams, and requesting a whole
-//!   row up front (as `matmul::by_rows` does) fills the line-fill buffers and stalls the
-//!   core; one request per line consumed keeps a steady stream in flight. Which cache the
-//!   prefetches fill, and whether Q8_0 goes one row at a time instead, depends on the CPU
-//!   ([`Streaming`]).
+//! - each load of a weight row is paired with a software prefetch: of the same place
+//!   [`ROWS`] rows on, the rows the next group reads, or, where rows go one at a time, of
+//!   the place a measured distance ahead in the row's stream. Rows are a few KiB, too
+//!   short for the hardware prefetcher to ramp up on four interleaved streams, and
+//!   requesting a whole row up front (as `matmul::by_rows` does) fills the line-fill
+//!   buffers and stalls the core; one request per line consumed keeps a steady stream in
+//!   flight. Which cache the prefetches fill, whether float and Q8_0 rows go one at a
+//!   time, and the distance depend on the CPU ([`crate::stream`]).
 //!
 //! Formats: Q8_0/Q4_0 ([`q8_0`]), Q4_K/Q6_K ([`k_quants`]), F32/F16/BF16 ([`float`]); each
 //! hands over to [`avx2`] on CPUs without AVX-512 (`KILN_CPU_ISA=avx2` forces it). Q4_0
@@ -39,63 +40,6 @@ pub(crate) fn available() -> bool {
 /// ([`avx2`]); else `matmul` dots row by row.
 pub(crate) fn supported() -> bool {
     matches!(dot::isa(), Isa::Avx512Vnni | Isa::Avx2)
-}
-
-/// How decode's kernels stream weights from memory on this CPU, chosen once per process.
-///
-/// Measured on a 2-vCPU AMD EPYC (Zen 4), tinyllama-1.1b decode (BENCHMARKS.md, session
-/// 12): prefetches into L1 (as tuned on the Intel Xeon of sessions 1-8) kept too few lines
-/// in flight there, since an L1 prefetch holds one of the core's few L1 miss buffers until
-/// it lands; prefetches into L2 took Q4_K_M from 32 to 41 t/s, Q4_0 28 to 33, F16 13 to 14.5.
-/// Q8_0 went faster still one row at a time with no software prefetch at all (18 to 24 t/s):
-/// one sequential stream, which Zen 4's hardware prefetcher follows, while four interleaved
-/// streams of 2 KiB rows each end before it ramps up. (A plain read of 640 MB in groups of
-/// four 1,152-byte rows: 23 GB/s with no prefetch, 23 with L1 prefetches, 34 with L2 ones;
-/// one sequential stream: 33.) The Intel figures were measured with [`Streaming::INTEL`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Streaming {
-    /// Software prefetches fill L2 (else L1).
-    pub prefetch_to_l2: bool,
-    /// Q8_0 rows go through one at a time, without software prefetch.
-    pub q8_0_one_row: bool,
-}
-
-impl Streaming {
-    const INTEL: Streaming = Streaming {
-        prefetch_to_l2: false,
-        q8_0_one_row: false,
-    };
-    const AMD: Streaming = Streaming {
-        prefetch_to_l2: true,
-        q8_0_one_row: true,
-    };
-
-    /// This CPU's plan: by vendor, or `KILN_CPU_STREAMING=intel|amd` to run one vendor's
-    /// plan on the other's machine.
-    pub(crate) fn get() -> Streaming {
-        static PLAN: std::sync::OnceLock<Streaming> = std::sync::OnceLock::new();
-        *PLAN.get_or_init(|| match std::env::var("KILN_CPU_STREAMING").as_deref() {
-            Ok("amd") => Streaming::AMD,
-            Ok("intel") => Streaming::INTEL,
-            _ if cpu_is_amd() => Streaming::AMD,
-            _ => Streaming::INTEL,
-        })
-    }
-}
-
-/// Whether the CPU's vendor string is AMD's (or Hygon's, a Zen licensee).
-fn cpu_is_amd() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let id = std::arch::x86_64::__cpuid(0);
-        let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
-            .iter()
-            .flat_map(|r| r.to_le_bytes())
-            .collect();
-        vendor == b"AuthenticAMD" || vendor == b"HygonGenuine"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
 /// Fill `out[..m]` over the thread pool, `R` rows at a time: `group(rows)` returns the
@@ -152,23 +96,6 @@ fn by_groups_batched(
     for (r, row) in t.chunks_exact(n).enumerate() {
         for (i, &v) in row.iter().enumerate() {
             out[i * m + r] = v;
-        }
-    }
-}
-
-/// Ask for the cache line at `p` (any address: prefetches never fault), into the cache
-/// [`Streaming`] chose.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) fn prefetch<T>(p: *const T) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-    // SAFETY: a prefetch has no architectural effect and never faults; SSE is baseline on
-    // x86_64.
-    unsafe {
-        if Streaming::get().prefetch_to_l2 {
-            _mm_prefetch::<_MM_HINT_T1>(p as *const i8)
-        } else {
-            _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
         }
     }
 }

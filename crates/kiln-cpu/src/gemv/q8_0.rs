@@ -11,9 +11,10 @@
 //! gather and multiplied by the activation scales in one go, rather than broadcast
 //! pair by pair (which took more instructions than the dot product).
 
-use super::{available, avx2, by_groups, Streaming, ROWS};
+use super::{available, avx2, by_groups, ROWS};
 use crate::pool::Pool;
 use crate::qgemm::WeightBlock;
+use crate::stream::Plan;
 use kiln_core::quant::{BlockQ4_0, BlockQ8_0, QK};
 
 /// Blocks whose scales one gather fetches.
@@ -22,7 +23,8 @@ const GROUP: usize = 16;
 /// A weight block format the kernel unpacks two blocks at a time.
 pub(crate) trait PairBlock: WeightBlock {
     /// A quant takes a whole byte (Q8_0), not a nibble: twice the bytes for the same work,
-    /// so these rows are bound by memory and go one at a time where [`Streaming`] says so.
+    /// so these rows are bound by memory and go one at a time where the CPU's [`Plan`]
+    /// says so.
     const BYTE_QUANTS: bool;
     /// The 64 quants of `a` then `b` as unsigned bytes (`q + OFFSET`), byte `e` holding
     /// element [`Self::element`]`(e)` of the pair (b's elements are 32..64).
@@ -125,7 +127,8 @@ mod x86 {
 
     /// `Σ` over the first `GROUP · (pairs.len() / (GROUP/2))` blocks of `w[r] · x` for R
     /// rows. With more than one row, each load is paired with a prefetch of the next
-    /// group's rows; one row alone is a sequential stream left to the hardware prefetcher.
+    /// group's rows; one row alone is a sequential stream, prefetched
+    /// [`crate::stream::ahead`] bytes on (left to the hardware prefetcher when that is 0).
     ///
     /// # Safety
     /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
@@ -154,6 +157,7 @@ mod x86 {
                 _mm512_set1_epi32(size),
             );
             let mut acc = [_mm512_setzero_ps(); R];
+            let ahead = crate::stream::ahead(crate::stream::Stream::Quant);
             for g in 0..groups {
                 let dxg = _mm512_loadu_ps(dx.as_ptr().add(GROUP * g));
                 // Per row: the 16 blocks' scales times the activation blocks' scales.
@@ -171,7 +175,12 @@ mod x86 {
                         let (a, b) = (row.get_unchecked(2 * p), row.get_unchecked(2 * p + 1));
                         if R > 1 {
                             // The next group's rows (see the module docs of `gemv`).
-                            crate::gemv::prefetch((a as *const W).wrapping_add(R * row.len()));
+                            crate::stream::prefetch((a as *const W).wrapping_add(R * row.len()));
+                        } else if ahead > 0 {
+                            // A pair of blocks is 68 bytes: two requests cover its lines.
+                            let on = (a as *const W as *const u8).wrapping_add(ahead);
+                            crate::stream::prefetch(on);
+                            crate::stream::prefetch(on.wrapping_add(64));
                         }
                         let ia = _mm512_dpbusd_epi32(init, W::pair(a, b), xv);
                         let s = _mm512_permutexvar_ps(*idx, scale[r]);
@@ -200,7 +209,7 @@ pub(crate) fn matvec<W: PairBlock + avx2::Block>(
     }
     // Q4_0 keeps four rows even there: it is bound by unpacking nibbles, not by memory,
     // and sharing each activation load among four rows pays (measured 33 against 31 t/s).
-    if W::BYTE_QUANTS && Streaming::get().q8_0_one_row {
+    if W::BYTE_QUANTS && Plan::get().one_row {
         matvec_rows::<W, 1>(pool, w, x, out, m, k, dot)
     } else {
         matvec_rows::<W, ROWS>(pool, w, x, out, m, k, dot)

@@ -9,7 +9,7 @@
 //! rows' scales (one `vcvtph2ps`) times the activation block's scale.
 
 use super::{KXBlock, XBlock, P};
-use crate::gemv::prefetch;
+use crate::stream::{ahead, prefetch, Stream};
 use kiln_core::quant::{BlockQ8K, BlockQ8_0};
 use std::arch::x86_64::*;
 
@@ -21,13 +21,10 @@ const C: usize = 4;
 /// registers of Q4_0's (low and high nibbles sum apart).
 const KC: usize = 2;
 
-/// How far ahead of the loads decode's prefetches run, in bytes of the panel stream.
-const AHEAD: usize = 1024;
-
 /// Lanes of `H` half panels (starting at half `h0`) times `C` activation rows (each `nb`
 /// blocks of `x`, with their [`XBlock`]s): `out[i][h]` lane `r` is row `8(h0 + h) + r`
 /// of `panel` · activation row `i`. With `PREFETCH`, each chunk's line is requested
-/// [`AHEAD`] bytes on.
+/// [`ahead`] bytes on.
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available.
@@ -46,6 +43,7 @@ unsafe fn q4_0_tile<const C: usize, const H: usize, const PREFETCH: bool>(
     // asserted activation blocks (a 4-byte read at 4c or 16 + 4c inside a 32-byte `qs`).
     unsafe {
         let base = panel.as_ptr();
+        let distance = if PREFETCH { ahead(Stream::Quant) } else { 0 };
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); H]; C];
@@ -53,8 +51,8 @@ unsafe fn q4_0_tile<const C: usize, const H: usize, const PREFETCH: bool>(
             let q = base.add(32 * nb + 256 * b + 32 * h0);
             let mut s16 = [[_mm256_setzero_si256(); H]; C];
             for c in 0..4 {
-                if PREFETCH {
-                    prefetch(q.wrapping_add(64 * c + AHEAD));
+                if distance > 0 {
+                    prefetch(q.wrapping_add(64 * c + distance));
                 }
                 let mut lo = [_mm256_setzero_si256(); H];
                 let mut hi = [_mm256_setzero_si256(); H];
@@ -73,8 +71,8 @@ unsafe fn q4_0_tile<const C: usize, const H: usize, const PREFETCH: bool>(
                     }
                 }
             }
-            if PREFETCH && b % 2 == 0 {
-                prefetch(base.add(32 * b).wrapping_add(AHEAD / 8));
+            if distance > 0 && b % 2 == 0 {
+                prefetch(base.add(32 * b).wrapping_add(distance / 8));
             }
             let dw: [__m256; H] = std::array::from_fn(|h| {
                 _mm256_cvtph_ps(_mm_loadu_si128(base.add(32 * b + 16 * (h0 + h)) as *const _))
@@ -195,6 +193,7 @@ unsafe fn q4_k_tile<const C: usize, const H: usize, const PREFETCH: bool>(
     // asserted activation blocks (4-byte reads inside a 256-byte `qs`).
     unsafe {
         let base = panel.as_ptr();
+        let distance = if PREFETCH { ahead(Stream::Quant) } else { 0 };
         let low = _mm256_set1_epi8(0x0F);
         let six = _mm256_set1_epi8(0x3F);
         let top = _mm256_set1_epi8(0x30);
@@ -228,8 +227,8 @@ unsafe fn q4_k_tile<const C: usize, const H: usize, const PREFETCH: bool>(
                 let mut s16 = [[[_mm256_setzero_si256(); 2]; H]; C];
                 for t in 0..8 {
                     let c = 8 * j + t;
-                    if PREFETCH {
-                        prefetch(q.wrapping_add(64 * c + AHEAD));
+                    if distance > 0 {
+                        prefetch(q.wrapping_add(64 * c + distance));
                     }
                     let mut lo = [_mm256_setzero_si256(); H];
                     let mut hi = [_mm256_setzero_si256(); H];

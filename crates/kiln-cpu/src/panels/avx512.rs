@@ -9,19 +9,16 @@
 //! unpacked chunk for a register tile of [`C`] activation rows.
 
 use super::{KXBlock, XBlock, P};
-use crate::gemv::prefetch;
+use crate::stream::{ahead, prefetch, Stream};
 use kiln_core::quant::{BlockQ8K, BlockQ8_0};
 use std::arch::x86_64::*;
 
 /// Activation rows per register tile of the prompt kernel: 8 i32 and 8 f32 sums.
 const C: usize = 8;
 
-/// How far ahead of the loads decode's prefetches run, in bytes of the panel stream.
-const AHEAD: usize = 1024;
-
 /// The panel's 16 rows times `C` activation rows (each `nb` blocks of `x`, with their
 /// [`XBlock`]s): lane `r` of `out[i]` is row `r` · activation row `i`. With `PREFETCH`,
-/// each chunk's line is requested [`AHEAD`] bytes on.
+/// each chunk's line is requested [`ahead`] bytes on.
 ///
 /// # Safety
 /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
@@ -39,6 +36,7 @@ unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
     // asserted activation blocks (a 4-byte read at 4c or 16 + 4c inside a 32-byte `qs`).
     unsafe {
         let base = panel.as_ptr();
+        let distance = if PREFETCH { ahead(Stream::Quant) } else { 0 };
         let low = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
@@ -48,8 +46,8 @@ unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
                 std::array::from_fn(|i| _mm512_set1_epi32(xb[i].get_unchecked(b).corr));
             let mut hi_sum = [_mm512_setzero_si512(); C];
             for c in 0..4 {
-                if PREFETCH {
-                    prefetch(q.wrapping_add(64 * c + AHEAD));
+                if distance > 0 {
+                    prefetch(q.wrapping_add(64 * c + distance));
                 }
                 let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
                 let lo = _mm512_and_si512(v, low);
@@ -62,8 +60,8 @@ unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
                     hi_sum[i] = _mm512_dpbusd_epi32(hi_sum[i], hi, xh);
                 }
             }
-            if PREFETCH && b % 2 == 0 {
-                prefetch(base.add(32 * b).wrapping_add(AHEAD / 8));
+            if distance > 0 && b % 2 == 0 {
+                prefetch(base.add(32 * b).wrapping_add(distance / 8));
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(32 * b) as *const __m256i));
             for i in 0..C {
@@ -160,6 +158,7 @@ pub(super) unsafe fn q4_k_panel(
     // asserted activation blocks (4-byte reads inside a 256-byte `qs`).
     unsafe {
         let base = panel.as_ptr();
+        let distance = ahead(Stream::Quant);
         let low = _mm512_set1_epi8(0x0F);
         let six = _mm512_set1_epi8(0x3F);
         let top = _mm512_set1_epi8(0x30);
@@ -187,7 +186,9 @@ pub(super) unsafe fn q4_k_panel(
                 let (mut lo_sum, mut hi_sum) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                 for t in 0..8 {
                     let c = 8 * j + t;
-                    prefetch(q.wrapping_add(64 * c + AHEAD));
+                    if distance > 0 {
+                        prefetch(q.wrapping_add(64 * c + distance));
+                    }
                     let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
                     let lo = _mm512_and_si512(v, low);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);

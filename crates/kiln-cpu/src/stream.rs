@@ -1,0 +1,155 @@
+//! How decode's kernels stream weights from memory on this CPU: which cache software
+//! prefetches fill, whether float and Q8_0 rows go one at a time, and how far ahead of
+//! its loads a sequential stream prefetches.
+//!
+//! Decode reads every weight once per token, so its speed is the rate at which one core
+//! keeps enough cache lines in flight. What does that best differs between CPUs, and the
+//! figures here were measured, not derived (BENCHMARKS.md):
+//! - Intel Xeon (sessions 1-8, Sapphire Rapids in session 14): four rows read side by
+//!   side, prefetching into L1 the same place four rows on; panels 1 KiB ahead.
+//! - AMD Zen 4 (session 12): prefetches into L2 (an L1 prefetch holds one of the core's
+//!   few L1 miss buffers until it lands); Q8_0 one row at a time, one sequential stream.
+//! - AMD Zen 5 (session 15): one row at a time for floats too (F16 decode 14.6 → 17.0
+//!   t/s), and a stream prefetched 4-8 KiB ahead instead of 1 KiB (Q4_0 in panels 45 →
+//!   53 t/s, Q8_0 31 → 35, F16 21 → 24).
+//!
+//! The distance ahead is the quantity that depends most on the machine (bytes in flight
+//! = the rate a core consumes × the memory's latency), so it is measured on the machine
+//! itself at load ([`crate::calibrate`]); the vendor's plan gives the rest.
+
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::OnceLock;
+
+/// The vendor's part of the plan, chosen once per process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// Software prefetches fill L2 (else L1).
+    pub prefetch_to_l2: bool,
+    /// Float and Q8_0 rows go through decode one at a time, each a sequential stream
+    /// prefetched [`ahead`] bytes on (else four rows side by side, each prefetching the
+    /// same place four rows on).
+    pub one_row: bool,
+}
+
+impl Plan {
+    const INTEL: Plan = Plan {
+        prefetch_to_l2: false,
+        one_row: false,
+    };
+    const AMD: Plan = Plan {
+        prefetch_to_l2: true,
+        one_row: true,
+    };
+
+    /// This CPU's plan: by vendor, or `KILN_CPU_STREAMING=intel|amd` to run one vendor's
+    /// plan on the other's machine.
+    pub(crate) fn get() -> Plan {
+        static PLAN: OnceLock<Plan> = OnceLock::new();
+        *PLAN.get_or_init(|| match std::env::var("KILN_CPU_STREAMING").as_deref() {
+            Ok("amd") => Plan::AMD,
+            Ok("intel") => Plan::INTEL,
+            _ if cpu_is_amd() => Plan::AMD,
+            _ => Plan::INTEL,
+        })
+    }
+}
+
+/// Whether the CPU's vendor string is AMD's (or Hygon's, a Zen licensee).
+fn cpu_is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let id = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        vendor == b"AuthenticAMD" || vendor == b"HygonGenuine"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The two kinds of stream, which consume bytes at different rates and so want different
+/// distances: quantized weights (unpacking takes time per byte) and float weights (a
+/// conversion and an FMA per 16 weights: near the memory's own rate).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stream {
+    Quant,
+    Float,
+}
+
+impl Stream {
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The distance used until the machine has been measured: what was measured on the
+    /// vendor's machines (see the module docs).
+    fn default_ahead(self) -> usize {
+        match (Plan::get().one_row, self) {
+            (false, _) => 1024,
+            (true, Stream::Quant) => 4096,
+            (true, Stream::Float) => 8192,
+        }
+    }
+}
+
+/// `KILN_CPU_PREFETCH_AHEAD=BYTES`: every stream's distance, and no measuring.
+pub(crate) fn forced_ahead() -> Option<usize> {
+    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+    *FORCED.get_or_init(|| {
+        let v = std::env::var("KILN_CPU_PREFETCH_AHEAD").ok()?;
+        match v.trim().parse::<usize>() {
+            Ok(n) if n <= 1 << 20 => Some(n / 64 * 64),
+            _ => {
+                tracing::warn!(
+                    "KILN_CPU_PREFETCH_AHEAD={v:?} is not a byte count up to 1 MiB; ignored"
+                );
+                None
+            }
+        }
+    })
+}
+
+/// A distance not yet chosen.
+const UNSET: usize = usize::MAX;
+
+/// Each stream's distance, [`UNSET`] until first read.
+static AHEAD: [AtomicUsize; 2] = [AtomicUsize::new(UNSET), AtomicUsize::new(UNSET)];
+
+/// How many bytes ahead of its loads a sequential stream of `kind` prefetches; 0: none
+/// (the stream is left to the hardware prefetcher).
+#[inline(always)]
+pub(crate) fn ahead(kind: Stream) -> usize {
+    match AHEAD[kind.index()].load(Relaxed) {
+        UNSET => {
+            let a = forced_ahead().unwrap_or_else(|| kind.default_ahead());
+            AHEAD[kind.index()].store(a, Relaxed);
+            a
+        }
+        a => a,
+    }
+}
+
+/// Set `kind`'s distance (the measured one); prefetches have no architectural effect, so
+/// a kernel running meanwhile computes the same sums either way.
+pub(crate) fn set_ahead(kind: Stream, bytes: usize) {
+    AHEAD[kind.index()].store(bytes.min(1 << 20), Relaxed);
+}
+
+/// Ask for the cache line at `p` (any address: prefetches never fault), into the cache
+/// the [`Plan`] chose.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch<T>(p: *const T) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+    // SAFETY: a prefetch has no architectural effect and never faults; SSE is baseline on
+    // x86_64.
+    unsafe {
+        if Plan::get().prefetch_to_l2 {
+            _mm_prefetch::<_MM_HINT_T1>(p as *const i8)
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+        }
+    }
+}
