@@ -137,6 +137,42 @@ pub(crate) fn set_ahead(kind: Stream, bytes: usize) {
     AHEAD[kind.index()].store(bytes.min(1 << 20), Relaxed);
 }
 
+/// The software prefetches of one task's stream: [`ahead`] bytes before each load, and
+/// never at or past `reach` bytes from the stream's start, where the task's bytes end
+/// (what follows is another task's, usually read by another core: a prefetch there is
+/// bandwidth spent for nothing, up to a tenth of a short task's).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ahead {
+    pub distance: usize,
+    reach: usize,
+}
+
+impl Ahead {
+    /// No prefetches at all.
+    pub(crate) const NONE: Ahead = Ahead {
+        distance: 0,
+        reach: 0,
+    };
+
+    /// Prefetches for a stream of `kind` whose task owns `reach` bytes from its start.
+    pub(crate) fn new(kind: Stream, reach: usize) -> Ahead {
+        match ahead(kind) {
+            0 => Ahead::NONE,
+            distance => Ahead { distance, reach },
+        }
+    }
+
+    /// Ask for the line at `offset` bytes from the stream's start `base`, if the task owns
+    /// it.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(crate) fn fetch(self, base: *const u8, offset: usize) {
+        if offset < self.reach {
+            prefetch(base.wrapping_add(offset));
+        }
+    }
+}
+
 /// Ask for the cache line at `p` (any address: prefetches never fault), into the cache
 /// the [`Plan`] chose.
 #[cfg(target_arch = "x86_64")]

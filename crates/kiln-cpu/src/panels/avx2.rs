@@ -9,7 +9,7 @@
 //! rows' scales (one `vcvtph2ps`) times the activation block's scale.
 
 use super::{KXBlock, XBlock, P};
-use crate::stream::{ahead, prefetch, Stream};
+use crate::stream::Ahead;
 use kiln_core::quant::{BlockQ8K, BlockQ8_0};
 use std::arch::x86_64::*;
 
@@ -23,18 +23,19 @@ const KC: usize = 2;
 
 /// Lanes of `H` half panels (starting at half `h0`) times `C` activation rows (each `nb`
 /// blocks of `x`, with their [`XBlock`]s): `out[i][h]` lane `r` is row `8(h0 + h) + r`
-/// of `panel` · activation row `i`. With `PREFETCH`, each chunk's line is requested
-/// [`ahead`] bytes on.
+/// of `panel` · activation row `i`. Each chunk's line is requested `ahead.distance`
+/// bytes on (scales at an eighth of that), inside what `ahead` lets the task read.
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0_tile<const C: usize, const H: usize, const PREFETCH: bool>(
+unsafe fn q4_0_tile<const C: usize, const H: usize>(
     panel: &[u8],
     nb: usize,
     h0: usize,
     x: [&[BlockQ8_0]; C],
     xb: [&[XBlock]; C],
+    ahead: Ahead,
 ) -> [[[f32; 8]; H]; C] {
     assert!(panel.len() >= 288 * nb && h0 + H <= 2);
     assert!((0..C).all(|i| x[i].len() >= nb && xb[i].len() >= nb));
@@ -43,7 +44,6 @@ unsafe fn q4_0_tile<const C: usize, const H: usize, const PREFETCH: bool>(
     // asserted activation blocks (a 4-byte read at 4c or 16 + 4c inside a 32-byte `qs`).
     unsafe {
         let base = panel.as_ptr();
-        let distance = if PREFETCH { ahead(Stream::Quant) } else { 0 };
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); H]; C];
@@ -51,9 +51,7 @@ unsafe fn q4_0_tile<const C: usize, const H: usize, const PREFETCH: bool>(
             let q = base.add(32 * nb + 256 * b + 32 * h0);
             let mut s16 = [[_mm256_setzero_si256(); H]; C];
             for c in 0..4 {
-                if distance > 0 {
-                    prefetch(q.wrapping_add(64 * c + distance));
-                }
+                ahead.fetch(base, 32 * nb + 256 * b + 32 * h0 + 64 * c + ahead.distance);
                 let mut lo = [_mm256_setzero_si256(); H];
                 let mut hi = [_mm256_setzero_si256(); H];
                 for h in 0..H {
@@ -71,8 +69,8 @@ unsafe fn q4_0_tile<const C: usize, const H: usize, const PREFETCH: bool>(
                     }
                 }
             }
-            if distance > 0 && b % 2 == 0 {
-                prefetch(base.add(32 * b).wrapping_add(distance / 8));
+            if b % 2 == 0 {
+                ahead.fetch(base, 32 * b + ahead.distance / 8);
             }
             let dw: [__m256; H] = std::array::from_fn(|h| {
                 _mm256_cvtph_ps(_mm_loadu_si128(base.add(32 * b + 16 * (h0 + h)) as *const _))
@@ -107,9 +105,10 @@ pub(super) unsafe fn q4_0_panel(
     nb: usize,
     x: &[BlockQ8_0],
     xb: &[XBlock],
+    ahead: Ahead,
 ) -> [f32; P] {
     // SAFETY: the caller's guarantee is all the kernel needs.
-    let [[a, b]] = unsafe { q4_0_tile::<1, 2, true>(panel, nb, 0, [x], [xb]) };
+    let [[a, b]] = unsafe { q4_0_tile::<1, 2>(panel, nb, 0, [x], [xb], ahead) };
     std::array::from_fn(|r| if r < 8 { a[r] } else { b[r - 8] })
 }
 
@@ -133,12 +132,13 @@ pub(super) unsafe fn q4_0_rows(
             let rows: [usize; C] = std::array::from_fn(|j| (i0 + j).min(n - 1));
             // SAFETY: the caller's guarantee is all the kernel needs.
             let sums = unsafe {
-                q4_0_tile::<C, 1, false>(
+                q4_0_tile::<C, 1>(
                     panel,
                     nb,
                     h,
                     rows.map(|i| &x[i * nb..][..nb]),
                     rows.map(|i| &xb[i * nb..][..nb]),
+                    Ahead::NONE,
                 )
             };
             for (j, s) in sums.iter().enumerate().take(n - i0) {
@@ -179,12 +179,13 @@ const SCALE_PAIRS: [[u8; 32]; 4] = [
 /// # Safety
 /// AVX2, FMA and F16C must be available.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k_tile<const C: usize, const H: usize, const PREFETCH: bool>(
+unsafe fn q4_k_tile<const C: usize, const H: usize>(
     panel: &[u8],
     nb: usize,
     h0: usize,
     x: [&[BlockQ8K]; C],
     xb: [&[KXBlock]; C],
+    ahead: Ahead,
 ) -> [[[f32; 8]; H]; C] {
     assert!(panel.len() >= 2304 * nb && h0 + H <= 2);
     assert!((0..C).all(|i| x[i].len() >= nb && xb[i].len() >= nb));
@@ -193,7 +194,6 @@ unsafe fn q4_k_tile<const C: usize, const H: usize, const PREFETCH: bool>(
     // asserted activation blocks (4-byte reads inside a 256-byte `qs`).
     unsafe {
         let base = panel.as_ptr();
-        let distance = if PREFETCH { ahead(Stream::Quant) } else { 0 };
         let low = _mm256_set1_epi8(0x0F);
         let six = _mm256_set1_epi8(0x3F);
         let top = _mm256_set1_epi8(0x30);
@@ -220,16 +220,15 @@ unsafe fn q4_k_tile<const C: usize, const H: usize, const PREFETCH: bool>(
             });
             let mut isum = [[_mm256_setzero_si256(); H]; C];
             for j in 0..4 {
-                if PREFETCH {
-                    // The next super-block's headers, a line per group.
-                    prefetch(hdr.wrapping_add(256 + 64 * j));
-                }
+                // The next super-block's headers, a line per group.
+                ahead.fetch(base, 256 * (b + 1) + 64 * j);
                 let mut s16 = [[[_mm256_setzero_si256(); 2]; H]; C];
                 for t in 0..8 {
                     let c = 8 * j + t;
-                    if distance > 0 {
-                        prefetch(q.wrapping_add(64 * c + distance));
-                    }
+                    ahead.fetch(
+                        base,
+                        256 * nb + 2048 * b + 32 * h0 + 64 * c + ahead.distance,
+                    );
                     let mut lo = [_mm256_setzero_si256(); H];
                     let mut hi = [_mm256_setzero_si256(); H];
                     for h in 0..H {
@@ -312,9 +311,10 @@ pub(super) unsafe fn q4_k_panel(
     nb: usize,
     x: &[BlockQ8K],
     xb: &[KXBlock],
+    ahead: Ahead,
 ) -> [f32; P] {
     // SAFETY: the caller's guarantee is all the kernel needs.
-    let [[a, b]] = unsafe { q4_k_tile::<1, 2, true>(panel, nb, 0, [x], [xb]) };
+    let [[a, b]] = unsafe { q4_k_tile::<1, 2>(panel, nb, 0, [x], [xb], ahead) };
     std::array::from_fn(|r| if r < 8 { a[r] } else { b[r - 8] })
 }
 
@@ -335,12 +335,13 @@ pub(super) unsafe fn q4_k_rows(
             let rows: [usize; KC] = std::array::from_fn(|j| (i0 + j).min(n - 1));
             // SAFETY: the caller's guarantee is all the kernel needs.
             let sums = unsafe {
-                q4_k_tile::<KC, 1, false>(
+                q4_k_tile::<KC, 1>(
                     panel,
                     nb,
                     h,
                     rows.map(|i| &x[i * nb..][..nb]),
                     rows.map(|i| &xb[i * nb..][..nb]),
+                    Ahead::NONE,
                 )
             };
             for (j, s) in sums.iter().enumerate().take(n - i0) {

@@ -9,7 +9,7 @@
 //! unpacked chunk for a register tile of [`C`] activation rows.
 
 use super::{KXBlock, XBlock, P};
-use crate::stream::{ahead, prefetch, Stream};
+use crate::stream::Ahead;
 use kiln_core::quant::{BlockQ8K, BlockQ8_0};
 use std::arch::x86_64::*;
 
@@ -17,17 +17,19 @@ use std::arch::x86_64::*;
 const C: usize = 8;
 
 /// The panel's 16 rows times `C` activation rows (each `nb` blocks of `x`, with their
-/// [`XBlock`]s): lane `r` of `out[i]` is row `r` · activation row `i`. With `PREFETCH`,
-/// each chunk's line is requested [`ahead`] bytes on.
+/// [`XBlock`]s): lane `r` of `out[i]` is row `r` · activation row `i`. Each chunk's line
+/// is requested `ahead.distance` bytes on (scales at an eighth of that: they stream at an
+/// eighth of the quants' rate), inside what `ahead` lets the task read.
 ///
 /// # Safety
 /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
+unsafe fn q4_0_tile<const C: usize>(
     panel: &[u8],
     nb: usize,
     x: [&[BlockQ8_0]; C],
     xb: [&[XBlock]; C],
+    ahead: Ahead,
 ) -> [[f32; P]; C] {
     assert!(panel.len() >= 288 * nb);
     assert!((0..C).all(|i| x[i].len() >= nb && xb[i].len() >= nb));
@@ -36,7 +38,6 @@ unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
     // asserted activation blocks (a 4-byte read at 4c or 16 + 4c inside a 32-byte `qs`).
     unsafe {
         let base = panel.as_ptr();
-        let distance = if PREFETCH { ahead(Stream::Quant) } else { 0 };
         let low = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
@@ -46,9 +47,7 @@ unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
                 std::array::from_fn(|i| _mm512_set1_epi32(xb[i].get_unchecked(b).corr));
             let mut hi_sum = [_mm512_setzero_si512(); C];
             for c in 0..4 {
-                if distance > 0 {
-                    prefetch(q.wrapping_add(64 * c + distance));
-                }
+                ahead.fetch(base, 32 * nb + 256 * b + 64 * c + ahead.distance);
                 let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
                 let lo = _mm512_and_si512(v, low);
                 let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -60,8 +59,8 @@ unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
                     hi_sum[i] = _mm512_dpbusd_epi32(hi_sum[i], hi, xh);
                 }
             }
-            if distance > 0 && b % 2 == 0 {
-                prefetch(base.add(32 * b).wrapping_add(distance / 8));
+            if b % 2 == 0 {
+                ahead.fetch(base, 32 * b + ahead.distance / 8);
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(32 * b) as *const __m256i));
             for i in 0..C {
@@ -79,7 +78,7 @@ unsafe fn q4_0_tile<const C: usize, const PREFETCH: bool>(
 }
 
 /// Decode: panel · x for one activation row (`nb` blocks), prefetching ahead of the
-/// stream.
+/// stream as `ahead` says.
 ///
 /// # Safety
 /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
@@ -88,9 +87,10 @@ pub(super) unsafe fn q4_0_panel(
     nb: usize,
     x: &[BlockQ8_0],
     xb: &[XBlock],
+    ahead: Ahead,
 ) -> [f32; P] {
     // SAFETY: the caller's guarantee is all the kernel needs.
-    unsafe { q4_0_tile::<1, true>(panel, nb, [x], [xb])[0] }
+    unsafe { q4_0_tile::<1>(panel, nb, [x], [xb], ahead)[0] }
 }
 
 /// Prompts: `o[i]` = panel · activation row `i` for the `o.len()` rows of `x` (`nb`
@@ -111,11 +111,12 @@ pub(super) unsafe fn q4_0_rows(
         let rows: [usize; C] = std::array::from_fn(|j| (i0 + j).min(n - 1));
         // SAFETY: the caller's guarantee is all the kernel needs.
         let sums = unsafe {
-            q4_0_tile::<C, false>(
+            q4_0_tile::<C>(
                 panel,
                 nb,
                 rows.map(|i| &x[i * nb..][..nb]),
                 rows.map(|i| &xb[i * nb..][..nb]),
+                Ahead::NONE,
             )
         };
         o[i0..].iter_mut().zip(sums).for_each(|(o, s)| *o = s);
@@ -151,6 +152,7 @@ pub(super) unsafe fn q4_k_panel(
     nb: usize,
     x: &[BlockQ8K],
     xb: &[KXBlock],
+    ahead: Ahead,
 ) -> [f32; P] {
     assert!(panel.len() >= 2304 * nb && x.len() >= nb && xb.len() >= nb);
     // SAFETY: the features are enabled on this function; every pointer below addresses
@@ -158,7 +160,6 @@ pub(super) unsafe fn q4_k_panel(
     // asserted activation blocks (4-byte reads inside a 256-byte `qs`).
     unsafe {
         let base = panel.as_ptr();
-        let distance = ahead(Stream::Quant);
         let low = _mm512_set1_epi8(0x0F);
         let six = _mm512_set1_epi8(0x3F);
         let top = _mm512_set1_epi8(0x30);
@@ -182,13 +183,11 @@ pub(super) unsafe fn q4_k_panel(
             ];
             let mut isum = _mm512_setzero_si512();
             for j in 0..4 {
-                prefetch(hdr.wrapping_add(256 + 64 * j));
+                ahead.fetch(base, 256 * (b + 1) + 64 * j);
                 let (mut lo_sum, mut hi_sum) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                 for t in 0..8 {
                     let c = 8 * j + t;
-                    if distance > 0 {
-                        prefetch(q.wrapping_add(64 * c + distance));
-                    }
+                    ahead.fetch(base, 256 * nb + 2048 * b + 64 * c + ahead.distance);
                     let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
                     let lo = _mm512_and_si512(v, low);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);

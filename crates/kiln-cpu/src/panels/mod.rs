@@ -44,6 +44,7 @@ mod avx512;
 
 use crate::dot::{self, Isa};
 use crate::pool::Pool;
+use crate::stream::{Ahead, Stream};
 use kiln_core::quant::{BlockQ4K, BlockQ4_0, BlockQ8K, BlockQ8_0, QK, QK_K};
 use kiln_core::{DType, Error, Result};
 
@@ -353,19 +354,19 @@ fn matmul_q4_0_on(
     let xb = x_blocks(&x[..n * nb]);
     let x = &x[..n * nb];
     if n == 1 {
-        by_panels_one_row(pool, out, m, |p| {
+        by_panels_one_row(pool, w, out, |p, ahead| {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa` is available (checked above), with every feature its kernels
             // enable.
             unsafe {
                 if isa == Isa::Avx512Vnni {
-                    avx512::q4_0_panel(w.panel(p), nb, x, &xb)
+                    avx512::q4_0_panel(w.panel(p), nb, x, &xb, ahead)
                 } else {
-                    avx2::q4_0_panel(w.panel(p), nb, x, &xb)
+                    avx2::q4_0_panel(w.panel(p), nb, x, &xb, ahead)
                 }
             }
             #[cfg(not(target_arch = "x86_64"))]
-            unreachable!("panels are made on x86_64 only: {p}")
+            unreachable!("panels are made on x86_64 only: {p} {ahead:?}")
         });
         return Ok(());
     }
@@ -450,27 +451,27 @@ fn matmul_q4_k_on(
         }
     }
     let xb = k_x_blocks(x);
-    let one_row = |p: usize, i: usize| -> [f32; P] {
+    let one_row = |p: usize, i: usize, ahead: Ahead| -> [f32; P] {
         let (xi, xbi) = (&x[i * nb..][..nb], &xb[i * nb..][..nb]);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` is available (checked above), with every feature its kernels
         // enable.
         unsafe {
             if isa == Isa::Avx512Vnni {
-                avx512::q4_k_panel(w.panel(p), nb, xi, xbi)
+                avx512::q4_k_panel(w.panel(p), nb, xi, xbi, ahead)
             } else {
-                avx2::q4_k_panel(w.panel(p), nb, xi, xbi)
+                avx2::q4_k_panel(w.panel(p), nb, xi, xbi, ahead)
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!(
-            "panels are made on x86_64 only: {p} {} {}",
+            "panels are made on x86_64 only: {p} {} {} {ahead:?}",
             xi.len(),
             xbi.len()
         )
     };
     if n == 1 {
-        by_panels_one_row(pool, out, m, |p| one_row(p, 0));
+        by_panels_one_row(pool, w, out, |p, ahead| one_row(p, 0, ahead));
     } else if isa == Isa::Avx2 {
         by_panels(pool, out, n, m, |p, o| {
             #[cfg(target_arch = "x86_64")]
@@ -484,25 +485,30 @@ fn matmul_q4_k_on(
         by_panels(pool, out, n, m, |p, o| {
             o.iter_mut()
                 .enumerate()
-                .for_each(|(i, o)| *o = one_row(p, i))
+                .for_each(|(i, o)| *o = one_row(p, i, Ahead::NONE))
         });
     }
     Ok(())
 }
 
-/// Fill `out[..m]` panel by panel over the pool: `panel(p)` returns the products of panel
-/// `p`'s rows. Each task takes a run of consecutive panels: one stream through memory.
+/// Fill `out[..m]` of `w`'s rows panel by panel over the pool: `panel(p, ahead)` returns
+/// the products of panel `p`'s rows, prefetching as `ahead` says. Each task takes a run of
+/// consecutive panels: one stream through memory, prefetched up to the run's end.
 fn by_panels_one_row(
     pool: &Pool,
+    w: &Panels,
     out: &mut [f32],
-    m: usize,
-    panel: impl Fn(usize) -> [f32; P] + Sync,
+    panel: impl Fn(usize, Ahead) -> [f32; P] + Sync,
 ) {
+    let m = w.rows();
     // Enough rows per task to amortise scheduling, few enough to balance the pool.
     let per_task = (m / (pool.threads() * 8)).clamp(P, 64) / P;
+    let (panels, bytes) = (m.div_ceil(P), w.panel_bytes());
     pool.for_chunks_mut(&mut out[..m], per_task * P, |t, o| {
+        let end = ((t + 1) * per_task).min(panels);
         for (j, o) in o.chunks_mut(P).enumerate() {
-            let sums = panel(t * per_task + j);
+            let p = t * per_task + j;
+            let sums = panel(p, Ahead::new(Stream::Quant, (end - p) * bytes));
             o.copy_from_slice(&sums[..o.len()]);
         }
     });
