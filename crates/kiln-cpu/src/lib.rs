@@ -70,9 +70,9 @@ pub struct CpuBackend {
 }
 
 /// Whether weights go into panels unless `KILN_CPU_LAYOUT` says: on every CPU with panel
-/// kernels (AVX2, AVX-512). Measured faster in decode on AVX2 (Zen 3) and on AVX-512 with
-/// AMX (Sapphire Rapids, where the AVX-512 kernels and the AMX prompts passed their tests);
-/// not yet measured on AVX-512 without AMX (Zen 4): see BENCHMARKS.md.
+/// kernels (AVX2, AVX-512). Measured faster in decode on AVX2 (Zen 3), on AVX-512 with AMX
+/// (Sapphire Rapids, where the AVX-512 kernels and the AMX prompts passed their tests) and
+/// on AVX-512 without AMX (Zen 5); not on Zen 4: see BENCHMARKS.md.
 pub fn panels_by_default() -> bool {
     matches!(dot::isa(), dot::Isa::Avx2 | dot::Isa::Avx512Vnni)
 }
