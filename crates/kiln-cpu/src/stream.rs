@@ -142,6 +142,8 @@ pub(crate) fn set_ahead(kind: Stream, bytes: usize) {
 /// (what follows is another task's, usually read by another core: a prefetch there is
 /// bandwidth spent for nothing, up to a tenth of a short task's).
 #[derive(Clone, Copy, Debug)]
+// Read by the x86 kernels alone (prefetches are x86's here).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct Ahead {
     pub distance: usize,
     reach: usize,
