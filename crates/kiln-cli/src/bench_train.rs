@@ -80,6 +80,7 @@ pub fn run(opts: &TrainBench) -> CliResult<String> {
         },
         seed: 0,
         eval_windows: 1,
+        lora: None,
     };
     let mut t = Trainer::new(&start, data, settings, backend.clone())?;
     t.step()?;

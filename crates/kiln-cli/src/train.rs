@@ -1,5 +1,6 @@
 //! `kiln train`: train a model on text, from scratch (an architecture and size, the
-//! embedded model's tokenizer or another model's) or from a model file (full fine-tune),
+//! embedded model's tokenizer or another model's) or from a model file (full fine-tune,
+//! or LoRA adapters of chosen projections),
 //! with a progress bar, held-out loss every N steps, checkpoints that a crash cannot
 //! corrupt, and the model exported at the end. Everything goes into `--out`:
 //! `checkpoint.gguf` (the last complete checkpoint, itself a model `kiln run` loads),
@@ -13,7 +14,7 @@ use kiln_models::{Arch, Ffn, ModelConfig, Norm, Rope};
 use kiln_tokenizer::Tokenizer;
 use kiln_train::data::{self, HeldOut};
 use kiln_train::init;
-use kiln_train::{Rule, Schedule, Settings, StepConfig, StepReport, Trainer};
+use kiln_train::{LoraSettings, Rule, Schedule, Settings, StepConfig, StepReport, Trainer};
 use serde_json::json;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -56,6 +57,9 @@ const RUN_FLAGS: &[&str] = &[
     "clip",
     "seed",
     "eval_windows",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
 ];
 
 #[derive(clap::Args)]
@@ -73,10 +77,26 @@ pub struct TrainArgs {
     /// Go on from --out's checkpoint.gguf, with its settings (give the same --data).
     #[arg(long, conflicts_with_all = RUN_FLAGS)]
     pub resume: bool,
-    /// Fine-tune this model (a .gguf file or a Hugging Face directory; every weight is
-    /// trained, in F32) instead of starting from scratch.
+    /// Fine-tune this model (a .gguf file or a Hugging Face directory; in F32: every
+    /// weight is trained, or with --lora-rank low-rank updates of some) instead of starting
+    /// from scratch.
     #[arg(long, conflicts_with_all = ["arch", "dim", "layers", "heads", "kv_heads", "ffn", "context", "tokenizer", "init_std", "untied"])]
     pub from: Option<PathBuf>,
+    /// With --from: train LoRA adapters of this rank (the model's weights frozen); the
+    /// exported model has them merged in.
+    #[arg(long, requires = "from")]
+    pub lora_rank: Option<usize>,
+    /// LoRA: the updates are scaled by alpha / rank (default: twice the rank).
+    #[arg(long, requires = "lora_rank")]
+    pub lora_alpha: Option<f32>,
+    /// LoRA: the projections adapted in every layer, of q, k, v, o, gate, up, down.
+    #[arg(
+        long,
+        requires = "lora_rank",
+        value_delimiter = ',',
+        default_value = "q,k,v,o"
+    )]
+    pub lora_targets: Vec<String>,
     /// From scratch: llama or gpt2.
     #[arg(long, default_value = "llama")]
     pub arch: String,
@@ -532,6 +552,11 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
             optimizer,
             seed: a.seed,
             eval_windows: a.eval_windows,
+            lora: a.lora_rank.map(|rank| LoraSettings {
+                rank,
+                alpha: a.lora_alpha.unwrap_or(2.0 * rank as f32),
+                targets: a.lora_targets.clone(),
+            }),
         };
         Trainer::new(&start_file, text, settings, backend.clone())
     }
@@ -595,10 +620,17 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
     log.write(started.elapsed().as_secs_f64())?;
     if !quiet {
         eprintln!(
-            "wrote {} ({}, {} parameters){hf_note} and {}",
+            "wrote {} ({}, {}){hf_note} and {}",
             model_out.display(),
             a.export_type,
-            t.parameter_count(),
+            match &t.settings().lora {
+                Some(l) => format!(
+                    "LoRA of rank {} merged in: {} parameters trained",
+                    l.rank,
+                    t.parameter_count()
+                ),
+                None => format!("{} parameters", t.parameter_count()),
+            },
             ckpt.display()
         );
     }

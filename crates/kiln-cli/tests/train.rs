@@ -361,3 +361,73 @@ fn bad_flags_and_data_are_one_line_errors() {
     let o = kiln(&resume_nothing, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
 }
+
+#[test]
+fn a_lora_fine_tune_exports_a_merged_model_that_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().to_str().unwrap();
+    let lora = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--from",
+            "models/kiln-default.gguf",
+            "--data",
+            "tests/fixtures/ppl.txt",
+            "--out",
+            out,
+            "--seq-len",
+            "32",
+            "--batch",
+            "2",
+            "--steps",
+            "3",
+            "--eval-windows",
+            "2",
+            "-t",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        kiln(&args, &[])
+    };
+    let o = lora(&["--lora-rank", "4", "--lora-targets", "q,v,down"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("LoRA of rank 4 merged in"),
+        "{}",
+        stderr(&o)
+    );
+    let ckpt = GgufFile::open(dir.path().join("checkpoint.gguf")).unwrap();
+    assert!(ckpt.tensor("lora.blk.0.attn_v.weight.b").is_some());
+    assert!(ckpt.tensor("lora.blk.0.attn_k.weight.b").is_none());
+    let model = dir.path().join("model.gguf");
+    let run = kiln(
+        &[
+            "run",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "Permission is",
+            "-n",
+            "4",
+            "-t",
+            "2",
+        ],
+        &[],
+    );
+    assert!(run.status.success(), "{}", stderr(&run));
+    // Settings a run cannot take: one line, exit 2, naming the flag.
+    for (extra, want) in [
+        (&["--lora-rank", "0"][..], "--lora-rank 0"),
+        (
+            &["--lora-rank", "4", "--lora-targets", "qkv"][..],
+            "\"qkv\"",
+        ),
+        (&["--lora-alpha", "4"][..], "--lora-rank"),
+    ] {
+        let o = lora(extra);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{extra:?}: {err}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+    }
+}

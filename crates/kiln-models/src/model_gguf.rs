@@ -239,11 +239,24 @@ impl Model {
     /// llama.cpp's rope pairs, as `kiln convert` does. The caller adds the tokenizer's
     /// metadata (and anything else) and writes the file.
     pub fn to_gguf(&self, name: &str, dtype: DType) -> Result<GgufWriter> {
+        self.to_gguf_with(name, dtype, &|_, _| Ok(()))
+    }
+
+    /// [`Model::to_gguf`], each parameter's values (F32, the model's own layout) passed
+    /// through `adjust(name, values)` before they are written: how updates kept beside
+    /// the model (LoRA's) are merged into what is exported.
+    pub fn to_gguf_with(
+        &self,
+        name: &str,
+        dtype: DType,
+        adjust: &dyn Fn(&str, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<GgufWriter> {
         let c = &self.config;
         let (mut w, permute_qk) = writer(c, name)?;
         for (pname, t) in self.parameters() {
             let bytes = self.backend().download(t)?;
             let mut values = quant::dequantize_to_vec(t.dtype(), &bytes, t.shape().numel())?;
+            adjust(&pname, &mut values)?;
             let dims = t.dims();
             let heads = if pname.ends_with(".attn_q.weight") || pname.ends_with(".attn_q.bias") {
                 Some(c.n_heads)

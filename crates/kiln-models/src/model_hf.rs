@@ -62,6 +62,17 @@ impl Model {
         bos: Option<u32>,
         eos: Option<u32>,
     ) -> Result<Vec<(&'static str, Vec<u8>)>> {
+        self.to_hf_with(bos, eos, &|_, _| Ok(()))
+    }
+
+    /// [`Model::to_hf`], each parameter's values passed through `adjust` first (see
+    /// [`Model::to_gguf_with`]).
+    pub fn to_hf_with(
+        &self,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        adjust: &dyn Fn(&str, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<Vec<(&'static str, Vec<u8>)>> {
         let c = &self.config;
         let unsupported = |what: &str| {
             Err(Error::unsupported(format!(
@@ -91,6 +102,7 @@ impl Model {
             tied &= name != "output.weight";
             let bytes = self.backend().download(t)?;
             let mut values = quant::dequantize_to_vec(t.dtype(), &bytes, t.shape().numel())?;
+            adjust(&name, &mut values)?;
             let dims = t.dims().to_vec();
             let heads = match name.rsplit_once('.').map(|(n, _)| n) {
                 Some(n) if n.ends_with("attn_q") => Some(c.n_heads),

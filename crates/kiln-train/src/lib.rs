@@ -14,10 +14,12 @@ mod backward;
 pub mod checkpoint;
 pub mod data;
 pub mod init;
+pub mod lora;
 pub mod rng;
 mod tape;
 mod trainer;
 
 pub use kiln_optim::{LossScaling, Rule, Schedule, StepConfig};
+pub use lora::LoraSettings;
 pub use tape::Tape;
 pub use trainer::{Settings, StepReport, Trainer};

@@ -11,6 +11,7 @@
 //! Parameters (registered by the trainer) are never copied: backward is handed them.
 
 use crate::backward::{Backward, Node, Read, Saved, Written};
+use crate::lora::Adapter;
 use kiln_core::{
     AttentionParams, Backend, DType, Device, Error, GradOps, HostBytes, KernelTime, Result,
     RopeLayout, SampleParams, Shape, Storage, Tensor,
@@ -103,6 +104,16 @@ impl State {
 pub struct Tape {
     inner: Arc<dyn Backend>,
     state: Mutex<State>,
+    adapters: Mutex<Adapters>,
+}
+
+/// LoRA's updates of frozen weights (see [`crate::lora`]): every product with an adapted
+/// weight gains its update, as ops recorded like the model's.
+#[derive(Default)]
+pub(crate) struct Adapters {
+    pub list: Vec<Adapter>,
+    /// Weight buffer → its adapter in `list`.
+    by_weight: HashMap<usize, usize>,
 }
 
 impl Tape {
@@ -118,7 +129,55 @@ impl Tape {
         Ok(Tape {
             inner,
             state: Mutex::new(State::default()),
+            adapters: Mutex::new(Adapters::default()),
         })
+    }
+
+    /// Adapt `weights[i]` (the model's tensors) with `list[i]`: from now on each product
+    /// with one of them adds its adapter's update.
+    pub(crate) fn set_adapters(&self, list: Vec<Adapter>, weights: &[&Tensor]) -> Result<()> {
+        if list.len() != weights.len() {
+            return Err(Error::shape("set_adapters: one weight per adapter"));
+        }
+        let by_weight = weights
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (key(w), i))
+            .collect();
+        *self.adapters() = Adapters { list, by_weight };
+        Ok(())
+    }
+
+    pub(crate) fn adapters(&self) -> MutexGuard<'_, Adapters> {
+        self.adapters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `out = x · wᵀ`, recorded, without looking for an adapter.
+    fn matmul_recorded(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.record(|rec| {
+            let (xr, wr) = (rec.read(x), rec.read(w));
+            let (gx, gw) = (rec.needs(&xr), rec.needs(&wr));
+            let sx = match gw {
+                true => Some(rec.save(&xr, x)?),
+                false => None,
+            };
+            let sw = match gx {
+                true => Some(rec.save(&wr, w)?),
+                false => None,
+            };
+            let out = rec.write(out, gx || gw);
+            if gx || gw {
+                rec.push(Node::Matmul {
+                    x: xr,
+                    w: wr,
+                    sx,
+                    sw,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner.matmul(x, w, out)
     }
 
     /// The backend the ops run on.
@@ -439,30 +498,20 @@ impl Backend for Tape {
     }
 
     fn matmul(&self, x: &Tensor, w: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.record(|rec| {
-            let (xr, wr) = (rec.read(x), rec.read(w));
-            let (gx, gw) = (rec.needs(&xr), rec.needs(&wr));
-            let sx = match gw {
-                true => Some(rec.save(&xr, x)?),
-                false => None,
-            };
-            let sw = match gx {
-                true => Some(rec.save(&wr, w)?),
-                false => None,
-            };
-            let out = rec.write(out, gx || gw);
-            if gx || gw {
-                rec.push(Node::Matmul {
-                    x: xr,
-                    w: wr,
-                    sx,
-                    sw,
-                    out,
-                });
-            }
-            Ok(())
-        })?;
-        self.inner.matmul(x, w, out)
+        self.matmul_recorded(x, w, out)?;
+        let adapters = self.adapters();
+        let Some(&i) = adapters.by_weight.get(&key(w)) else {
+            return Ok(());
+        };
+        // out += scale · (x · Aᵀ) · Bᵀ, each step an op of the record.
+        let ad = &adapters.list[i];
+        let rank = ad.a.dims()[0];
+        let mut low = self.zeros(DType::F32, Shape::new(vec![x.shape().rows(), rank])?)?;
+        self.matmul_recorded(x, &ad.a, &mut low)?;
+        let mut update = self.zeros(DType::F32, out.shape().clone())?;
+        self.matmul_recorded(&low, &ad.b, &mut update)?;
+        self.scale(&mut update, ad.scale)?;
+        self.add_assign(out, &update)
     }
 
     fn embedding(&self, table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {

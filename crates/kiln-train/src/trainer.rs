@@ -14,9 +14,13 @@
 //! `batch × grad_accum` sequences run one after another and their gradients accumulate in
 //! the parameters' gradient buffers: `--batch` and `--grad-accum` differ only in name
 //! here. Activations are kept for one sequence at a time (no checkpointing of them yet).
+//!
+//! With LoRA ([`crate::lora`]) the trainable parameters, and so the flat buffers, are the
+//! adapters' matrices alone; the model's weights are registered frozen.
 
 use crate::checkpoint::{self, RunState};
 use crate::data::TextData;
+use crate::lora::{self, Adapter, LoraSettings};
 use crate::rng::Rng;
 use crate::tape::Tape;
 use kiln_core::{Backend, DType, Error, GradOps, Result, Shape, Tensor};
@@ -46,6 +50,10 @@ pub struct Settings {
     pub seed: u64,
     /// Held-out windows of `seq_len` tokens scored at most by one evaluation.
     pub eval_windows: usize,
+    /// Train low-rank updates of these projections instead of every weight (the model's
+    /// own weights frozen); `None`: every weight is trained.
+    #[serde(default)]
+    pub lora: Option<LoraSettings>,
 }
 
 /// What one step did.
@@ -150,22 +158,55 @@ impl Trainer {
                 )));
             }
         }
+        let adapters = match &settings.lora {
+            Some(l) => adapters_of(start, &model, l, inner.as_ref(), settings.seed)?,
+            None => Vec::new(),
+        };
+        // The trainable tensors, in the order of the flat buffers: the model's weights,
+        // or the adapters' A and B.
+        let trainable: Vec<(String, &Tensor)> = match settings.lora {
+            Some(_) => adapters
+                .iter()
+                .flat_map(|ad| {
+                    let (a, b) = Adapter::tensor_names(&ad.weight);
+                    [(a, &ad.a), (b, &ad.b)]
+                })
+                .collect(),
+            None => model.parameters(),
+        };
         let layout = ParamLayout::new(
-            model
-                .parameters()
-                .into_iter()
-                .map(|(name, t)| (name, t.dims().to_vec())),
+            trainable
+                .iter()
+                .map(|(name, t)| (name.clone(), t.dims().to_vec())),
         )?;
         let flat = Shape::new(vec![layout.numel()])?;
         let mut params = inner.zeros(DType::F32, flat.clone())?;
         let grad_ops = tape.grad_ops();
-        for ((_, t), e) in model.parameters().into_iter().zip(layout.entries()) {
+        for ((_, t), e) in trainable.iter().zip(layout.entries()) {
             grad_ops.copy_span(t, 0, &mut params, e.offset, e.len)?;
         }
+        drop(trainable);
         let grads = inner.zeros(DType::F32, flat)?;
         let opt = Optimizer::new(inner.as_ref(), layout, settings.optimizer)?;
-        let refs: Vec<&Tensor> = model.parameters().into_iter().map(|(_, t)| t).collect();
-        tape.set_parameters(&refs, &vec![true; refs.len()])?;
+        let mut refs: Vec<&Tensor> = model.parameters().into_iter().map(|(_, t)| t).collect();
+        let mut flags = vec![settings.lora.is_none(); refs.len()];
+        refs.extend(adapters.iter().flat_map(|ad| [&ad.a, &ad.b]));
+        flags.resize(refs.len(), true);
+        tape.set_parameters(&refs, &flags)?;
+        let params_of = model.parameters();
+        let adapted: Vec<&Tensor> = adapters
+            .iter()
+            .map(|ad| {
+                params_of
+                    .iter()
+                    .find(|(n, _)| *n == ad.weight)
+                    .map(|(_, t)| *t)
+                    .ok_or_else(|| Error::shape(format!("{} is not a parameter", ad.weight)))
+            })
+            .collect::<Result<_>>()?;
+        drop(refs);
+        tape.set_adapters(adapters, &adapted)?;
+        drop((adapted, params_of));
         let cache = model.new_cache(settings.seq_len, DType::F32)?;
         let carried = start
             .metadata
@@ -235,7 +276,9 @@ impl Trainer {
                 tape.cross_entropy(h, head, targets, softcap, scale)
             })?;
         if record {
-            let params = self.param_refs();
+            let adapters = self.tape.adapters();
+            let mut params = self.param_refs();
+            params.extend(adapters.list.iter().flat_map(|ad| [&ad.a, &ad.b]));
             self.tape.backward(&params)?;
         }
         Ok(losses.iter().map(|&l| l as f64).sum())
@@ -326,9 +369,34 @@ impl Trainer {
     fn write_params(&mut self) -> Result<()> {
         let grad_ops = self.tape.grad_ops();
         let entries = self.opt.layout().entries();
+        if self.settings.lora.is_some() {
+            let mut adapters = self.tape.adapters();
+            let targets = adapters
+                .list
+                .iter_mut()
+                .flat_map(|ad| [&mut ad.a, &mut ad.b]);
+            for (t, e) in targets.zip(entries) {
+                grad_ops.copy_span(&self.params, e.offset, t, 0, e.len)?;
+            }
+            return Ok(());
+        }
         for ((_, t), e) in self.model.parameters_mut().into_iter().zip(entries) {
             grad_ops.copy_span(&self.params, e.offset, t, 0, e.len)?;
         }
+        Ok(())
+    }
+
+    /// The model's weights with the adapters' updates merged: `w + scale · B · A` for each
+    /// adapted weight (in the model's layout), others unchanged.
+    fn merge_adapters(&self, name: &str, values: &mut Vec<f32>) -> Result<()> {
+        let adapters = self.tape.adapters();
+        let Some(ad) = adapters.list.iter().find(|ad| ad.weight == name) else {
+            return Ok(());
+        };
+        let inner = self.tape.inner().as_ref();
+        let (a, b) = (lora::download(inner, &ad.a)?, lora::download(inner, &ad.b)?);
+        let (m, k) = (ad.b.dims()[0], ad.a.dims()[1]);
+        *values = lora::merged(values, &a, &b, m, k, ad.scale);
         Ok(())
     }
 
@@ -355,13 +423,19 @@ impl Trainer {
         Ok(total.0 / total.1.max(1) as f64)
     }
 
-    /// The model as a GGUF writer with the start file's tokenizer and name.
-    fn model_gguf(&self, dtype: DType) -> Result<GgufWriter> {
+    /// The model as a GGUF writer with the start file's tokenizer and name; with `merge`,
+    /// the adapters' updates merged into its weights.
+    fn model_gguf(&self, dtype: DType, merge: bool) -> Result<GgufWriter> {
         let name = match self.carried.iter().find(|(k, _)| k == "general.name") {
             Some((_, Value::String(n))) => n.clone(),
             _ => "kiln-trained".into(),
         };
-        let mut w = self.model.to_gguf(&name, dtype)?;
+        let mut w = match merge {
+            true => self
+                .model
+                .to_gguf_with(&name, dtype, &|n, v| self.merge_adapters(n, v))?,
+            false => self.model.to_gguf(&name, dtype)?,
+        };
         for (k, v) in &self.carried {
             w.set(k, v.clone())?;
         }
@@ -374,7 +448,16 @@ impl Trainer {
     /// made a parameter non-finite.
     pub fn save_checkpoint(&self, path: &Path) -> Result<()> {
         self.check_not_broken()?;
-        let mut w = self.model_gguf(DType::F32)?;
+        // The model's own weights (frozen under LoRA) and each adapter's matrices apart,
+        // so that a resumed run goes on exactly.
+        let mut w = self.model_gguf(DType::F32, false)?;
+        for ad in &self.tape.adapters().list {
+            let (a, b) = Adapter::tensor_names(&ad.weight);
+            for (name, t) in [(a, &ad.a), (b, &ad.b)] {
+                let bytes = self.tape.inner().download(t)?;
+                w.add_tensor(&name, DType::F32, t.dims(), bytes)?;
+            }
+        }
         checkpoint::add_state(
             &mut w,
             &RunState {
@@ -398,7 +481,7 @@ impl Trainer {
     /// Write the model to `path` as GGUF, matrices as `dtype` (atomically).
     pub fn export_gguf(&self, path: &Path, dtype: DType) -> Result<()> {
         self.check_not_broken()?;
-        let w = self.model_gguf(dtype)?;
+        let w = self.model_gguf(dtype, true)?;
         kiln_io::file::write_replacing(path, |b| w.write_to(b))
     }
 
@@ -407,9 +490,11 @@ impl Trainer {
     /// atomically; llama and mistral models with SentencePiece vocabularies.
     pub fn export_hf(&self, dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
         self.check_not_broken()?;
-        let mut files = self
-            .model
-            .to_hf(tokenizer.bos_id(), tokenizer.eos_ids().first().copied())?;
+        let mut files = self.model.to_hf_with(
+            tokenizer.bos_id(),
+            tokenizer.eos_ids().first().copied(),
+            &|n, v| self.merge_adapters(n, v),
+        )?;
         files.extend(tokenizer.hf_files()?);
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir.display(), e))?;
         for (name, bytes) in files {
@@ -470,8 +555,46 @@ fn check_settings(s: &Settings, model: &Model, data: &TextData) -> Result<()> {
         ));
     }
     s.optimizer.validate()?;
+    if let Some(l) = &s.lora {
+        l.validate()?;
+    }
     if s.optimizer.loss_scaling.is_some() {
         return bad("loss scaling is for F16 gradients; kiln train computes in F32".to_string());
     }
     Ok(())
+}
+
+/// The adapters of a LoRA run: fresh ones (A drawn from a generator of the run's seed, B
+/// zero), with the matrices `start` holds under their checkpoint names put in their place
+/// (a resumed run, or a new one that starts from a LoRA checkpoint).
+fn adapters_of(
+    start: &GgufFile,
+    model: &Model,
+    l: &LoraSettings,
+    backend: &dyn Backend,
+    seed: u64,
+) -> Result<Vec<Adapter>> {
+    // Not the data's generator: a LoRA run draws the same windows as a full one.
+    let mut rng = Rng::new(seed ^ 0x104a_5eed);
+    let mut adapters = lora::fresh(model, l, backend, &mut rng)?;
+    let file = start.path.display();
+    for ad in &mut adapters {
+        let (a, b) = Adapter::tensor_names(&ad.weight);
+        for (name, t) in [(a, &mut ad.a), (b, &mut ad.b)] {
+            let Some(info) = start.tensor(&name) else {
+                continue;
+            };
+            let wrong = |what: String| Error::format(format!("{file}: {name}: {what}"));
+            let shape = info.shape()?;
+            if info.ggml_type.dtype() != Some(DType::F32) || shape.dims() != t.dims() {
+                return Err(wrong(format!(
+                    "{} {shape}, where the run's adapter is F32 {} (another --lora-rank?)",
+                    info.ggml_type,
+                    t.shape()
+                )));
+            }
+            backend.write(t, start.tensor_data(info))?;
+        }
+    }
+    Ok(adapters)
 }

@@ -10,7 +10,7 @@ use kiln_models::{Arch, Ffn, Logits, Model, ModelConfig, Norm, Rope};
 use kiln_tokenizer::Tokenizer;
 use kiln_train::data::{self, HeldOut, TextData};
 use kiln_train::init::scratch_start;
-use kiln_train::{Rule, Schedule, Settings, StepConfig, Trainer};
+use kiln_train::{LoraSettings, Rule, Schedule, Settings, StepConfig, Trainer};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -88,6 +88,7 @@ fn settings(steps: usize, lr: f64) -> Settings {
         },
         seed: 7,
         eval_windows: 8,
+        lora: None,
     }
 }
 
@@ -252,6 +253,166 @@ fn checkpoints_and_exports_load_as_models() {
         diff < 1e-4,
         "the Hugging Face export moved the logits by {diff}"
     );
+}
+
+fn lora_settings(steps: usize) -> Settings {
+    Settings {
+        lora: Some(LoraSettings {
+            rank: 4,
+            alpha: 8.0,
+            targets: ["q", "v", "gate", "down"].map(String::from).to_vec(),
+        }),
+        ..settings(steps, 3e-2)
+    }
+}
+
+/// The F32 values of `name` in a GGUF file.
+fn values(file: &GgufFile, name: &str) -> Vec<f32> {
+    let t = file
+        .tensor(name)
+        .unwrap_or_else(|| panic!("{name} missing"));
+    kiln_core::quant::dequantize_to_vec(
+        t.ggml_type.dtype().unwrap(),
+        file.tensor_data(t),
+        t.shape().unwrap().numel(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_lora_run_trains_its_adapters_alone_and_exports_them_merged() {
+    let dir = tempfile::tempdir().unwrap();
+    // A model that has learnt something first (LoRA adapts a trained model: on random
+    // tied embeddings no projection can move the logits far).
+    let mut pre = Trainer::new(&start(), text(), settings(40, 1e-2), cpu()).unwrap();
+    for _ in 0..40 {
+        pre.step().unwrap();
+    }
+    let pretrained = dir.path().join("pretrained.gguf");
+    pre.export_gguf(&pretrained, DType::F32).unwrap();
+    let start = GgufFile::open(&pretrained).unwrap();
+    // Then text it has not seen, which its adapters learn (the model's own weights, the
+    // tied embeddings and norms among them, stay as they are: a tiny model's logits
+    // cannot move far under LoRA, and the losses fall by tenths, not by units).
+    let new_text = dir.path().join("new.txt");
+    std::fs::write(
+        &new_text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(100),
+    )
+    .unwrap();
+    let tok = Tokenizer::from_gguf(&tokenizer_file()).unwrap();
+    let text = || data::load(&new_text, &HeldOut::Fraction(0.2), &tok).unwrap();
+    let mut t = Trainer::new(&start, text(), lora_settings(30), cpu()).unwrap();
+    // Two layers × four projections, A and B each.
+    let adapter_params: usize = 2 * (4 * (32 + 32) + 4 * (32 + 16) + 4 * (32 + 64) + 4 * (64 + 32));
+    assert_eq!(t.parameter_count(), adapter_params);
+    let held_before = t.held_out_loss().unwrap();
+    let losses: Vec<f64> = (0..30).map(|_| t.step().unwrap().loss).collect();
+    let held_after = t.held_out_loss().unwrap();
+    let (first, last) = (
+        losses[..4].iter().sum::<f64>() / 4.0,
+        losses[26..].iter().sum::<f64>() / 4.0,
+    );
+    eprintln!("LoRA: train {first:.3} -> {last:.3}, held-out {held_before:.3} -> {held_after:.3}");
+    assert!(last < first - 0.2, "training loss {first} -> {last}");
+    assert!(
+        held_after < held_before - 0.2,
+        "held-out {held_before} -> {held_after}"
+    );
+
+    // The checkpoint holds the model's own weights, unchanged, and the adapters apart.
+    let ckpt = dir.path().join("ckpt.gguf");
+    t.save_checkpoint(&ckpt).unwrap();
+    let ckpt = GgufFile::open(&ckpt).unwrap();
+    for info in &start.tensors {
+        assert_eq!(
+            values(&ckpt, &info.name),
+            values(&start, &info.name),
+            "{} changed under LoRA",
+            info.name
+        );
+    }
+    let a = values(&ckpt, "lora.blk.1.attn_v.weight.a");
+    let b = values(&ckpt, "lora.blk.1.attn_v.weight.b");
+    assert!(b.iter().any(|&v| v != 0.0), "B never left zero");
+
+    // The export merges them: an adapted weight is W + (alpha / r) B·A, the others are
+    // the start's, and a run of the exported model scores the held-out text as the
+    // adapted one did.
+    let out = dir.path().join("model.gguf");
+    t.export_gguf(&out, DType::F32).unwrap();
+    let exported = GgufFile::open(&out).unwrap();
+    let w = values(&start, "blk.1.attn_v.weight");
+    let (m, k, r) = (16, 32, 4);
+    let merged = values(&exported, "blk.1.attn_v.weight");
+    for i in 0..m {
+        for j in 0..k {
+            let delta: f64 = (0..r)
+                .map(|t| b[i * r + t] as f64 * a[t * k + j] as f64)
+                .sum();
+            let want = w[i * k + j] as f64 + 2.0 * delta;
+            assert!(
+                (merged[i * k + j] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "merged [{i}, {j}]: {} against {want}",
+                merged[i * k + j]
+            );
+        }
+    }
+    assert_eq!(
+        values(&exported, "blk.1.attn_k.weight"),
+        values(&start, "blk.1.attn_k.weight")
+    );
+    assert_ne!(merged, w);
+    let mut full = Trainer::new(&exported, text(), settings(1, 1e-2), cpu()).unwrap();
+    let held_merged = full.held_out_loss().unwrap();
+    assert!(
+        (held_merged - held_after).abs() <= 1e-5 * held_after,
+        "held-out loss {held_after} with the adapters, {held_merged} merged"
+    );
+}
+
+#[test]
+fn a_resumed_lora_run_equals_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("checkpoint.gguf");
+    let mut whole = Trainer::new(&start(), text(), lora_settings(6), cpu()).unwrap();
+    let whole_losses: Vec<f64> = (0..6).map(|_| whole.step().unwrap().loss).collect();
+    let mut first = Trainer::new(&start(), text(), lora_settings(6), cpu()).unwrap();
+    let mut losses: Vec<f64> = (0..3).map(|_| first.step().unwrap().loss).collect();
+    first.save_checkpoint(&ckpt).unwrap();
+    drop(first);
+    let mut second = Trainer::resume(&GgufFile::open(&ckpt).unwrap(), text(), cpu()).unwrap();
+    assert_eq!(second.settings().lora, lora_settings(6).lora);
+    losses.extend((0..3).map(|_| second.step().unwrap().loss));
+    assert_eq!(losses, whole_losses);
+    assert!(second.parameters_flat().unwrap() == whole.parameters_flat().unwrap());
+}
+
+#[test]
+fn lora_settings_that_cannot_work_are_refused() {
+    let refused = |l: LoraSettings| {
+        let s = Settings {
+            lora: Some(l),
+            ..settings(2, 1e-2)
+        };
+        Trainer::new(&start(), text(), s, cpu())
+            .err()
+            .expect("refused")
+            .to_string()
+    };
+    let l = lora_settings(2).lora.unwrap();
+    let msg = refused(LoraSettings {
+        rank: 33,
+        ..l.clone()
+    });
+    assert!(msg.contains("--lora-rank 33"), "{msg}");
+    let msg = refused(LoraSettings {
+        targets: vec!["qkv".into()],
+        ..l.clone()
+    });
+    assert!(msg.contains("qkv"), "{msg}");
+    let msg = refused(LoraSettings { rank: 0, ..l });
+    assert!(msg.contains("--lora-rank 0"), "{msg}");
 }
 
 #[test]
