@@ -418,10 +418,20 @@ fn lora_settings_that_cannot_work_are_refused() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_cuda_run_follows_the_cpu_run() {
+    cuda_follows_cpu(settings(12, 1e-2));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_cuda_lora_run_follows_the_cpu_run() {
+    cuda_follows_cpu(lora_settings(12));
+}
+
+fn cuda_follows_cpu(settings: Settings) {
     let cuda: Arc<dyn Backend> =
         Arc::new(kiln_cuda::CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA: {e}")));
-    let mut on_cpu = Trainer::new(&start(), text(), settings(12, 1e-2), cpu()).unwrap();
-    let mut on_gpu = Trainer::new(&start(), text(), settings(12, 1e-2), cuda).unwrap();
+    let mut on_cpu = Trainer::new(&start(), text(), settings.clone(), cpu()).unwrap();
+    let mut on_gpu = Trainer::new(&start(), text(), settings, cuda).unwrap();
     for step in 1..=12 {
         let (a, b) = (on_cpu.step().unwrap(), on_gpu.step().unwrap());
         eprintln!(
