@@ -1,17 +1,26 @@
 //! `kiln devices`: what kiln can run on here.
 
+use crate::console;
 use kiln_core::{Backend, Result};
 use kiln_cpu::CpuBackend;
+use std::fmt::Write;
 
 pub fn run() -> Result<()> {
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    macro_rules! say {
+        ($($arg:tt)*) => {{
+            let _ = writeln!(out, $($arg)*);
+        }};
+    }
     let cpu = CpuBackend::new(None)?;
-    println!("cpu: {}", cpu.describe());
+    say!("cpu: {}", cpu.describe());
     match kiln_cuda::devices() {
-        Ok(gpus) if gpus.is_empty() => println!("cuda: the NVIDIA driver sees no GPU"),
+        Ok(gpus) if gpus.is_empty() => say!("cuda: the NVIDIA driver sees no GPU"),
         Ok(gpus) => {
             for d in gpus {
                 const GIB: f64 = (1u64 << 30) as f64;
-                println!(
+                say!(
                     "cuda:{}: {}, compute capability {}.{}, {} SMs, {:.1} GiB total, {:.1} GiB free",
                     d.ordinal,
                     d.name,
@@ -21,7 +30,7 @@ pub fn run() -> Result<()> {
                     d.memory_total as f64 / GIB,
                     d.memory_free as f64 / GIB
                 );
-                println!(
+                say!(
                     "        driver {}, CUDA {}, NVRTC {}",
                     d.driver_release.as_deref().unwrap_or("(release unknown)"),
                     d.cuda_version,
@@ -31,14 +40,15 @@ pub fn run() -> Result<()> {
                 );
             }
         }
-        Err(e) => println!("cuda: unavailable ({e})"),
+        Err(e) => say!("cuda: unavailable ({e})"),
     }
     let adapters = kiln_wgpu::adapters();
     if adapters.is_empty() {
-        println!("wgpu: no Vulkan, Metal or DX12 adapter");
+        say!("wgpu: no Vulkan, Metal or DX12 adapter");
     }
     for a in adapters {
-        println!("{a}");
+        say!("{a}");
     }
+    console::stream(&mut std::io::stdout().lock(), &out);
     Ok(())
 }

@@ -190,7 +190,7 @@ fn bench(a: BenchArgs) -> CliResult {
             json: a.output == "json",
         })?
     };
-    print!("{text}");
+    console::stream(&mut std::io::stdout().lock(), &text);
     Ok(())
 }
 
@@ -210,6 +210,14 @@ fn clap_message(e: &clap::Error) -> String {
 }
 
 fn main() -> ExitCode {
+    // kiln picks its GPU itself. Mesa's implicit Vulkan layer that ranks GPUs by the
+    // desktop's display (VK_LAYER_MESA_device_select) connects to a Wayland display to do
+    // so, and prints "XDG_RUNTIME_DIR is invalid" on every adapter enumeration where none
+    // runs (a server, ssh, CI); it is turned off as its manifest allows, unless the user
+    // chose otherwise. First thing in main: no other thread reads the environment yet.
+    if std::env::var_os("NODEVICE_SELECT").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
     if std::env::args_os()
         .nth(1)
         .is_some_and(|a| a == chat_sandbox::CHILD_ARG)

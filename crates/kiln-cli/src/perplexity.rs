@@ -160,7 +160,8 @@ pub fn run(a: PerplexityArgs, quiet: bool) -> CliResult {
             start.elapsed().as_secs_f64()
         );
     }
-    println!("PPL = {:.6} +/- {:.6}", p.ppl, p.error);
+    let result = format!("PPL = {:.6} +/- {:.6}\n", p.ppl, p.error);
+    crate::console::stream(&mut std::io::stdout().lock(), &result);
     Ok(())
 }
 

@@ -477,3 +477,50 @@ fn sampling_settings_out_of_range_are_clear_errors() {
         );
     }
 }
+
+/// Where no desktop session runs (no XDG_RUNTIME_DIR: a server, ssh, a container), the
+/// probe of GPUs for `--device auto` prints nothing of Mesa's Vulkan layers, and a reader
+/// that closes stdout early (`| head`) ends no command with a panic.
+#[test]
+fn no_desktop_session_and_a_closed_stdout_leave_stderr_clean() {
+    let run = |args: &[&str], close_stdout: bool| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(args)
+            .current_dir(repo())
+            .env_remove("XDG_RUNTIME_DIR")
+            .env_remove("NODEVICE_SELECT")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        if close_stdout {
+            drop(child.stdout.take());
+        }
+        child.wait_with_output().unwrap()
+    };
+    for (args, close) in [
+        (&["run", "-p", "Permission is", "-n", "4"][..], false),
+        (&["devices"][..], false),
+        (
+            &[
+                "bench",
+                "-m",
+                "models/kiln-default.gguf",
+                "-p",
+                "8",
+                "-n",
+                "4",
+                "-r",
+                "1",
+            ][..],
+            true,
+        ),
+        (&["devices"][..], true),
+    ] {
+        let o = run(args, close);
+        let err = stderr(&o);
+        assert!(o.status.success(), "{args:?}: {err}");
+        assert!(!err.contains("XDG_RUNTIME_DIR"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
