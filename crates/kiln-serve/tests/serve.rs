@@ -454,6 +454,30 @@ async fn bad_requests_get_openai_errors() {
     let (status, e, _) = send(r#"{"prompt": "x", "model": "gpt-9"}"#, key).await;
     assert_eq!(status, 404);
     assert_eq!(e["error"]["code"], "model_not_found");
+    // A body past the server's limit: 413, as an error object (axum alone says it in
+    // plain text), on the tokenizer's endpoint too.
+    let huge = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(3 << 20));
+    let huge: &'static str = Box::leak(huge.into_boxed_str());
+    let (status, e, _) = send(huge, key).await;
+    assert_eq!(status, 413, "{e}");
+    assert_eq!(e["error"]["code"], "request_too_large", "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("2 MiB"),
+        "{e}"
+    );
+    let r = s
+        .client
+        .post(format!("{}/tokenize", s.url))
+        .bearer_auth("sesame")
+        .body(huge)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["error"]["code"],
+        "request_too_large"
+    );
     // Health and metrics need no key; the models list does.
     assert_eq!(s.get("/health").await.0, 200);
     assert_eq!(s.get("/v1/models").await.0, 401);

@@ -1,5 +1,6 @@
 //! Errors as OpenAI returns them: a status and `{"error": {message, type, param, code}}`.
 
+use axum::extract::rejection::BytesRejection;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -99,6 +100,32 @@ impl ApiError {
                 "code": self.code,
             }
         })
+    }
+}
+
+/// The largest request body the server reads (axum's default, stated: a prompt of the
+/// longest contexts served, as text or as token ids, is far below it).
+pub const MAX_BODY_BYTES: usize = 2 << 20;
+
+/// A body the server could not read (too large, cut off): the same error object as any
+/// other, where axum alone answers in plain text.
+impl From<BytesRejection> for ApiError {
+    fn from(r: BytesRejection) -> Self {
+        let status = r.status();
+        let too_large = status == StatusCode::PAYLOAD_TOO_LARGE;
+        let message = match too_large {
+            true => format!(
+                "the request body is larger than the server's limit of {} MiB",
+                MAX_BODY_BYTES >> 20
+            ),
+            false => format!("the request body could not be read: {}", r.body_text()),
+        };
+        ApiError {
+            status,
+            message,
+            param: None,
+            code: too_large.then_some("request_too_large"),
+        }
     }
 }
 

@@ -8,6 +8,7 @@ use super::{blocking, check_ids, stream, App};
 use crate::engine::sequence::{FinishReason, SeqEvent, TokenLogprob};
 use crate::engine::{QueueFull, Submission};
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -16,15 +17,18 @@ use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-pub async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
-    generate(app, body, Endpoint::Completions).await
+pub async fn completions(
+    State(app): State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    generate(app, body?, Endpoint::Completions).await
 }
 
 pub async fn chat_completions(
     State(app): State<Arc<App>>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    generate(app, body, Endpoint::Chat).await
+    generate(app, body?, Endpoint::Chat).await
 }
 
 /// What a response says besides its choices.

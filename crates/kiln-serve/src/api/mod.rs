@@ -8,7 +8,8 @@ mod stream;
 
 use crate::engine::Engine;
 use axum::body::Bytes;
-use axum::extract::{Request, State};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -122,6 +123,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .layer(DefaultBodyLimit::max(error::MAX_BODY_BYTES))
         .route_layer(middleware::from_fn_with_state(app.clone(), require_key));
     Router::new()
         .route("/health", get(health))
@@ -220,8 +222,11 @@ struct TokenizeRequest {
     add_special_tokens: Option<bool>,
 }
 
-async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
-    let req: TokenizeRequest = parse(&body)?;
+async fn tokenize(
+    State(app): State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: TokenizeRequest = parse(&body?)?;
     app.check_model(req.model.as_deref())?;
     let tokens = match (req.prompt, req.messages) {
         (Some(prompt), None) => {
@@ -251,8 +256,11 @@ struct DetokenizeRequest {
     tokens: Vec<u32>,
 }
 
-async fn detokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
-    let req: DetokenizeRequest = parse(&body)?;
+async fn detokenize(
+    State(app): State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: DetokenizeRequest = parse(&body?)?;
     app.check_model(req.model.as_deref())?;
     check_ids(&app.tokenizer, &req.tokens, "tokens")?;
     let text = app
