@@ -42,6 +42,40 @@ pub fn run() -> Result<()> {
         }
         Err(e) => say!("cuda: unavailable ({e})"),
     }
+    // Between GPUs: which pairs reach each other's memory, and how (what the all-reduce
+    // of several GPUs can use besides NCCL).
+    if let Ok(links) = kiln_cuda::peer_links() {
+        if links.len() > 1 {
+            say!("peer access (from row to column; NV: with native atomics, as over NVLink; the number is the driver's performance rank):");
+            let head: Vec<String> = (0..links.len())
+                .map(|j| format!("{:>8}", format!("cuda:{j}")))
+                .collect();
+            say!("        {}", head.join(""));
+            for (i, row) in links.iter().enumerate() {
+                let cells: Vec<String> = row
+                    .iter()
+                    .map(|l| {
+                        let cell = match l {
+                            None => "-".to_string(),
+                            Some(l) if !l.access => "no".to_string(),
+                            Some(l) if l.native_atomics => format!("NV {}", l.performance_rank),
+                            Some(l) => format!("yes {}", l.performance_rank),
+                        };
+                        format!("{cell:>8}")
+                    })
+                    .collect();
+                say!("{:>8}{}", format!("cuda:{i}"), cells.join(""));
+            }
+            say!(
+                "NCCL: {}",
+                if kiln_cuda::nccl_available() {
+                    "found"
+                } else {
+                    "not found (several GPUs need libnccl.so.2)"
+                }
+            );
+        }
+    }
     let adapters = kiln_wgpu::adapters();
     if adapters.is_empty() {
         say!("wgpu: no Vulkan, Metal or DX12 adapter");

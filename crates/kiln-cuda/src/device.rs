@@ -86,3 +86,49 @@ pub fn devices() -> Result<Vec<DeviceInfo>> {
     }
     Ok(out)
 }
+
+/// How GPU `from` reaches GPU `to`'s memory directly (peer to peer), as the driver says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerLink {
+    /// Loads and stores into the peer's memory work (NVLink or PCIe).
+    pub access: bool,
+    /// Atomics on the peer's memory are native (NVLink).
+    pub native_atomics: bool,
+    /// The driver's relative rank of the link's performance (0 is the best it has).
+    pub performance_rank: i32,
+}
+
+/// The peer-access matrix of every pair of GPUs: `[from][to]`, `None` on the diagonal.
+pub fn peer_links() -> Result<Vec<Vec<Option<PeerLink>>>> {
+    let count = device_count()?;
+    let devs: Vec<sys::CUdevice> = (0..count)
+        .map(|i| result::device::get(i as i32).map_err(driver_error))
+        .collect::<Result<_>>()?;
+    let p2p = |a: sys::CUdevice_P2PAttribute, from: sys::CUdevice, to: sys::CUdevice| {
+        let mut v = 0;
+        // SAFETY: `v` is written by the driver; both devices are valid handles.
+        unsafe { sys::cuDeviceGetP2PAttribute(&mut v, a, from, to) }
+            .result()
+            .map_err(driver_error)
+            .map(|()| v)
+    };
+    use sys::CUdevice_P2PAttribute::*;
+    let mut out = Vec::with_capacity(count);
+    for (i, &from) in devs.iter().enumerate() {
+        let mut row = Vec::with_capacity(count);
+        for (j, &to) in devs.iter().enumerate() {
+            row.push(if i == j {
+                None
+            } else {
+                Some(PeerLink {
+                    access: p2p(CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, from, to)? != 0,
+                    native_atomics: p2p(CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, from, to)?
+                        != 0,
+                    performance_rank: p2p(CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, from, to)?,
+                })
+            });
+        }
+        out.push(row);
+    }
+    Ok(out)
+}

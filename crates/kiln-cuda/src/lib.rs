@@ -8,6 +8,7 @@
 //! a machine without a driver or GPU.
 
 mod attention;
+mod collective;
 mod compile;
 mod device;
 mod elementwise;
@@ -19,8 +20,9 @@ mod norm;
 mod optim;
 mod sample;
 
+pub use collective::{nccl_available, Communicator, NcclId};
 pub use compile::CacheOutcome;
-pub use device::{devices, DeviceInfo};
+pub use device::{devices, peer_links, DeviceInfo, PeerLink};
 pub use memory::CudaStorage;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};

@@ -1,0 +1,150 @@
+//! Collectives between GPUs through NCCL, loaded at run time like CUDA's other libraries
+//! (a machine without it gets an error saying so, not a crash). A rank's communicator
+//! runs on its backend's stream, so a collective is ordered with the kernels around it
+//! as any op is.
+//!
+//! How the ranks agree on a communicator: one of them makes an [`NcclId`] and the others
+//! receive its 128 bytes (`kiln_dist::rendezvous` between processes or hosts, a copy
+//! between threads of one process); each then calls [`CudaBackend::communicator`] with its
+//! rank. NCCL's initialisation blocks until every rank has joined.
+
+use crate::{ptr, CudaBackend};
+use cudarc::nccl::{result as nccl, sys};
+use kiln_core::{DType, Error, Result, Tensor};
+
+/// Whether NCCL's library can be loaded here.
+pub fn nccl_available() -> bool {
+    // SAFETY: looking for a shared library by name has no other effect.
+    unsafe { sys::is_culib_present() }
+}
+
+fn unavailable() -> Error {
+    Error::Device(
+        "NCCL (libnccl.so.2) is not installed here: several GPUs need it (NVIDIA's nccl package, or pip's nvidia-nccl-cu13 with its lib folder on LD_LIBRARY_PATH)"
+            .into(),
+    )
+}
+
+fn nccl_error(what: &str, e: nccl::NcclError) -> Error {
+    Error::Device(format!("NCCL {what}: {e:?}"))
+}
+
+/// The identity of one communicator, made by one rank and handed to the others.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NcclId(pub [u8; 128]);
+
+impl NcclId {
+    pub fn new() -> Result<NcclId> {
+        if !nccl_available() {
+            return Err(unavailable());
+        }
+        let id = nccl::get_uniqueid().map_err(|e| nccl_error("unique id", e))?;
+        Ok(NcclId(id.internal.map(|c| c as u8)))
+    }
+
+    /// The id in bytes another rank sent; an error unless it is 128 of them.
+    pub fn from_bytes(bytes: &[u8]) -> Result<NcclId> {
+        let id: [u8; 128] = bytes
+            .try_into()
+            .map_err(|_| Error::format(format!("an NCCL id is 128 bytes, not {}", bytes.len())))?;
+        Ok(NcclId(id))
+    }
+}
+
+/// One rank's end of a communicator, on one backend's stream.
+pub struct Communicator {
+    comm: sys::ncclComm_t,
+    stream: sys::cudaStream_t,
+    ordinal: usize,
+    pub rank: usize,
+    pub world: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time; kiln
+// calls it from the thread that owns the rank's backend.
+unsafe impl Send for Communicator {}
+
+impl CudaBackend {
+    /// Join communicator `id` as `rank` of `world`: blocks until every rank has joined.
+    pub fn communicator(&self, id: &NcclId, rank: usize, world: usize) -> Result<Communicator> {
+        if !nccl_available() {
+            return Err(unavailable());
+        }
+        if rank >= world {
+            return Err(Error::shape(format!("rank {rank} of {world}")));
+        }
+        let (n, r) = (
+            i32::try_from(world).map_err(|_| Error::shape("world size"))?,
+            i32::try_from(rank).map_err(|_| Error::shape("rank"))?,
+        );
+        self.ctx.bind_to_thread().map_err(crate::driver_error)?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        let uid = sys::ncclUniqueId {
+            internal: id.0.map(|b| b as std::ffi::c_char),
+        };
+        // SAFETY: `comm` is written by NCCL before it is read; the id is 128 bytes; the
+        // calling thread's current device is this backend's (`bind`).
+        let comm = unsafe {
+            nccl::comm_init_rank(comm.as_mut_ptr(), n, uid, r)
+                .map_err(|e| nccl_error(&format!("rank {rank} of {world} joining"), e))?;
+            comm.assume_init()
+        };
+        Ok(Communicator {
+            comm,
+            stream: self.stream.cu_stream() as sys::cudaStream_t,
+            ordinal: self.ordinal,
+            rank,
+            world,
+        })
+    }
+}
+
+impl Communicator {
+    /// `t` becomes the sum of every rank's `t`, elementwise, in place (F32, F16 or BF16):
+    /// queued on the stream like any op.
+    pub fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
+        let ty = match t.dtype() {
+            DType::F32 => sys::ncclDataType_t::ncclFloat32,
+            DType::F16 => sys::ncclDataType_t::ncclFloat16,
+            DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+            other => {
+                return Err(Error::unsupported(format!(
+                    "all-reduce of {other} tensors (F32, F16, BF16)"
+                )))
+            }
+        };
+        if t.device() != kiln_core::Device::Cuda(self.ordinal) {
+            return Err(Error::Device(format!(
+                "rank {}'s communicator is on cuda:{}, the tensor on {}",
+                self.rank,
+                self.ordinal,
+                t.device()
+            )));
+        }
+        let p = ptr(t)? as *mut std::ffi::c_void;
+        // SAFETY: `p` addresses the tensor's `numel` elements of `ty` on this rank's
+        // device; the tensor is borrowed mutably, and the stream orders the reduction
+        // after the ops that wrote it and before those that read it.
+        unsafe {
+            nccl::all_reduce(
+                p,
+                p,
+                t.shape().numel(),
+                ty,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.stream,
+            )
+        }
+        .map_err(|e| nccl_error(&format!("all-reduce on rank {}", self.rank), e))?;
+        Ok(())
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // SAFETY: the communicator is not used after this; abort (unlike destroy) does not
+        // wait for the other ranks, so a rank that fails does not hang on the others.
+        let _ = unsafe { nccl::comm_abort(self.comm) };
+    }
+}

@@ -1,0 +1,119 @@
+//! NCCL through the CUDA backend: one rank (any GPU machine), and a rank on every GPU of
+//! the machine, each on its own thread as a tensor-parallel run would have them, summing
+//! tensors of decode's and of training's sizes; the sums against the exact ones, and the
+//! time per all-reduce printed (`--nocapture`).
+
+use kiln_core::{quant, Backend, DType, HostBytes, Shape, Tensor};
+use kiln_cuda::{CudaBackend, NcclId};
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+fn upload(b: &CudaBackend, dtype: DType, values: &[f32]) -> Tensor {
+    b.upload(
+        dtype,
+        Shape::new(vec![1, values.len()]).unwrap(),
+        HostBytes::from_vec(quant::quantize(dtype, values).unwrap()),
+    )
+    .unwrap()
+}
+
+fn download(b: &CudaBackend, t: &Tensor) -> Vec<f32> {
+    quant::dequantize_to_vec(t.dtype(), &b.download(t).unwrap(), t.shape().numel()).unwrap()
+}
+
+/// Rank `r`'s value at element `i`: small integers, so that every partial sum is exact in
+/// f32 and bf16 alike, whatever order NCCL adds them in.
+fn value(r: usize, i: usize) -> f32 {
+    ((r * 7 + i * 3) % 13) as f32 - 6.0
+}
+
+#[test]
+fn an_id_is_128_bytes() {
+    assert!(NcclId::from_bytes(&[0u8; 128]).is_ok());
+    let err = NcclId::from_bytes(&[0u8; 12]).unwrap_err().to_string();
+    assert!(err.contains("128 bytes, not 12"), "{err}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn one_rank_all_reduce_is_the_identity() {
+    let b = CudaBackend::new(0).unwrap();
+    if !kiln_cuda::nccl_available() {
+        panic!("NCCL is not installed on this GPU machine");
+    }
+    let comm = b.communicator(&NcclId::new().unwrap(), 0, 1).unwrap();
+    let values: Vec<f32> = (0..1000).map(|i| value(0, i)).collect();
+    let mut t = upload(&b, DType::F32, &values);
+    comm.all_reduce_sum(&mut t).unwrap();
+    assert_eq!(download(&b, &t), values);
+    // What a collective cannot take is an error, not a crash.
+    let mut q = b
+        .upload(
+            DType::Q8_0,
+            Shape::new(vec![1, 32]).unwrap(),
+            HostBytes::from_vec(quant::quantize(DType::Q8_0, &[1.0; 32]).unwrap()),
+        )
+        .unwrap();
+    assert!(comm.all_reduce_sum(&mut q).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_rank_on_every_gpu_sums_its_tensors() {
+    let gpus = kiln_cuda::devices().unwrap().len();
+    if gpus < 2 {
+        eprintln!("SKIPPED: one GPU here; the all-reduce between GPUs needs two or more");
+        return;
+    }
+    let id = NcclId::new().unwrap();
+    let barrier = Arc::new(Barrier::new(gpus));
+    let threads: Vec<_> = (0..gpus)
+        .map(|rank| {
+            let (id, barrier) = (id.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let b = CudaBackend::new(rank).unwrap();
+                let comm = b.communicator(&id, rank, gpus).unwrap();
+                let mut lines = Vec::new();
+                // A decode step's hidden state (4096 or 8192 values), training's buckets.
+                for (dtype, n) in [
+                    (DType::F32, 4096),
+                    (DType::BF16, 8192),
+                    (DType::F32, 256 << 10),
+                    (DType::BF16, 4 << 20),
+                    (DType::F32, 16 << 20),
+                ] {
+                    let mine: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
+                    let mut t = upload(&b, dtype, &mine);
+                    comm.all_reduce_sum(&mut t).unwrap();
+                    let got = download(&b, &t);
+                    for (i, &g) in got.iter().enumerate() {
+                        let want: f32 = (0..gpus).map(|r| value(r, i)).sum();
+                        assert_eq!(g, want, "rank {rank}, {dtype} × {n}, element {i}");
+                    }
+                    // Time: the same reduction, 20 in a row, after a barrier.
+                    barrier.wait();
+                    b.synchronize().unwrap();
+                    let started = Instant::now();
+                    for _ in 0..20 {
+                        comm.all_reduce_sum(&mut t).unwrap();
+                    }
+                    b.synchronize().unwrap();
+                    let us = started.elapsed().as_secs_f64() * 1e6 / 20.0;
+                    let bytes = n * if dtype == DType::F32 { 4 } else { 2 };
+                    lines.push(format!(
+                        "rank {rank}: {dtype} × {n} ({} KiB): {us:.1} µs, bus {:.1} GB/s",
+                        bytes >> 10,
+                        // NCCL's bus bandwidth: 2(n-1)/n of the bytes cross each link.
+                        bytes as f64 * 2.0 * (gpus - 1) as f64 / gpus as f64 / us / 1e3
+                    ));
+                }
+                lines
+            })
+        })
+        .collect();
+    for t in threads {
+        for line in t.join().expect("a rank panicked") {
+            println!("{line}");
+        }
+    }
+}
