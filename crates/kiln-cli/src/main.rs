@@ -4,6 +4,7 @@ mod bench;
 mod bench_model;
 mod bench_optim;
 mod bench_serve;
+mod bench_tp;
 mod bench_train;
 mod chat_sandbox;
 mod console;
@@ -113,6 +114,10 @@ struct BenchArgs {
     /// Output: md (a table) or json (an array of rows).
     #[arg(short = 'o', long, default_value = "md")]
     output: String,
+    /// Split the model over this many GPUs of this machine (tensor parallelism through
+    /// NCCL; the LLaMA family, -m GGUF or --synthetic, pp and tg tests).
+    #[arg(long, conflicts_with_all = ["kernels", "optimizer", "train"])]
+    tp: Option<usize>,
     /// Time the CPU matrix-vector kernels instead (GB/s per dtype beside memory bandwidth).
     #[arg(long)]
     kernels: bool,
@@ -146,7 +151,18 @@ fn bench(a: BenchArgs) -> CliResult {
             a.output
         )));
     }
-    let text = if let Some(shape) = a.train {
+    let text = if let Some(tp) = a.tp {
+        bench_tp::run(&bench_tp::TpBench {
+            tp,
+            model: a.model,
+            synthetic: a.synthetic,
+            ty: a.ty,
+            prompt: a.prompt,
+            gen: a.gen,
+            reps: usize::from(a.reps),
+            kv_type: a.kv_type,
+        })?
+    } else if let Some(shape) = a.train {
         bench_train::run(&bench_train::TrainBench {
             shape,
             device: a.device,

@@ -6,6 +6,7 @@
 //! implements and every model is written against.
 
 pub mod backend;
+pub mod collective;
 pub mod device;
 pub mod disk_cache;
 pub mod dtype;
@@ -20,6 +21,7 @@ pub mod tensor;
 pub use backend::{
     to_device, AttentionParams, Backend, KernelTime, Pages, Replay, RmsNorm, RopeLayout,
 };
+pub use collective::Collective;
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -61,6 +61,22 @@ impl HostBytes {
         &(*self.owner).as_ref()[self.range.clone()]
     }
 
+    /// Bytes `range` of these (relative to their start), sharing the owner: a part of a
+    /// mapped tensor without a copy. An error if `range` reaches past them.
+    pub fn slice(&self, range: Range<usize>) -> Result<HostBytes> {
+        if range.start > range.end || range.end > self.len() {
+            return Err(Error::format(format!(
+                "byte range {range:?} is outside {} bytes",
+                self.len()
+            )));
+        }
+        Ok(HostBytes {
+            owner: self.owner.clone(),
+            range: self.range.start + range.start..self.range.start + range.end,
+            release: self.release,
+        })
+    }
+
     pub fn len(&self) -> usize {
         self.range.len()
     }

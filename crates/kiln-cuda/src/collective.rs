@@ -10,7 +10,8 @@
 
 use crate::{ptr, CudaBackend};
 use cudarc::nccl::{result as nccl, sys};
-use kiln_core::{DType, Error, Result, Tensor};
+use kiln_core::{Collective, DType, Error, Result, Tensor};
+use std::sync::Mutex;
 
 /// Whether NCCL's library can be loaded here.
 pub fn nccl_available() -> bool {
@@ -56,13 +57,16 @@ pub struct Communicator {
     comm: sys::ncclComm_t,
     stream: sys::cudaStream_t,
     ordinal: usize,
-    pub rank: usize,
-    pub world: usize,
+    rank: usize,
+    world: usize,
+    /// One NCCL call at a time on this communicator.
+    calls: Mutex<()>,
 }
 
-// SAFETY: an NCCL communicator may be used from any thread, one call at a time; kiln
-// calls it from the thread that owns the rank's backend.
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time: `calls`
+// serialises them.
 unsafe impl Send for Communicator {}
+unsafe impl Sync for Communicator {}
 
 impl CudaBackend {
     /// Join communicator `id` as `rank` of `world`: blocks until every rank has joined.
@@ -95,14 +99,23 @@ impl CudaBackend {
             ordinal: self.ordinal,
             rank,
             world,
+            calls: Mutex::new(()),
         })
     }
 }
 
-impl Communicator {
+impl Collective for Communicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
     /// `t` becomes the sum of every rank's `t`, elementwise, in place (F32, F16 or BF16):
     /// queued on the stream like any op.
-    pub fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
+    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
         let ty = match t.dtype() {
             DType::F32 => sys::ncclDataType_t::ncclFloat32,
             DType::F16 => sys::ncclDataType_t::ncclFloat16,
@@ -122,6 +135,7 @@ impl Communicator {
             )));
         }
         let p = ptr(t)? as *mut std::ffi::c_void;
+        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: `p` addresses the tensor's `numel` elements of `ty` on this rank's
         // device; the tensor is borrowed mutably, and the stream orders the reduction
         // after the ops that wrote it and before those that read it.

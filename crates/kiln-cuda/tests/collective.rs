@@ -3,7 +3,7 @@
 //! tensors of decode's and of training's sizes; the sums against the exact ones, and the
 //! time per all-reduce printed (`--nocapture`).
 
-use kiln_core::{quant, Backend, DType, HostBytes, Shape, Tensor};
+use kiln_core::{quant, Backend, Collective, DType, HostBytes, Shape, Tensor};
 use kiln_cuda::{CudaBackend, NcclId};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;

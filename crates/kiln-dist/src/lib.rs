@@ -1,12 +1,12 @@
-//! kiln across several GPUs and hosts, the parts that do not depend on a device:
-//! - [`split`]: which rows and columns of each weight a rank of a tensor-parallel group
-//!   holds (the Megatron split of the LLaMA family), checked against the model before
-//!   anything is loaded;
+//! kiln across several devices and hosts, the parts that need no device of their own:
 //! - [`rendezvous`]: how the ranks of a run find each other (rank 0 publishes the
 //!   collective library's unique id over TCP) and refuse to start together when their
-//!   model files or settings differ.
+//!   model files or settings differ;
+//! - [`host`]: a group of ranks that are threads of one process, summing their tensors
+//!   through host memory, over any backend (tests, and tensor parallelism on CPUs).
 //!
-//! The collectives themselves (NCCL) live with the CUDA backend.
+//! The tensor-parallel split of a model is `kiln_models::tp`; NCCL lives with the CUDA
+//! backend.
 
+pub mod host;
 pub mod rendezvous;
-pub mod split;

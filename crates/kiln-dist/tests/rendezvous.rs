@@ -83,7 +83,7 @@ fn every_rank_receives_rank_0s_payload() {
 fn a_rank_with_another_model_ends_every_rank_naming_it() {
     let (l, addr) = listener();
     let children: Vec<Child> = (1..4)
-        .map(|r| spawn(&addr, r, 4, if r == 2 { "beef" } else { "f00d" }, 30))
+        .map(|r| spawn(&addr, r, 4, if r == 2 { "beef" } else { "f00d" }, 5))
         .collect();
     let err = publish_on(l, 4, "f00d", b"id", Duration::from_secs(30))
         .unwrap_err()

@@ -23,6 +23,7 @@ mod perplexity;
 pub mod sampler;
 mod source;
 mod synthetic;
+pub mod tp;
 mod weights;
 
 pub use batch::{BatchItem, PagedKvCache, StepOutput, StepWant};

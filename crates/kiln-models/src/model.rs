@@ -6,8 +6,8 @@ use crate::config::{Ffn, ModelConfig, Norm};
 use crate::kv_cache::KvCache;
 use crate::weights::{FfnWeights, GateUp, Linear, ModelWeights, NormWeights, Qkv};
 use kiln_core::{
-    quant, AttentionParams, Backend, DType, Error, Replay, Result, RmsNorm, SampleParams, Shape,
-    Tensor,
+    quant, AttentionParams, Backend, Collective, DType, Error, Replay, Result, RmsNorm,
+    SampleParams, Shape, Tensor,
 };
 use std::sync::Arc;
 
@@ -106,6 +106,10 @@ pub struct Model {
     graph: Graph,
     /// Recorded decode steps of a server's batches (see `batch::graphs`).
     pub(crate) decode_graphs: DecodeGraphs,
+    /// The other ranks of a model split over several devices (`crate::tp`): the
+    /// attention's output and the feed-forward's down projection are partial sums here,
+    /// completed through it before the residual add.
+    pub(crate) collective: Option<Arc<dyn Collective>>,
 }
 
 fn f32_tensor(b: &dyn Backend, dims: &[usize]) -> Result<Tensor> {
@@ -136,6 +140,7 @@ impl Model {
             graphs: std::env::var_os("KILN_NO_GRAPHS").is_none_or(|v| v != "1"),
             graph: Graph::Cold,
             decode_graphs: DecodeGraphs::default(),
+            collective: None,
         }
     }
 
@@ -649,14 +654,24 @@ impl Model {
         }
     }
 
-    /// `acc += x · wᵀ + bias`, through `tmp` where the backend does not fuse.
+    /// `acc += x · wᵀ + bias`, through `tmp` where the backend does not fuse; on a rank of
+    /// a split model, `x · wᵀ` is this rank's part of the sum, completed by the ranks'
+    /// all-reduce before it is added.
     fn linear_add(&self, l: &Linear, x: &Tensor, acc: &mut Tensor, tmp: &mut Tensor) -> Result<()> {
-        match &l.b {
-            None => self.backend.matmul_add(x, &l.w, acc, tmp),
-            Some(_) => {
+        match (&l.b, &self.collective) {
+            (None, None) => self.backend.matmul_add(x, &l.w, acc, tmp),
+            (Some(_), None) => {
                 self.linear(l, x, tmp)?;
                 self.backend.add_assign(acc, tmp)
             }
+            (None, Some(c)) => {
+                self.backend.matmul(x, &l.w, tmp)?;
+                c.all_reduce_sum(tmp)?;
+                self.backend.add_assign(acc, tmp)
+            }
+            (Some(_), Some(_)) => Err(Error::unsupported(
+                "a split model's residual projections with a bias (each rank would add it)",
+            )),
         }
     }
 

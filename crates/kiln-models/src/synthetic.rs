@@ -83,6 +83,18 @@ impl Model {
         Self::synthetic_with(SyntheticSource::new(config, ty), backend)
     }
 
+    /// Rank `collective.rank()` of [`Model::synthetic_from_config`]'s model split over
+    /// `collective.world()` ranks (see [`crate::tp`]).
+    pub fn synthetic_rank(
+        config: ModelConfig,
+        ty: SyntheticType,
+        backend: Arc<dyn Backend>,
+        collective: Arc<dyn kiln_core::Collective>,
+    ) -> Result<Model> {
+        let src = SyntheticSource::new(config.clone(), ty);
+        Self::rank_of(&src, config, backend, collective)
+    }
+
     /// [`Model::synthetic_from_config`]'s model with every matrix decoded to F32: the same
     /// weights, run without rounding activations to the weights' type (the reference the
     /// GPU tests measure each weight type's error against).

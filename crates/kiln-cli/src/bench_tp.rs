@@ -1,0 +1,142 @@
+//! `kiln bench --tp N`: llama-bench's pp and tg tests on a model split over N GPUs of this
+//! machine (`kiln_models::tp`), a thread and a CUDA backend per GPU, summing through NCCL.
+//! Every rank runs the same steps; each picks the same next token on its own device (the
+//! all-reduce leaves every rank the same hidden state), and rank 0's clock is reported.
+
+use crate::console::{CliResult, Failure};
+use kiln_core::{Backend, Collective, DType};
+use kiln_cuda::{CudaBackend, NcclId};
+use kiln_io::gguf::GgufFile;
+use kiln_models::{Model, SyntheticShape, SyntheticType};
+use std::path::PathBuf;
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+pub struct TpBench {
+    pub tp: usize,
+    pub model: Option<PathBuf>,
+    pub synthetic: Option<String>,
+    pub ty: String,
+    pub prompt: usize,
+    pub gen: usize,
+    pub reps: usize,
+    pub kv_type: Option<DType>,
+}
+
+/// A rank's measurements: each test's name and the tokens/s of its timed repetitions.
+type Measured = Vec<(String, Vec<f64>)>;
+
+/// One rank's model.
+fn load(b: &TpBench, backend: Arc<dyn Backend>, c: Arc<dyn Collective>) -> CliResult<Model> {
+    match (&b.model, &b.synthetic) {
+        (Some(path), None) => Ok(Model::from_gguf_rank(&GgufFile::open(path)?, backend, c)?),
+        (None, Some(shape)) => {
+            let s = SyntheticShape::from_name(shape).ok_or_else(|| {
+                Failure::usage(format!(
+                    "--synthetic {shape}: the shapes are tinyllama-1.1b and llama3-8b"
+                ))
+            })?;
+            let t = SyntheticType::from_name(&b.ty)
+                .ok_or_else(|| Failure::usage(format!("--type {}: not a weight type", b.ty)))?;
+            Ok(Model::synthetic_rank(s.config(), t, backend, c)?)
+        }
+        _ => Err(Failure::usage(
+            "--tp: give either -m MODEL.gguf or --synthetic SHAPE",
+        )),
+    }
+}
+
+/// What rank `rank` measured.
+fn rank_run(
+    b: &TpBench,
+    rank: usize,
+    id: &NcclId,
+    barrier: &Barrier,
+) -> CliResult<Vec<(String, Vec<f64>)>> {
+    let cuda = Arc::new(CudaBackend::new(rank)?);
+    let comm: Arc<dyn Collective> = Arc::new(cuda.communicator(id, rank, b.tp)?);
+    let backend: Arc<dyn Backend> = cuda;
+    let mut model = load(b, backend.clone(), comm)?;
+    let kv = b.kv_type.unwrap_or(DType::F16);
+    let ctx = b.prompt.max(b.gen) + 1;
+    let mut cache = model.new_cache(ctx, kv)?;
+    let vocab = model.config.vocab_size as u32;
+    let mut out = Vec::new();
+    let tests = [(b.prompt, true), (b.gen, false)];
+    for (tokens, prompt) in tests.into_iter().filter(|(n, _)| *n > 0) {
+        let mut speeds = Vec::new();
+        for rep in 0..=b.reps {
+            barrier.wait();
+            let started = Instant::now();
+            if prompt {
+                let ids: Vec<u32> = (0..tokens as u32)
+                    .map(|i| (i * 7919 + 13) % vocab)
+                    .collect();
+                model.forward_argmax(&ids, 0, &mut cache)?;
+            } else {
+                let mut next = 1;
+                for pos in 0..tokens {
+                    next = model.forward_argmax(&[next], pos, &mut cache)?;
+                }
+            }
+            if rep > 0 {
+                speeds.push(tokens as f64 / started.elapsed().as_secs_f64());
+            }
+        }
+        let test = if prompt {
+            format!("pp{tokens}")
+        } else {
+            format!("tg{tokens}")
+        };
+        out.push((test, speeds));
+    }
+    Ok(out)
+}
+
+pub fn run(b: &TpBench) -> CliResult<String> {
+    let gpus = kiln_cuda::devices()?.len();
+    if b.tp < 2 || b.tp > gpus {
+        return Err(Failure::usage(format!(
+            "--tp {}: this machine has {gpus} GPU(s); give 2 to {gpus}",
+            b.tp
+        )));
+    }
+    let id = NcclId::new()?;
+    let barrier = Barrier::new(b.tp);
+    let results: Vec<CliResult<Measured>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..b.tp)
+            .map(|rank| {
+                let (id, barrier) = (&id, &barrier);
+                s.spawn(move || rank_run(b, rank, id, barrier))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Failure::usage("a rank panicked")))
+            })
+            .collect()
+    });
+    let mut ranks = Vec::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        ranks.push(r.map_err(|e| Failure::usage(format!("rank {rank}: {e}")))?);
+    }
+    let name = match (&b.model, &b.synthetic) {
+        (Some(p), _) => p.display().to_string(),
+        (_, Some(s)) => format!("{s} ({})", b.ty),
+        _ => String::new(),
+    };
+    let mut out = String::from("| model | device | test | t/s |\n|---|---|---|---:|\n");
+    for (test, speeds) in &ranks[0] {
+        let mean = speeds.iter().sum::<f64>() / speeds.len() as f64;
+        let sd = (speeds.iter().map(|v| (v - mean).powi(2)).sum::<f64>()
+            / (speeds.len().max(2) - 1) as f64)
+            .sqrt();
+        out += &format!(
+            "| {name} | cuda × {} (NCCL) | {test} | {mean:.2} ± {sd:.2} |\n",
+            b.tp
+        );
+    }
+    Ok(out)
+}

@@ -1,0 +1,15 @@
+//! A group of ranks that compute together, each on its own device (tensor parallelism):
+//! what a model split over several devices needs of them. NCCL's communicators (kiln-cuda)
+//! and a group of threads of one process over any backend (kiln-dist) implement it.
+
+use crate::{Result, Tensor};
+
+pub trait Collective: Send + Sync {
+    /// This rank's index, `0..world`.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world(&self) -> usize;
+    /// `t` (on this rank's device) becomes the elementwise sum of every rank's `t`, the
+    /// same on every rank. Every rank must call it, in the same order.
+    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()>;
+}

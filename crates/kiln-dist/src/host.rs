@@ -1,0 +1,134 @@
+//! Ranks that are threads of one process, summing their tensors through host memory: each
+//! rank copies its tensor out (as F32), waits for the others, adds all of them up in rank
+//! order, so that every rank gets the same bits, and writes the sum back. Slow next to
+//! NCCL, and meant for what needs no speed: the tensor-parallel model's tests on the CPU,
+//! where it stands in for NCCL with the same contract.
+
+use kiln_core::{quant, Backend, Collective, DType, Error, Result, Tensor};
+use std::sync::{Arc, Barrier, Mutex};
+
+struct Shared {
+    /// Each rank's values for the reduction under way.
+    slots: Mutex<Vec<Vec<f32>>>,
+    barrier: Barrier,
+}
+
+/// One rank of a [`group`].
+pub struct HostCollective {
+    rank: usize,
+    world: usize,
+    backend: Arc<dyn Backend>,
+    shared: Arc<Shared>,
+}
+
+/// A group of `backends.len()` ranks, rank `i` computing on `backends[i]`; hand each
+/// rank's collective to its thread.
+pub fn group(backends: Vec<Arc<dyn Backend>>) -> Vec<HostCollective> {
+    let world = backends.len();
+    let shared = Arc::new(Shared {
+        slots: Mutex::new(vec![Vec::new(); world]),
+        barrier: Barrier::new(world),
+    });
+    backends
+        .into_iter()
+        .enumerate()
+        .map(|(rank, backend)| HostCollective {
+            rank,
+            world,
+            backend,
+            shared: shared.clone(),
+        })
+        .collect()
+}
+
+impl Collective for HostCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
+        let dtype = t.dtype();
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(Error::unsupported(format!(
+                "all-reduce of {dtype} tensors (F32, F16, BF16)"
+            )));
+        }
+        let n = t.shape().numel();
+        let mine = quant::dequantize_to_vec(dtype, &self.backend.download(t)?, n)?;
+        let slots = || self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots()[self.rank] = mine;
+        self.shared.barrier.wait();
+        let sum = {
+            let all = slots();
+            if all.iter().any(|v| v.len() != n) {
+                drop(all);
+                self.shared.barrier.wait();
+                return Err(Error::shape(format!(
+                    "all-reduce: the ranks' tensors differ in size (rank {} has {n} values)",
+                    self.rank
+                )));
+            }
+            let mut sum = all[0].clone();
+            for other in &all[1..] {
+                sum.iter_mut().zip(other).for_each(|(s, v)| *s += v);
+            }
+            sum
+        };
+        // No rank overwrites its slot for the next reduction before all have read this one.
+        self.shared.barrier.wait();
+        self.backend.write(t, &quant::quantize(dtype, &sum)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_core::{HostBytes, Shape};
+    use kiln_cpu::CpuBackend;
+
+    fn run(sizes: &[usize]) -> Vec<Result<Vec<f32>>> {
+        let backends: Vec<Arc<dyn Backend>> = sizes
+            .iter()
+            .map(|_| Arc::new(CpuBackend::new(Some(1)).unwrap()) as Arc<dyn Backend>)
+            .collect();
+        let threads: Vec<_> = group(backends.clone())
+            .into_iter()
+            .zip(backends)
+            .zip(sizes.iter().copied())
+            .map(|((c, b), n)| {
+                std::thread::spawn(move || {
+                    let values: Vec<f32> = (0..n).map(|i| (c.rank() * 10 + i) as f32).collect();
+                    let mut t = b.upload(
+                        DType::F32,
+                        Shape::new(vec![1, n]).unwrap(),
+                        HostBytes::from_vec(quant::quantize(DType::F32, &values).unwrap()),
+                    )?;
+                    c.all_reduce_sum(&mut t)?;
+                    quant::dequantize_to_vec(DType::F32, &b.download(&t)?, n)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn every_rank_gets_the_sum() {
+        for got in run(&[5, 5, 5]) {
+            // Σ_r (10 r + i) = 30 + 3 i.
+            let want: Vec<f32> = (0..5).map(|i| (30 + 3 * i) as f32).collect();
+            assert_eq!(got.unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn ranks_with_different_sizes_all_fail_and_none_hangs() {
+        for got in run(&[4, 5]) {
+            let e = got.unwrap_err().to_string();
+            assert!(e.contains("differ in size"), "{e}");
+        }
+    }
+}
