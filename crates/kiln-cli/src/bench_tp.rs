@@ -46,17 +46,40 @@ fn load(b: &TpBench, backend: Arc<dyn Backend>, c: Arc<dyn Collective>) -> CliRe
     }
 }
 
+/// Which ranks could not start, and why: every rank reports before any computes, so that
+/// one that failed (a GPU out of memory, a file it cannot read) ends the others too,
+/// rather than leaving them waiting in NCCL for it.
+type Started = std::sync::Mutex<Vec<Option<String>>>;
+
 /// What rank `rank` measured.
 fn rank_run(
     b: &TpBench,
     rank: usize,
     id: &NcclId,
     barrier: &Barrier,
-) -> CliResult<Vec<(String, Vec<f64>)>> {
-    let cuda = Arc::new(CudaBackend::new(rank)?);
-    let comm: Arc<dyn Collective> = Arc::new(cuda.communicator(id, rank, b.tp)?);
-    let backend: Arc<dyn Backend> = cuda;
-    let mut model = load(b, backend.clone(), comm)?;
+    started: &Started,
+) -> CliResult<Measured> {
+    let setup = || -> CliResult<Model> {
+        let cuda = Arc::new(CudaBackend::new(rank)?);
+        let comm: Arc<dyn Collective> = Arc::new(cuda.communicator(id, rank, b.tp)?);
+        load(b, cuda, comm)
+    };
+    let model = setup();
+    if let Err(e) = &model {
+        started.lock().unwrap_or_else(|e| e.into_inner())[rank] = Some(e.to_string());
+    }
+    barrier.wait();
+    let failed: Vec<String> = started
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .enumerate()
+        .filter_map(|(r, e)| e.as_ref().map(|e| format!("rank {r}: {e}")))
+        .collect();
+    if !failed.is_empty() {
+        return Err(Failure::usage(failed.join("; ")));
+    }
+    let mut model = model?;
     let kv = b.kv_type.unwrap_or(DType::F16);
     let ctx = b.prompt.max(b.gen) + 1;
     let mut cache = model.new_cache(ctx, kv)?;
@@ -67,7 +90,7 @@ fn rank_run(
         let mut speeds = Vec::new();
         for rep in 0..=b.reps {
             barrier.wait();
-            let started = Instant::now();
+            let clock = Instant::now();
             if prompt {
                 let ids: Vec<u32> = (0..tokens as u32)
                     .map(|i| (i * 7919 + 13) % vocab)
@@ -80,7 +103,7 @@ fn rank_run(
                 }
             }
             if rep > 0 {
-                speeds.push(tokens as f64 / started.elapsed().as_secs_f64());
+                speeds.push(tokens as f64 / clock.elapsed().as_secs_f64());
             }
         }
         let test = if prompt {
@@ -103,11 +126,12 @@ pub fn run(b: &TpBench) -> CliResult<String> {
     }
     let id = NcclId::new()?;
     let barrier = Barrier::new(b.tp);
+    let started: Started = std::sync::Mutex::new(vec![None; b.tp]);
     let results: Vec<CliResult<Measured>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..b.tp)
             .map(|rank| {
-                let (id, barrier) = (&id, &barrier);
-                s.spawn(move || rank_run(b, rank, id, barrier))
+                let (id, barrier, started) = (&id, &barrier, &started);
+                s.spawn(move || rank_run(b, rank, id, barrier, started))
             })
             .collect();
         handles
@@ -118,9 +142,10 @@ pub fn run(b: &TpBench) -> CliResult<String> {
             })
             .collect()
     });
+    // Ranks that failed at the start all report the same list: rank 0's says it.
     let mut ranks = Vec::new();
-    for (rank, r) in results.into_iter().enumerate() {
-        ranks.push(r.map_err(|e| Failure::usage(format!("rank {rank}: {e}")))?);
+    for r in results {
+        ranks.push(r?);
     }
     let name = match (&b.model, &b.synthetic) {
         (Some(p), _) => p.display().to_string(),
