@@ -13,6 +13,7 @@ mod info;
 mod model_file;
 mod perplexity;
 mod run;
+mod run_tp;
 mod serve;
 mod train;
 

@@ -2,11 +2,13 @@
 
 use crate::console::{self, CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
+use crate::run_tp;
 use kiln_core::DType;
 use kiln_models::chat::Message;
 use kiln_models::{generate, GenerateOptions, Sampler, SamplerConfig};
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(clap::Args)]
 pub struct RunArgs {
@@ -55,6 +57,10 @@ pub struct RunArgs {
     /// `json`: print one JSON object (prompt and generated ids, text, timings) at the end.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Text)]
     pub output: Output,
+    /// Split the model over this many ranks (tensor parallelism, the LLaMA family): GPUs
+    /// cuda:0..N through NCCL, or with --device cpu shares of the CPU's threads.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub tp: Option<u16>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -67,7 +73,13 @@ pub enum Output {
 const DEFAULT_CONTEXT: usize = 4096;
 
 pub fn run(a: RunArgs, quiet: bool) -> CliResult {
-    let backend = model_file::backend(a.device, a.threads)?;
+    let tp = usize::from(a.tp.unwrap_or(1));
+    // A split model's ranks make their own backends; a CPU one stands in here for the
+    // checks of --kv-type against the model.
+    let backend = match tp {
+        1 => model_file::backend(a.device, a.threads)?,
+        _ => Arc::new(kiln_cpu::CpuBackend::new(Some(1))?),
+    };
     let file = model_file::open(a.model.as_deref())?;
     let tokenizer = &file.tokenizer;
     let prompt = if a.chat {
@@ -107,16 +119,21 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
             file.config().max_positions
         )));
     }
-    let kv_type = model_file::kv_type(a.kv_type, backend.as_ref(), file.config(), &file.name)?;
-    let plan = file.plan(backend.as_ref(), prompt.len(), false, kv_type);
-    let mut model = file.load(backend, &plan, context)?;
+    let kv_type = match (tp, a.device, a.kv_type) {
+        // The ranks' device decides the default: f16 on GPUs, f32 on the CPU.
+        (1, _, _) | (_, _, Some(_)) => {
+            model_file::kv_type(a.kv_type, backend.as_ref(), file.config(), &file.name)?
+        }
+        (_, DeviceChoice::Cpu, None) => DType::F32,
+        (_, _, None) => DType::F16,
+    };
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0)
     });
-    let mut sampler = Sampler::new(SamplerConfig {
+    let sampler = SamplerConfig {
         temperature: a.temp,
         top_k: a.top_k,
         top_p: a.top_p,
@@ -124,7 +141,7 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
         repeat_penalty: a.repeat_penalty,
         seed,
         ..Default::default()
-    });
+    };
     let opts = GenerateOptions {
         max_tokens: a.n_predict,
         context,
@@ -132,22 +149,31 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
         stop_strings: &a.stop,
     };
     let streaming = a.output == Output::Text;
-    let mut stdout = std::io::stdout().lock();
     if streaming && !a.chat {
-        console::stream(&mut stdout, &a.prompt);
+        console::stream(&mut std::io::stdout().lock(), &a.prompt);
     }
-    let g = generate(
-        &mut model,
-        tokenizer,
-        &prompt,
-        &mut sampler,
-        &opts,
-        |piece| {
-            if streaming {
-                console::stream(&mut stdout, piece);
-            }
-        },
-    )?;
+    let show = |piece: &str| {
+        if streaming {
+            console::stream(&mut std::io::stdout().lock(), piece);
+        }
+    };
+    let g = if tp > 1 {
+        let split = run_tp::SplitRun {
+            tp,
+            device: a.device,
+            threads: a.threads,
+            prompt: &prompt,
+            sampler,
+            opts,
+        };
+        run_tp::generate_split(&file, &split, &show)?
+    } else {
+        let plan = file.plan(backend.as_ref(), prompt.len(), false, kv_type);
+        let mut model = file.load(backend, &plan, context)?;
+        let mut sampler = Sampler::new(sampler);
+        generate(&mut model, tokenizer, &prompt, &mut sampler, &opts, show)?
+    };
+    let mut stdout = std::io::stdout().lock();
     let pp = g.prompt_tokens.len() as f64 / g.prompt_time.as_secs_f64().max(1e-9);
     let tg = g.tokens.len() as f64 / g.gen_time.as_secs_f64().max(1e-9);
     if streaming {

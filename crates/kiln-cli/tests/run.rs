@@ -524,3 +524,46 @@ fn no_desktop_session_and_a_closed_stdout_leave_stderr_clean() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// The default model split over two ranks on the CPU (`--tp 2 --device cpu`: shares of
+/// the CPU's threads summing through host memory) generates what the whole model does;
+/// a split the model cannot take is one line, before anything runs.
+#[test]
+fn a_model_split_over_two_ranks_generates_the_same_text() {
+    let json = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "-p",
+            "Permission is hereby granted",
+            "-n",
+            "24",
+            "--temp",
+            "0",
+            "-o",
+            "json",
+            "--device",
+            "cpu",
+            "-t",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        let o = kiln(&args);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        let line = stdout(&o).lines().last().unwrap().to_string();
+        serde_json::from_str::<serde_json::Value>(&line).unwrap()
+    };
+    let whole = json(&[]);
+    let split = json(&["--tp", "2"]);
+    assert_eq!(split["tokens"], whole["tokens"]);
+    assert_eq!(split["text"], whole["text"]);
+    for (tp, want) in [
+        ("3", "4 attention heads do not divide among 3 ranks"),
+        ("4", "cut its q8_0 blocks"),
+    ] {
+        let o = kiln(&["run", "-p", "x", "-n", "2", "--device", "cpu", "--tp", tp]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "--tp {tp}: {err}");
+        assert_eq!(err.lines().count(), 1, "--tp {tp}: {err}");
+        assert!(err.contains(want), "--tp {tp}: {err}");
+    }
+}

@@ -88,6 +88,17 @@ impl Checkpoint {
         let hf = matches!(self.weights, Weights::HfDir { .. });
         self.with_source(|src| load_model(src, self.config.clone(), hf, backend, progress))
     }
+
+    /// Rank `collective.rank()` of the model split over `collective.world()` ranks (see
+    /// [`crate::tp`]): its slices of the weights on `backend`.
+    pub fn load_rank(
+        &self,
+        backend: Arc<dyn Backend>,
+        collective: Arc<dyn kiln_core::Collective>,
+    ) -> Result<Model> {
+        let hf = matches!(self.weights, Weights::HfDir { .. });
+        self.with_source(|src| Model::rank_of(src, self.config.clone(), hf, backend, collective))
+    }
 }
 
 /// The model of `config` with weights from `src`; `hf` for a Hugging Face checkpoint.

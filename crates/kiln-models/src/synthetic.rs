@@ -92,7 +92,7 @@ impl Model {
         collective: Arc<dyn kiln_core::Collective>,
     ) -> Result<Model> {
         let src = SyntheticSource::new(config.clone(), ty);
-        Self::rank_of(&src, config, backend, collective)
+        Self::rank_of(&src, config, false, backend, collective)
     }
 
     /// [`Model::synthetic_from_config`]'s model with every matrix decoded to F32: the same

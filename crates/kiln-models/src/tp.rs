@@ -327,12 +327,14 @@ impl Model {
         collective: Arc<dyn Collective>,
     ) -> Result<Model> {
         let config = config_gguf::config_from_gguf(file)?;
-        Self::rank_of(&GgufSource(file), config, backend, collective)
+        Self::rank_of(&GgufSource(file), config, false, backend, collective)
     }
 
+    /// A rank of the model `src` holds; `hf` for a Hugging Face checkpoint.
     pub(crate) fn rank_of(
         src: &dyn Source,
         config: ModelConfig,
+        hf: bool,
         backend: Arc<dyn Backend>,
         collective: Arc<dyn Collective>,
     ) -> Result<Model> {
@@ -345,7 +347,7 @@ impl Model {
             rank,
             parts: Mutex::new(HashMap::new()),
         };
-        let mut model = load_model(&shard, plan.config(&config, rank)?, false, backend, None)?;
+        let mut model = load_model(&shard, plan.config(&config, rank)?, hf, backend, None)?;
         model.collective = Some(collective);
         Ok(model)
     }

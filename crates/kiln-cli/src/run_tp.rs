@@ -1,0 +1,165 @@
+//! `kiln run --tp N`: the model split over N ranks (`kiln_models::tp`), a thread each:
+//! N GPUs summing through NCCL (`--device cuda`, the default with N GPUs), or N shares of
+//! the CPU's threads summing through host memory (`--device cpu`: a split where there are
+//! no GPUs, and the way it is tested). Every rank runs the same generation: the
+//! all-reduce leaves each rank the same logits and their samplers share the seed, so all
+//! pick the same tokens; rank 0's text is what is shown.
+
+use crate::console::{CliResult, Failure};
+use crate::model_file::{DeviceChoice, ModelFile};
+use kiln_core::{Backend, Collective};
+use kiln_cpu::CpuBackend;
+use kiln_cuda::{CudaBackend, NcclId};
+use kiln_models::{generate, GenerateOptions, Generation, Model, Sampler, SamplerConfig};
+use std::sync::{Arc, Barrier, Mutex};
+
+/// A CPU rank's backend and its end of the host group, until the rank takes them.
+type CpuRank = Option<(Arc<dyn Backend>, kiln_dist::host::HostCollective)>;
+
+/// Where the ranks run and how they sum.
+enum Ranks {
+    Cuda(NcclId),
+    /// One group of host collectives, taken by the ranks in turn.
+    Cpu(Mutex<Vec<CpuRank>>),
+}
+
+impl Ranks {
+    fn new(tp: usize, device: DeviceChoice, threads: Option<usize>) -> CliResult<Ranks> {
+        match device {
+            DeviceChoice::Cpu => {
+                let total = threads
+                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+                let each = (total / tp).max(1);
+                let backends = (0..tp)
+                    .map(|_| Ok(Arc::new(CpuBackend::new(Some(each))?) as Arc<dyn Backend>))
+                    .collect::<kiln_core::Result<Vec<_>>>()?;
+                let group = kiln_dist::host::group(backends.clone());
+                Ok(Ranks::Cpu(Mutex::new(
+                    backends.into_iter().zip(group).map(Some).collect(),
+                )))
+            }
+            DeviceChoice::Auto | DeviceChoice::Cuda(0) => {
+                let gpus = kiln_cuda::devices()?.len();
+                if gpus < tp {
+                    return Err(Failure::usage(format!(
+                        "--tp {tp}: this machine has {gpus} NVIDIA GPU(s) (--device cpu splits over the CPU's threads)"
+                    )));
+                }
+                Ok(Ranks::Cuda(NcclId::new()?))
+            }
+            other => Err(Failure::usage(format!(
+                "--tp with --device {other}: the ranks are cuda:0..N (--device cuda) or the CPU (--device cpu)"
+            ))),
+        }
+    }
+
+    /// Rank `rank`'s backend and its end of the collective.
+    fn take(
+        &self,
+        rank: usize,
+        world: usize,
+    ) -> CliResult<(Arc<dyn Backend>, Arc<dyn Collective>)> {
+        match self {
+            Ranks::Cuda(id) => {
+                let cuda = Arc::new(CudaBackend::new(rank)?);
+                let comm: Arc<dyn Collective> = Arc::new(cuda.communicator(id, rank, world)?);
+                Ok((cuda, comm))
+            }
+            Ranks::Cpu(slots) => {
+                let (b, c) = slots.lock().unwrap_or_else(|e| e.into_inner())[rank]
+                    .take()
+                    .ok_or_else(|| Failure::usage(format!("rank {rank} taken twice")))?;
+                Ok((b, Arc::new(c)))
+            }
+        }
+    }
+}
+
+/// What [`generate_split`] needs of `kiln run`'s settings.
+pub struct SplitRun<'a> {
+    pub tp: usize,
+    pub device: DeviceChoice,
+    pub threads: Option<usize>,
+    pub prompt: &'a [u32],
+    pub sampler: SamplerConfig,
+    pub opts: GenerateOptions<'a>,
+}
+
+/// Generate on `r.tp` ranks; `on_piece` sees rank 0's text as it comes.
+pub fn generate_split(
+    file: &ModelFile,
+    r: &SplitRun,
+    on_piece: &(dyn Fn(&str) + Sync),
+) -> CliResult<Generation> {
+    // What is wrong with the split as such is said once, before any rank starts.
+    kiln_models::tp::Plan::new(file.config(), r.tp).map_err(|e| match e {
+        kiln_core::Error::Unsupported(why) => Failure::usage(why),
+        e => Failure::from(e),
+    })?;
+    let ranks = Ranks::new(r.tp, r.device, r.threads)?;
+    let barrier = Barrier::new(r.tp);
+    // Every rank reports whether it started before any computes, so that one that failed
+    // ends the others too, rather than leaving them waiting in a collective.
+    let failed: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+    let results: Vec<CliResult<Option<Generation>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..r.tp)
+            .map(|rank| {
+                let (ranks, barrier, failed) = (&ranks, &barrier, &failed);
+                s.spawn(move || -> CliResult<Option<Generation>> {
+                    let model: CliResult<Model> = ranks
+                        .take(rank, r.tp)
+                        .and_then(|(b, c)| Ok(file.checkpoint.load_rank(b, c)?));
+                    if let Err(e) = &model {
+                        failed
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push((rank, e.to_string()));
+                    }
+                    barrier.wait();
+                    let mut failures = failed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    if !failures.is_empty() {
+                        // The first rank's reason, and which others failed (often the same).
+                        failures.sort();
+                        let others: Vec<String> =
+                            failures[1..].iter().map(|(r, _)| r.to_string()).collect();
+                        let also = match others.is_empty() {
+                            true => String::new(),
+                            false => format!(" (ranks {} failed too)", others.join(", ")),
+                        };
+                        let (first, why) = &failures[0];
+                        return Err(Failure::usage(format!("rank {first}: {why}{also}")));
+                    }
+                    let mut model = model?;
+                    let mut sampler = Sampler::new(r.sampler.clone());
+                    let g = generate(
+                        &mut model,
+                        &file.tokenizer,
+                        r.prompt,
+                        &mut sampler,
+                        &r.opts,
+                        |piece| {
+                            if rank == 0 {
+                                on_piece(piece)
+                            }
+                        },
+                    )?;
+                    Ok((rank == 0).then_some(g))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Failure::usage("a rank panicked")))
+            })
+            .collect()
+    });
+    let mut first = None;
+    for result in results {
+        if let Some(g) = result? {
+            first = Some(g);
+        }
+    }
+    first.ok_or_else(|| Failure::usage("rank 0 produced nothing"))
+}
