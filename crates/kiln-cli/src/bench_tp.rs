@@ -6,6 +6,7 @@
 use crate::console::{CliResult, Failure};
 use kiln_core::{Backend, Collective, DType};
 use kiln_cuda::{CudaBackend, NcclId};
+use kiln_dist::start::StartLine;
 use kiln_io::gguf::GgufFile;
 use kiln_models::{Model, SyntheticShape, SyntheticType};
 use std::path::PathBuf;
@@ -46,40 +47,20 @@ fn load(b: &TpBench, backend: Arc<dyn Backend>, c: Arc<dyn Collective>) -> CliRe
     }
 }
 
-/// Which ranks could not start, and why: every rank reports before any computes, so that
-/// one that failed (a GPU out of memory, a file it cannot read) ends the others too,
-/// rather than leaving them waiting in NCCL for it.
-type Started = std::sync::Mutex<Vec<Option<String>>>;
-
 /// What rank `rank` measured.
 fn rank_run(
     b: &TpBench,
     rank: usize,
     id: &NcclId,
+    start: &StartLine,
     barrier: &Barrier,
-    started: &Started,
 ) -> CliResult<Measured> {
     let setup = || -> CliResult<Model> {
         let cuda = Arc::new(CudaBackend::new(rank)?);
         let comm: Arc<dyn Collective> = Arc::new(cuda.communicator(id, rank, b.tp)?);
         load(b, cuda, comm)
     };
-    let model = setup();
-    if let Err(e) = &model {
-        started.lock().unwrap_or_else(|e| e.into_inner())[rank] = Some(e.to_string());
-    }
-    barrier.wait();
-    let failed: Vec<String> = started
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .enumerate()
-        .filter_map(|(r, e)| e.as_ref().map(|e| format!("rank {r}: {e}")))
-        .collect();
-    if !failed.is_empty() {
-        return Err(Failure::usage(failed.join("; ")));
-    }
-    let mut model = model?;
+    let mut model = start.cross(rank, setup()).map_err(Failure::usage)?;
     let kv = b.kv_type.unwrap_or(DType::F16);
     let ctx = b.prompt.max(b.gen) + 1;
     let mut cache = model.new_cache(ctx, kv)?;
@@ -126,12 +107,12 @@ pub fn run(b: &TpBench) -> CliResult<String> {
     }
     let id = NcclId::new()?;
     let barrier = Barrier::new(b.tp);
-    let started: Started = std::sync::Mutex::new(vec![None; b.tp]);
+    let start = StartLine::new(b.tp);
     let results: Vec<CliResult<Measured>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..b.tp)
             .map(|rank| {
-                let (id, barrier, started) = (&id, &barrier, &started);
-                s.spawn(move || rank_run(b, rank, id, barrier, started))
+                let (id, start, barrier) = (&id, &start, &barrier);
+                s.spawn(move || rank_run(b, rank, id, start, barrier))
             })
             .collect();
         handles

@@ -11,7 +11,7 @@ use kiln_core::{Backend, Collective};
 use kiln_cpu::CpuBackend;
 use kiln_cuda::{CudaBackend, NcclId};
 use kiln_models::{generate, GenerateOptions, Generation, Model, Sampler, SamplerConfig};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Mutex};
 
 /// A CPU rank's backend and its end of the host group, until the rank takes them.
 type CpuRank = Option<(Arc<dyn Backend>, kiln_dist::host::HostCollective)>;
@@ -97,39 +97,16 @@ pub fn generate_split(
         e => Failure::from(e),
     })?;
     let ranks = Ranks::new(r.tp, r.device, r.threads)?;
-    let barrier = Barrier::new(r.tp);
-    // Every rank reports whether it started before any computes, so that one that failed
-    // ends the others too, rather than leaving them waiting in a collective.
-    let failed: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+    let start = kiln_dist::start::StartLine::new(r.tp);
     let results: Vec<CliResult<Option<Generation>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..r.tp)
             .map(|rank| {
-                let (ranks, barrier, failed) = (&ranks, &barrier, &failed);
+                let (ranks, start) = (&ranks, &start);
                 s.spawn(move || -> CliResult<Option<Generation>> {
                     let model: CliResult<Model> = ranks
                         .take(rank, r.tp)
                         .and_then(|(b, c)| Ok(file.checkpoint.load_rank(b, c)?));
-                    if let Err(e) = &model {
-                        failed
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push((rank, e.to_string()));
-                    }
-                    barrier.wait();
-                    let mut failures = failed.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                    if !failures.is_empty() {
-                        // The first rank's reason, and which others failed (often the same).
-                        failures.sort();
-                        let others: Vec<String> =
-                            failures[1..].iter().map(|(r, _)| r.to_string()).collect();
-                        let also = match others.is_empty() {
-                            true => String::new(),
-                            false => format!(" (ranks {} failed too)", others.join(", ")),
-                        };
-                        let (first, why) = &failures[0];
-                        return Err(Failure::usage(format!("rank {first}: {why}{also}")));
-                    }
-                    let mut model = model?;
+                    let mut model = start.cross(rank, model).map_err(Failure::usage)?;
                     let mut sampler = Sampler::new(r.sampler.clone());
                     let g = generate(
                         &mut model,

@@ -3,10 +3,12 @@
 //!   collective library's unique id over TCP) and refuse to start together when their
 //!   model files or settings differ;
 //! - [`host`]: a group of ranks that are threads of one process, summing their tensors
-//!   through host memory, over any backend (tests, and tensor parallelism on CPUs).
+//!   through host memory, over any backend (tests, and tensor parallelism on CPUs);
+//! - [`start`]: such ranks start together or not at all.
 //!
 //! The tensor-parallel split of a model is `kiln_models::tp`; NCCL lives with the CUDA
 //! backend.
 
 pub mod host;
 pub mod rendezvous;
+pub mod start;
