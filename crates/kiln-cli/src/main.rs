@@ -12,6 +12,7 @@ mod devices;
 mod info;
 mod model_file;
 mod perplexity;
+mod ranks;
 mod run;
 mod run_tp;
 mod serve;

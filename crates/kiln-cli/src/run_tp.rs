@@ -7,73 +7,8 @@
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::{DeviceChoice, ModelFile};
-use kiln_core::{Backend, Collective};
-use kiln_cpu::CpuBackend;
-use kiln_cuda::{CudaBackend, NcclId};
+use crate::ranks::Ranks;
 use kiln_models::{generate, GenerateOptions, Generation, Model, Sampler, SamplerConfig};
-use std::sync::{Arc, Mutex};
-
-/// A CPU rank's backend and its end of the host group, until the rank takes them.
-type CpuRank = Option<(Arc<dyn Backend>, kiln_dist::host::HostCollective)>;
-
-/// Where the ranks run and how they sum.
-enum Ranks {
-    Cuda(NcclId),
-    /// One group of host collectives, taken by the ranks in turn.
-    Cpu(Mutex<Vec<CpuRank>>),
-}
-
-impl Ranks {
-    fn new(tp: usize, device: DeviceChoice, threads: Option<usize>) -> CliResult<Ranks> {
-        match device {
-            DeviceChoice::Cpu => {
-                let total = threads
-                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-                let each = (total / tp).max(1);
-                let backends = (0..tp)
-                    .map(|_| Ok(Arc::new(CpuBackend::new(Some(each))?) as Arc<dyn Backend>))
-                    .collect::<kiln_core::Result<Vec<_>>>()?;
-                let group = kiln_dist::host::group(backends.clone());
-                Ok(Ranks::Cpu(Mutex::new(
-                    backends.into_iter().zip(group).map(Some).collect(),
-                )))
-            }
-            DeviceChoice::Auto | DeviceChoice::Cuda(0) => {
-                let gpus = kiln_cuda::devices().map_or(0, |d| d.len());
-                if gpus < tp {
-                    return Err(Failure::usage(format!(
-                        "--tp {tp}: this machine has {gpus} NVIDIA GPU(s) (--device cpu splits over the CPU's threads)"
-                    )));
-                }
-                Ok(Ranks::Cuda(NcclId::new()?))
-            }
-            other => Err(Failure::usage(format!(
-                "--tp with --device {other}: the ranks are cuda:0..N (--device cuda) or the CPU (--device cpu)"
-            ))),
-        }
-    }
-
-    /// Rank `rank`'s backend and its end of the collective.
-    fn take(
-        &self,
-        rank: usize,
-        world: usize,
-    ) -> CliResult<(Arc<dyn Backend>, Arc<dyn Collective>)> {
-        match self {
-            Ranks::Cuda(id) => {
-                let cuda = Arc::new(CudaBackend::new(rank)?);
-                let comm: Arc<dyn Collective> = Arc::new(cuda.communicator(id, rank, world)?);
-                Ok((cuda, comm))
-            }
-            Ranks::Cpu(slots) => {
-                let (b, c) = slots.lock().unwrap_or_else(|e| e.into_inner())[rank]
-                    .take()
-                    .ok_or_else(|| Failure::usage(format!("rank {rank} taken twice")))?;
-                Ok((b, Arc::new(c)))
-            }
-        }
-    }
-}
 
 /// What [`generate_split`] needs of `kiln run`'s settings.
 pub struct SplitRun<'a> {
@@ -96,7 +31,7 @@ pub fn generate_split(
         kiln_core::Error::Unsupported(why) => Failure::usage(why),
         e => Failure::from(e),
     })?;
-    let ranks = Ranks::new(r.tp, r.device, r.threads)?;
+    let ranks = Ranks::new("--tp", r.tp, r.device, r.threads)?;
     let start = kiln_dist::start::StartLine::new(r.tp);
     let results: Vec<CliResult<Option<Generation>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..r.tp)

@@ -8,7 +8,8 @@
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice};
-use kiln_core::{Backend, DType, Error, RopeLayout};
+use crate::ranks::Ranks;
+use kiln_core::{Backend, Collective, DType, Error, RopeLayout};
 use kiln_io::gguf::{GgufFile, Value};
 use kiln_models::{Arch, Ffn, ModelConfig, Norm, Rope};
 use kiln_tokenizer::Tokenizer;
@@ -97,6 +98,11 @@ pub struct TrainArgs {
         default_value = "q,k,v,o"
     )]
     pub lora_targets: Vec<String>,
+    /// Data parallelism: this many replicas (GPUs cuda:0..N through NCCL, or with
+    /// --device cpu shares of the CPU's threads), each running its share of every step's
+    /// sequences (--batch × --grad-accum must divide among them), gradients summed.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub dp: Option<u16>,
     /// From scratch: llama or gpt2.
     #[arg(long, default_value = "llama")]
     pub arch: String,
@@ -532,7 +538,12 @@ fn start(a: &TrainArgs, backend: &Arc<dyn Backend>) -> CliResult<(GgufFile, Toke
 
 pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
     let (optimizer, export_type) = check(&a)?;
-    let backend = model_file::backend(a.device, a.threads)?;
+    let dp = usize::from(a.dp.unwrap_or(1));
+    // With several replicas, each rank makes its backend; the start is made on the CPU.
+    let backend: Arc<dyn Backend> = match dp {
+        1 => model_file::backend(a.device, a.threads)?,
+        _ => Arc::new(kiln_cpu::CpuBackend::new(a.threads)?),
+    };
     std::fs::create_dir_all(&a.out).map_err(|e| Error::io(a.out.display(), e))?;
     let (start_file, tokenizer) = start(&a, &backend)?;
     let held_out = match &a.held_out {
@@ -541,8 +552,32 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
     };
     // The text is an argument: what is wrong with it is for the user to change.
     let text = data::load(&a.data, &held_out, &tokenizer).map_err(Failure::usage)?;
-    let mut t = if a.resume {
-        Trainer::resume(&start_file, text, backend.clone())
+    if dp > 1 {
+        return data_parallel(
+            &a,
+            dp,
+            quiet,
+            &start_file,
+            &tokenizer,
+            text,
+            optimizer,
+            export_type,
+        );
+    }
+    let t = make_trainer(&a, &start_file, text, optimizer, backend.clone())?;
+    drive(&a, quiet, t, &tokenizer, export_type, &backend.describe())
+}
+
+/// The trainer of `a`'s run on `backend`: resumed, or new with `a`'s settings.
+fn make_trainer(
+    a: &TrainArgs,
+    start_file: &GgufFile,
+    text: data::TextData,
+    optimizer: StepConfig,
+    backend: Arc<dyn Backend>,
+) -> CliResult<Trainer> {
+    if a.resume {
+        Trainer::resume(start_file, text, backend)
     } else {
         let settings = Settings {
             batch: a.batch,
@@ -558,14 +593,96 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
                 targets: a.lora_targets.clone(),
             }),
         };
-        Trainer::new(&start_file, text, settings, backend.clone())
+        Trainer::new(start_file, text, settings, backend)
     }
     .map_err(|e| match e {
         // Settings that do not fit the text or the model.
         Error::Format(msg) => Failure::Usage(msg),
         e => Failure::Kiln(e),
-    })?;
-    let mut log = Log::open(&a.out, &t, &backend.describe())?;
+    })
+}
+
+/// `--dp N`: ranks 1..N step in threads of their own, rank 0 here with the progress bar,
+/// the log, the checkpoints and the exports. Every rank starts or none does; a rank that
+/// fails stops the others' collectives, so none waits for it for ever.
+#[allow(clippy::too_many_arguments)]
+fn data_parallel(
+    a: &TrainArgs,
+    dp: usize,
+    quiet: bool,
+    start_file: &GgufFile,
+    tokenizer: &Tokenizer,
+    text: data::TextData,
+    optimizer: StepConfig,
+    export_type: DType,
+) -> CliResult {
+    let ranks = Ranks::new("--dp", dp, a.device, a.threads)?;
+    let start = kiln_dist::start::StartLine::new(dp);
+    let replica = |rank: usize| -> CliResult<(Trainer, Arc<dyn Collective>, String)> {
+        let (backend, c) = ranks.take(rank, dp)?;
+        let describe = backend.describe();
+        let t = make_trainer(a, start_file, text.clone(), optimizer, backend)?;
+        Ok((t.data_parallel(c.clone())?, c, describe))
+    };
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (1..dp)
+            .map(|rank| {
+                let (replica, start) = (&replica, &start);
+                s.spawn(move || -> CliResult {
+                    let (mut t, c, _) = start.cross(rank, replica(rank)).map_err(Failure::usage)?;
+                    let pause_at = a.pause_after.map(|n| t.steps_done() + n);
+                    while t.steps_done() < t.settings().steps
+                        && pause_at.is_none_or(|p| t.steps_done() < p)
+                    {
+                        if let Err(e) = t.step() {
+                            c.abort(&e.to_string());
+                            return Err(e.into());
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        let first = start.cross(0, replica(0)).map_err(Failure::usage);
+        let result = first.and_then(|(t, c, describe)| {
+            let out = drive(
+                a,
+                quiet,
+                t,
+                tokenizer,
+                export_type,
+                &format!("{describe} × {dp} (data-parallel)"),
+            );
+            if let Err(e) = &out {
+                c.abort(&e.to_string());
+            }
+            out
+        });
+        // Rank 0's failure is the one to show; a worker's when rank 0 had none.
+        let mut failure = result.err();
+        for w in workers {
+            let r = w
+                .join()
+                .unwrap_or_else(|_| Err(Failure::usage("a rank panicked")));
+            if let (None, Err(e)) = (&failure, r) {
+                failure = Some(e);
+            }
+        }
+        failure.map_or(Ok(()), Err)
+    })
+}
+
+/// Steps, evaluations, checkpoints and exports of one trainer (rank 0 of a data-parallel
+/// run), with the progress bar and the log.
+fn drive(
+    a: &TrainArgs,
+    quiet: bool,
+    mut t: Trainer,
+    tokenizer: &Tokenizer,
+    export_type: DType,
+    device: &str,
+) -> CliResult {
+    let mut log = Log::open(&a.out, &t, device)?;
     let mut bar = Progress::new(&t, quiet);
     let ckpt = a.out.join("checkpoint.gguf");
     let steps = t.settings().steps;
@@ -609,7 +726,7 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
     t.export_gguf(&model_out, export_type)?;
     // A Hugging Face directory where the architecture and tokenizer allow one.
     let hf = a.out.join("hf");
-    let hf_note = match t.export_hf(&hf, &tokenizer) {
+    let hf_note = match t.export_hf(&hf, tokenizer) {
         Ok(()) => format!(", {}", hf.display()),
         Err(e @ Error::Unsupported(_)) => {
             tracing::warn!("no Hugging Face export: {e}");

@@ -431,3 +431,43 @@ fn a_lora_fine_tune_exports_a_merged_model_that_runs() {
         assert!(err.contains(want), "{extra:?}: {err}");
     }
 }
+
+/// `--dp 2 --device cpu`: two replicas, each half of every step's sequences, take the
+/// one-replica run's steps (losses equal up to the order of the sums); a step's sequences
+/// that do not divide among the replicas are a one-line error.
+#[test]
+fn data_parallel_replicas_train_as_one() {
+    let losses = |extra: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec!["--steps", "6", "--device", "cpu"];
+        args.extend_from_slice(extra);
+        let o = train(dir.path(), &args, &[]);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        log(dir.path())["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["loss"].as_f64().unwrap())
+            .collect::<Vec<f64>>()
+    };
+    let one = losses(&[]);
+    let two = losses(&["--dp", "2"]);
+    assert_eq!(one.len(), 6);
+    for (step, (a, b)) in one.iter().zip(&two).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * a,
+            "step {}: {a} alone, {b} with --dp 2",
+            step + 1
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &["--steps", "4", "--device", "cpu", "--dp", "3"],
+        &[],
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("do not divide among 3 ranks"), "{err}");
+}

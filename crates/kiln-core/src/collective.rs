@@ -12,4 +12,8 @@ pub trait Collective: Send + Sync {
     /// `t` (on this rank's device) becomes the elementwise sum of every rank's `t`, the
     /// same on every rank. Every rank must call it, in the same order.
     fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()>;
+
+    /// This rank stops for `why`: the group's collectives under way or to come end with an
+    /// error on every rank instead of waiting for this one for ever.
+    fn abort(&self, why: &str);
 }

@@ -61,6 +61,8 @@ pub struct Communicator {
     world: usize,
     /// One NCCL call at a time on this communicator.
     calls: Mutex<()>,
+    /// Set once the communicator is aborted: calls then fail, and drop leaves it be.
+    aborted: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time: `calls`
@@ -100,6 +102,7 @@ impl CudaBackend {
             rank,
             world,
             calls: Mutex::new(()),
+            aborted: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }
@@ -111,6 +114,11 @@ impl Collective for Communicator {
 
     fn world(&self) -> usize {
         self.world
+    }
+
+    fn abort(&self, why: &str) {
+        tracing::warn!("rank {} aborts its NCCL communicator: {why}", self.rank);
+        self.abort_once();
     }
 
     /// `t` becomes the sum of every rank's `t`, elementwise, in place (F32, F16 or BF16):
@@ -136,6 +144,12 @@ impl Collective for Communicator {
         }
         let p = ptr(t)? as *mut std::ffi::c_void;
         let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Device(format!(
+                "rank {}'s communicator was aborted",
+                self.rank
+            )));
+        }
         // SAFETY: `p` addresses the tensor's `numel` elements of `ty` on this rank's
         // device; the tensor is borrowed mutably, and the stream orders the reduction
         // after the ops that wrote it and before those that read it.
@@ -155,10 +169,23 @@ impl Collective for Communicator {
     }
 }
 
+impl Communicator {
+    /// Abort the communicator (NCCL's way out of a hang: it may be called while another
+    /// thread waits in one of its collectives, which then returns an error).
+    fn abort_once(&self) {
+        if !self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            // SAFETY: NCCL documents ncclCommAbort as the way to end a communicator whose
+            // operations are pending (a rank that will never join them); it runs once (the
+            // flag), and kiln's own calls check the flag before using the handle.
+            let _ = unsafe { nccl::comm_abort(self.comm) };
+        }
+    }
+}
+
 impl Drop for Communicator {
     fn drop(&mut self) {
-        // SAFETY: the communicator is not used after this; abort (unlike destroy) does not
-        // wait for the other ranks, so a rank that fails does not hang on the others.
-        let _ = unsafe { nccl::comm_abort(self.comm) };
+        // Abort (unlike destroy) does not wait for the other ranks, so a rank that fails
+        // does not hang on the others.
+        self.abort_once();
     }
 }

@@ -5,12 +5,68 @@
 //! where it stands in for NCCL with the same contract.
 
 use kiln_core::{quant, Backend, Collective, DType, Error, Result, Tensor};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 struct Shared {
     /// Each rank's values for the reduction under way.
     slots: Mutex<Vec<Vec<f32>>>,
-    barrier: Barrier,
+    barrier: Gate,
+}
+
+/// A barrier that a rank can break: the ranks waiting at it, and those that come later,
+/// get the reason instead of waiting for ever.
+struct Gate {
+    state: Mutex<GateState>,
+    turned: Condvar,
+    world: usize,
+}
+
+struct GateState {
+    waiting: usize,
+    generation: u64,
+    broken: Option<String>,
+}
+
+impl Gate {
+    fn new(world: usize) -> Gate {
+        Gate {
+            state: Mutex::new(GateState {
+                waiting: 0,
+                generation: 0,
+                broken: None,
+            }),
+            turned: Condvar::new(),
+            world,
+        }
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(why) = &st.broken {
+            return Err(Error::Device(why.clone()));
+        }
+        st.waiting += 1;
+        if st.waiting == self.world {
+            st.waiting = 0;
+            st.generation += 1;
+            self.turned.notify_all();
+            return Ok(());
+        }
+        let generation = st.generation;
+        while st.generation == generation && st.broken.is_none() {
+            st = self.turned.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        match (&st.broken, st.generation == generation) {
+            (Some(why), true) => Err(Error::Device(why.clone())),
+            _ => Ok(()),
+        }
+    }
+
+    fn break_with(&self, why: String) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.broken.get_or_insert(why);
+        self.turned.notify_all();
+    }
 }
 
 /// One rank of a [`group`].
@@ -27,7 +83,7 @@ pub fn group(backends: Vec<Arc<dyn Backend>>) -> Vec<HostCollective> {
     let world = backends.len();
     let shared = Arc::new(Shared {
         slots: Mutex::new(vec![Vec::new(); world]),
-        barrier: Barrier::new(world),
+        barrier: Gate::new(world),
     });
     backends
         .into_iter()
@@ -61,12 +117,12 @@ impl Collective for HostCollective {
         let mine = quant::dequantize_to_vec(dtype, &self.backend.download(t)?, n)?;
         let slots = || self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
         slots()[self.rank] = mine;
-        self.shared.barrier.wait();
+        self.shared.barrier.wait()?;
         let sum = {
             let all = slots();
             if all.iter().any(|v| v.len() != n) {
                 drop(all);
-                self.shared.barrier.wait();
+                self.shared.barrier.wait()?;
                 return Err(Error::shape(format!(
                     "all-reduce: the ranks' tensors differ in size (rank {} has {n} values)",
                     self.rank
@@ -79,8 +135,14 @@ impl Collective for HostCollective {
             sum
         };
         // No rank overwrites its slot for the next reduction before all have read this one.
-        self.shared.barrier.wait();
+        self.shared.barrier.wait()?;
         self.backend.write(t, &quant::quantize(dtype, &sum)?)
+    }
+
+    fn abort(&self, why: &str) {
+        self.shared
+            .barrier
+            .break_with(format!("rank {} stopped: {why}", self.rank));
     }
 }
 
@@ -121,6 +183,40 @@ mod tests {
             // Σ_r (10 r + i) = 30 + 3 i.
             let want: Vec<f32> = (0..5).map(|i| (30 + 3 * i) as f32).collect();
             assert_eq!(got.unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn a_rank_that_stops_ends_the_others_waiting_for_it() {
+        let backends: Vec<Arc<dyn Backend>> = (0..3)
+            .map(|_| Arc::new(CpuBackend::new(Some(1)).unwrap()) as Arc<dyn Backend>)
+            .collect();
+        let mut group = group(backends.clone());
+        let quitter = group.remove(2);
+        let waiting: Vec<_> = group
+            .into_iter()
+            .zip(backends)
+            .map(|(c, b)| {
+                std::thread::spawn(move || {
+                    let mut t = b
+                        .upload(
+                            DType::F32,
+                            Shape::new(vec![1, 2]).unwrap(),
+                            HostBytes::from_vec(quant::quantize(DType::F32, &[1.0, 2.0]).unwrap()),
+                        )
+                        .unwrap();
+                    c.all_reduce_sum(&mut t).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        quitter.abort("its GPU is out of memory");
+        for w in waiting {
+            let e = w.join().unwrap();
+            assert!(
+                e.contains("rank 2 stopped: its GPU is out of memory"),
+                "{e}"
+            );
         }
     }
 

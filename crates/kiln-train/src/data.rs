@@ -19,6 +19,7 @@ pub enum HeldOut {
     Fraction(f64),
 }
 
+#[derive(Clone)]
 pub struct TextData {
     pub train: Vec<u32>,
     pub held_out: Vec<u32>,

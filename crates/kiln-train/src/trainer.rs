@@ -23,7 +23,7 @@ use crate::data::TextData;
 use crate::lora::{self, Adapter, LoraSettings};
 use crate::rng::Rng;
 use crate::tape::Tape;
-use kiln_core::{Backend, DType, Error, GradOps, Result, Shape, Tensor};
+use kiln_core::{Backend, Collective, DType, Error, GradOps, Result, Shape, Tensor};
 use kiln_io::gguf::{GgufFile, GgufWriter, Value};
 use kiln_models::{KvCache, Model};
 use kiln_optim::{Optimizer, ParamLayout, StepConfig};
@@ -89,6 +89,9 @@ pub struct Trainer {
     /// weights and the optimizer's state are past the model's tensors and must not be
     /// saved.
     broken: Option<String>,
+    /// Data parallelism: the other ranks, each with a replica of the model, running
+    /// their share of every step's sequences; the gradients are summed through it.
+    collective: Option<Arc<dyn Collective>>,
 }
 
 impl Trainer {
@@ -227,7 +230,26 @@ impl Trainer {
             rng,
             step: 0,
             broken: None,
+            collective: None,
         })
+    }
+
+    /// Make this trainer rank `collective.rank()` of a data-parallel run: every rank
+    /// starts from the same model and text and draws the same windows, runs every
+    /// `world`-th of them, and sums its gradients with the others' before the update,
+    /// so every replica takes the one-rank run's step (up to the order of the sums).
+    pub fn data_parallel(mut self, collective: Arc<dyn Collective>) -> Result<Trainer> {
+        let (world, seqs) = (
+            collective.world(),
+            self.settings.batch * self.settings.grad_accum,
+        );
+        if !seqs.is_multiple_of(world) {
+            return Err(Error::format(format!(
+                "--dp {world}: a step's {seqs} sequences (--batch × --grad-accum) do not divide among {world} ranks"
+            )));
+        }
+        self.collective = Some(collective);
+        Ok(self)
     }
 
     pub fn settings(&self) -> &Settings {
@@ -306,12 +328,24 @@ impl Trainer {
         let scale = 1.0 / tokens as f32;
         self.tape.zero_grads()?;
         let mut sum = 0f64;
-        for _ in 0..seqs {
-            // Windows of seq_len + 1 tokens, starting anywhere (checked to fit).
+        let (rank, world) = self
+            .collective
+            .as_ref()
+            .map_or((0, 1), |c| (c.rank(), c.world()));
+        for i in 0..seqs {
+            // Windows of seq_len + 1 tokens, starting anywhere (checked to fit). Every
+            // rank draws every window, so that their generators stay together; each runs
+            // its share.
             let span = (self.data.train.len() - s.seq_len) as u64;
             let start = self.rng.below(span) as usize;
+            if i % world != rank {
+                continue;
+            }
             let window = self.data.train[start..start + s.seq_len + 1].to_vec();
             sum += self.sequence(&window[..s.seq_len], &window[1..], scale, true)?;
+        }
+        if let Some(c) = &self.collective {
+            sum = self.sum_over_ranks(c.as_ref(), sum)?;
         }
         let loss = sum / tokens as f64;
         if !loss.is_finite() {
@@ -328,6 +362,11 @@ impl Trainer {
             .map(|e| e.offset)
             .collect();
         self.tape.write_grads(&mut self.grads, &offsets)?;
+        if let Some(c) = &self.collective {
+            // Each rank's gradient is its sequences' share of the step's mean: summed,
+            // they are the whole step's.
+            c.all_reduce_sum(&mut self.grads)?;
+        }
         let grad_norm = self.grad_ops().sum_squares(&self.grads)?.sqrt();
         if !grad_norm.is_finite() {
             return Err(Error::format(format!(
@@ -359,6 +398,20 @@ impl Trainer {
             grad_norm,
             tokens,
         })
+    }
+
+    /// `value` summed over the ranks of `c` (the step's losses), through a one-value
+    /// tensor on this rank's device.
+    fn sum_over_ranks(&self, c: &dyn Collective, value: f64) -> Result<f64> {
+        let inner = self.tape.inner().clone();
+        let mut t = inner.upload(
+            DType::F32,
+            Shape::new(vec![1])?,
+            kiln_core::HostBytes::from_vec((value as f32).to_le_bytes().to_vec()),
+        )?;
+        c.all_reduce_sum(&mut t)?;
+        let bytes = inner.download(&t)?;
+        Ok(f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as f64)
     }
 
     fn grad_ops(&self) -> &dyn GradOps {

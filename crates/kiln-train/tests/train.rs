@@ -415,6 +415,72 @@ fn lora_settings_that_cannot_work_are_refused() {
     assert!(msg.contains("--lora-rank 0"), "{msg}");
 }
 
+/// Data parallelism: `world` replicas (threads, each its own CPU backend) running every
+/// `world`-th sequence of each step and summing gradients through host memory take the
+/// one-rank run's steps: the same losses and parameters, up to the order of the sums.
+fn data_parallel(world: usize, steps: usize) -> Vec<(Vec<f64>, Vec<f32>)> {
+    let backends: Vec<Arc<dyn Backend>> = (0..world).map(|_| cpu()).collect();
+    let group = kiln_dist::host::group(backends.clone());
+    let threads: Vec<_> = group
+        .into_iter()
+        .zip(backends)
+        .map(|(c, b)| {
+            std::thread::spawn(move || {
+                let mut t = Trainer::new(&start(), text(), settings(steps, 1e-2), b)
+                    .unwrap()
+                    .data_parallel(Arc::new(c))
+                    .unwrap();
+                let losses: Vec<f64> = (0..steps).map(|_| t.step().unwrap().loss).collect();
+                (losses, t.parameters_flat().unwrap())
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+#[test]
+fn data_parallel_replicas_take_the_one_rank_runs_steps() {
+    let mut one = Trainer::new(&start(), text(), settings(5, 1e-2), cpu()).unwrap();
+    let want: Vec<f64> = (0..5).map(|_| one.step().unwrap().loss).collect();
+    let want_params = one.parameters_flat().unwrap();
+    for world in [2, 4] {
+        let ranks = data_parallel(world, 5);
+        for (rank, (losses, params)) in ranks.iter().enumerate() {
+            // Every replica holds the same parameters, to the bit.
+            assert!(
+                params == &ranks[0].1,
+                "--dp {world}: rank {rank}'s parameters differ"
+            );
+            for (step, (g, w)) in losses.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w,
+                    "--dp {world}, step {}: loss {g} against {w}",
+                    step + 1
+                );
+            }
+        }
+        let worst = ranks[0]
+            .1
+            .iter()
+            .zip(&want_params)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            worst < 1e-4,
+            "--dp {world}: parameters {worst} off the one-rank run's"
+        );
+    }
+    // Four sequences a step do not divide among three ranks.
+    let backends: Vec<Arc<dyn Backend>> = (0..3).map(|_| cpu()).collect();
+    let c = kiln_dist::host::group(backends).remove(0);
+    let err = Trainer::new(&start(), text(), settings(5, 1e-2), cpu())
+        .unwrap()
+        .data_parallel(Arc::new(c))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("do not divide among 3 ranks"), "{err}");
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_cuda_run_follows_the_cpu_run() {
