@@ -149,9 +149,12 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
         stop_strings: &a.stop,
     };
     let streaming = a.output == Output::Text;
-    if streaming && !a.chat {
-        console::stream(&mut std::io::stdout().lock(), &a.prompt);
-    }
+    // The prompt is echoed once the model is loaded: a load that fails prints nothing.
+    let echo = || {
+        if streaming && !a.chat {
+            console::stream(&mut std::io::stdout().lock(), &a.prompt);
+        }
+    };
     let show = |piece: &str| {
         if streaming {
             console::stream(&mut std::io::stdout().lock(), piece);
@@ -166,10 +169,11 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
             sampler,
             opts,
         };
-        run_tp::generate_split(&file, &split, &show)?
+        run_tp::generate_split(&file, &split, &echo, &show)?
     } else {
         let plan = file.plan(backend.as_ref(), prompt.len(), false, kv_type);
         let mut model = file.load(backend, &plan, context)?;
+        echo();
         let mut sampler = Sampler::new(sampler);
         generate(&mut model, tokenizer, &prompt, &mut sampler, &opts, show)?
     };

@@ -20,10 +20,12 @@ pub struct SplitRun<'a> {
     pub opts: GenerateOptions<'a>,
 }
 
-/// Generate on `r.tp` ranks; `on_piece` sees rank 0's text as it comes.
+/// Generate on `r.tp` ranks: `on_start` runs once every rank has loaded its part, and
+/// `on_piece` sees rank 0's text as it comes.
 pub fn generate_split(
     file: &ModelFile,
     r: &SplitRun,
+    on_start: &(dyn Fn() + Sync),
     on_piece: &(dyn Fn(&str) + Sync),
 ) -> CliResult<Generation> {
     // What is wrong with the split as such is said once, before any rank starts.
@@ -42,6 +44,9 @@ pub fn generate_split(
                         .take(rank, r.tp)
                         .and_then(|(b, c)| Ok(file.checkpoint.load_rank(b, c)?));
                     let mut model = start.cross(rank, model).map_err(Failure::usage)?;
+                    if rank == 0 {
+                        on_start();
+                    }
                     let mut sampler = Sampler::new(r.sampler.clone());
                     let g = generate(
                         &mut model,
