@@ -1,11 +1,13 @@
-//! `kiln bench --tp N`: llama-bench's pp and tg tests on a model split over N GPUs of this
-//! machine (`kiln_models::tp`), a thread and a CUDA backend per GPU, summing through NCCL.
-//! Every rank runs the same steps; each picks the same next token on its own device (the
-//! all-reduce leaves every rank the same hidden state), and rank 0's clock is reported.
+//! `kiln bench --tp N`: llama-bench's pp and tg tests on a model split over N ranks
+//! (`kiln_models::tp`; GPUs through NCCL, or with --device cpu shares of the CPU: see
+//! `ranks`), a thread each. Every rank runs the same steps; each picks the same next token
+//! on its own device (the all-reduce leaves every rank the same hidden state), and rank
+//! 0's clock is reported.
 
 use crate::console::{CliResult, Failure};
+use crate::model_file::DeviceChoice;
+use crate::ranks::Ranks;
 use kiln_core::{Backend, Collective, DType};
-use kiln_cuda::{CudaBackend, NcclId};
 use kiln_dist::start::StartLine;
 use kiln_io::gguf::GgufFile;
 use kiln_models::{Model, SyntheticShape, SyntheticType};
@@ -15,6 +17,8 @@ use std::time::Instant;
 
 pub struct TpBench {
     pub tp: usize,
+    pub device: DeviceChoice,
+    pub threads: Option<usize>,
     pub model: Option<PathBuf>,
     pub synthetic: Option<String>,
     pub ty: String,
@@ -24,8 +28,9 @@ pub struct TpBench {
     pub kv_type: Option<DType>,
 }
 
-/// A rank's measurements: each test's name and the tokens/s of its timed repetitions.
-type Measured = Vec<(String, Vec<f64>)>;
+/// A rank's device, and its measurements: each test's name and the tokens/s of its timed
+/// repetitions.
+type Measured = (String, Vec<(String, Vec<f64>)>);
 
 /// One rank's model.
 fn load(b: &TpBench, backend: Arc<dyn Backend>, c: Arc<dyn Collective>) -> CliResult<Model> {
@@ -51,17 +56,21 @@ fn load(b: &TpBench, backend: Arc<dyn Backend>, c: Arc<dyn Collective>) -> CliRe
 fn rank_run(
     b: &TpBench,
     rank: usize,
-    id: &NcclId,
+    ranks: &Ranks,
     start: &StartLine,
     barrier: &Barrier,
 ) -> CliResult<Measured> {
-    let setup = || -> CliResult<Model> {
-        let cuda = Arc::new(CudaBackend::new(rank)?);
-        let comm: Arc<dyn Collective> = Arc::new(cuda.communicator(id, rank, b.tp)?);
-        load(b, cuda, comm)
+    let setup = || -> CliResult<(Model, String)> {
+        let (backend, c) = ranks.take(rank, b.tp)?;
+        let describe = backend.describe();
+        Ok((load(b, backend, c)?, describe))
     };
-    let mut model = start.cross(rank, setup()).map_err(Failure::usage)?;
-    let kv = b.kv_type.unwrap_or(DType::F16);
+    let (mut model, describe) = start.cross(rank, setup()).map_err(Failure::usage)?;
+    // F16 keys and values on GPUs, F32 on the CPU, as on one device.
+    let kv = b.kv_type.unwrap_or(match b.device {
+        DeviceChoice::Cpu => DType::F32,
+        _ => DType::F16,
+    });
     let ctx = b.prompt.max(b.gen) + 1;
     let mut cache = model.new_cache(ctx, kv)?;
     let vocab = model.config.vocab_size as u32;
@@ -94,25 +103,21 @@ fn rank_run(
         };
         out.push((test, speeds));
     }
-    Ok(out)
+    Ok((describe, out))
 }
 
 pub fn run(b: &TpBench) -> CliResult<String> {
-    let gpus = kiln_cuda::devices()?.len();
-    if b.tp < 2 || b.tp > gpus {
-        return Err(Failure::usage(format!(
-            "--tp {}: this machine has {gpus} GPU(s); give 2 to {gpus}",
-            b.tp
-        )));
+    if b.tp < 2 {
+        return Err(Failure::usage(format!("--tp {}: give 2 or more", b.tp)));
     }
-    let id = NcclId::new()?;
+    let ranks = Ranks::new("--tp", b.tp, b.device, b.threads)?;
     let barrier = Barrier::new(b.tp);
     let start = StartLine::new(b.tp);
     let results: Vec<CliResult<Measured>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..b.tp)
             .map(|rank| {
-                let (id, start, barrier) = (&id, &start, &barrier);
-                s.spawn(move || rank_run(b, rank, id, start, barrier))
+                let (ranks, start, barrier) = (&ranks, &start, &barrier);
+                s.spawn(move || rank_run(b, rank, ranks, start, barrier))
             })
             .collect();
         handles
@@ -123,10 +128,10 @@ pub fn run(b: &TpBench) -> CliResult<String> {
             })
             .collect()
     });
-    // Ranks that failed at the start all report the same list: rank 0's says it.
-    let mut ranks = Vec::new();
+    // Ranks that failed at the start all report the same message: rank 0's says it.
+    let mut measured = Vec::new();
     for r in results {
-        ranks.push(r?);
+        measured.push(r?);
     }
     let name = match (&b.model, &b.synthetic) {
         (Some(p), _) => p.display().to_string(),
@@ -134,13 +139,14 @@ pub fn run(b: &TpBench) -> CliResult<String> {
         _ => String::new(),
     };
     let mut out = String::from("| model | device | test | t/s |\n|---|---|---|---:|\n");
-    for (test, speeds) in &ranks[0] {
+    let (device, tests) = &measured[0];
+    for (test, speeds) in tests {
         let mean = speeds.iter().sum::<f64>() / speeds.len() as f64;
         let sd = (speeds.iter().map(|v| (v - mean).powi(2)).sum::<f64>()
             / (speeds.len().max(2) - 1) as f64)
             .sqrt();
         out += &format!(
-            "| {name} | cuda × {} (NCCL) | {test} | {mean:.2} ± {sd:.2} |\n",
+            "| {name} | {device} × {} | {test} | {mean:.2} ± {sd:.2} |\n",
             b.tp
         );
     }

@@ -156,6 +156,8 @@ fn bench(a: BenchArgs) -> CliResult {
     let text = if let Some(tp) = a.tp {
         bench_tp::run(&bench_tp::TpBench {
             tp,
+            device: a.device,
+            threads: a.threads,
             model: a.model,
             synthetic: a.synthetic,
             ty: a.ty,

@@ -556,6 +556,30 @@ fn a_model_split_over_two_ranks_generates_the_same_text() {
     let split = json(&["--tp", "2"]);
     assert_eq!(split["tokens"], whole["tokens"]);
     assert_eq!(split["text"], whole["text"]);
+    // The bench runs the split too: a pp and a tg row, named after the ranks' device.
+    let o = kiln(&[
+        "bench",
+        "-m",
+        "models/kiln-default.gguf",
+        "--tp",
+        "2",
+        "--device",
+        "cpu",
+        "-p",
+        "8",
+        "-n",
+        "8",
+        "-r",
+        "1",
+        "-t",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    assert!(
+        table.contains("× 2 | pp8 |") && table.contains("× 2 | tg8 |"),
+        "{table}"
+    );
     for (tp, want) in [
         ("3", "4 attention heads do not divide among 3 ranks"),
         ("4", "cut its q8_0 blocks"),
