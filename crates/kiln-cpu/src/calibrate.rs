@@ -29,7 +29,7 @@ pub(crate) const FROM_BYTES: usize = 4 << 20;
 /// Floats consume bytes faster, so their range reaches further.
 fn candidates(kind: Stream) -> &'static [usize] {
     match kind {
-        Stream::Quant => &[0, 1024, 2048, 4096, 8192],
+        Stream::Quant | Stream::Q8 => &[0, 1024, 2048, 4096, 8192],
         Stream::Float => &[0, 2048, 4096, 8192, 16384],
     }
 }
@@ -39,12 +39,12 @@ fn candidates(kind: Stream) -> &'static [usize] {
 const ROUNDS: usize = 3;
 
 /// The kind of stream that a weight of `dtype` is read by in decode, if its distance is
-/// measured: quantized weights in panels or Q8_0, float weights where they go one row at
-/// a time.
+/// measured: quantized weights in panels, and Q8_0 and float weights where they go one
+/// row at a time.
 pub(crate) fn stream_of(dtype: DType, in_panels: bool) -> Option<Stream> {
     match dtype {
         _ if in_panels => Some(Stream::Quant),
-        DType::Q8_0 if gemv::available() && Plan::get().one_row => Some(Stream::Quant),
+        DType::Q8_0 if gemv::available() && Plan::get().one_row => Some(Stream::Q8),
         DType::F16 | DType::BF16 | DType::F32 if gemv::available() && Plan::get().one_row => {
             Some(Stream::Float)
         }
@@ -56,7 +56,7 @@ pub(crate) fn stream_of(dtype: DType, in_panels: bool) -> Option<Stream> {
 /// `KILN_CPU_PREFETCH_AHEAD`. A machine where the measuring cannot run keeps the plan's
 /// distance.
 pub(crate) fn ensure(pool: &Pool, kind: Stream) {
-    static ONCE: [Once; 2] = [Once::new(), Once::new()];
+    static ONCE: [Once; 3] = [Once::new(), Once::new(), Once::new()];
     if stream::forced_ahead().is_some() {
         return;
     }
@@ -127,6 +127,35 @@ fn measure(pool: &Pool, kind: Stream, bytes: usize) -> Option<(usize, Vec<(usize
                 let _ = panels::matmul_q4_0(pool, &w, &x, &mut out, 1);
             })
         }
+        Stream::Q8 => {
+            if !(gemv::available() && Plan::get().one_row) {
+                return None;
+            }
+            let rows = bytes / (cols / QK * 34);
+            let mut w = Vec::new();
+            w.try_reserve_exact(rows * cols / QK).ok()?;
+            // Written blocks (not the zero page): a scale of 1, quants of 1.
+            w.resize(
+                rows * cols / QK,
+                BlockQ8_0 {
+                    d: f16::ONE,
+                    qs: [1; QK],
+                },
+            );
+            let x = vec![BlockQ8_0::zeroed(); cols / QK];
+            let mut out = vec![0f32; rows];
+            Box::new(move || {
+                gemv::q8_0::matvec_rows::<BlockQ8_0, 1>(
+                    pool,
+                    &w,
+                    &x,
+                    &mut out,
+                    rows,
+                    cols,
+                    crate::dot::dot_q8_0,
+                )
+            })
+        }
         Stream::Float => {
             if !(gemv::available() && Plan::get().one_row) {
                 return None;
@@ -175,7 +204,7 @@ mod tests {
     #[test]
     fn measuring_picks_a_candidate() {
         let pool = Pool::new(2).unwrap();
-        for kind in [Stream::Quant, Stream::Float] {
+        for kind in [Stream::Quant, Stream::Float, Stream::Q8] {
             let before = stream::ahead(kind);
             match measure(&pool, kind, 1 << 20) {
                 Some((best, times)) => {

@@ -157,7 +157,7 @@ mod x86 {
                 _mm512_set1_epi32(size),
             );
             let mut acc = [_mm512_setzero_ps(); R];
-            let ahead = crate::stream::ahead(crate::stream::Stream::Quant);
+            let ahead = crate::stream::ahead(crate::stream::Stream::Q8);
             for g in 0..groups {
                 let dxg = _mm512_loadu_ps(dx.as_ptr().add(GROUP * g));
                 // Per row: the 16 blocks' scales times the activation blocks' scales.
@@ -216,8 +216,8 @@ pub(crate) fn matvec<W: PairBlock + avx2::Block>(
     }
 }
 
-/// [`matvec`], `R` weight rows at a time.
-fn matvec_rows<W: PairBlock, const R: usize>(
+/// [`matvec`], `R` weight rows at a time. Requires [`available()`].
+pub(crate) fn matvec_rows<W: PairBlock, const R: usize>(
     pool: &Pool,
     w: &[W],
     x: &[BlockQ8_0],
