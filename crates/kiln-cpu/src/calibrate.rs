@@ -16,7 +16,7 @@ use crate::pool::Pool;
 use crate::stream::{self, Plan, Stream};
 use bytemuck::Zeroable;
 use half::f16;
-use kiln_core::quant::{BlockQ8_0, QK};
+use kiln_core::quant::{BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K};
 use kiln_core::DType;
 use std::sync::Once;
 use std::time::{Duration, Instant};
@@ -29,7 +29,7 @@ pub(crate) const FROM_BYTES: usize = 4 << 20;
 /// Floats consume bytes faster, so their range reaches further.
 fn candidates(kind: Stream) -> &'static [usize] {
     match kind {
-        Stream::Quant | Stream::Q8 => &[0, 1024, 2048, 4096, 8192],
+        Stream::Quant | Stream::Q8 | Stream::Q6K => &[0, 1024, 2048, 4096, 8192],
         Stream::Float => &[0, 2048, 4096, 8192, 16384],
     }
 }
@@ -39,12 +39,13 @@ fn candidates(kind: Stream) -> &'static [usize] {
 const ROUNDS: usize = 3;
 
 /// The kind of stream that a weight of `dtype` is read by in decode, if its distance is
-/// measured: quantized weights in panels, and Q8_0 and float weights where they go one
-/// row at a time.
+/// measured: quantized weights in panels, and Q8_0, Q6_K and float weights where they go
+/// one row at a time.
 pub(crate) fn stream_of(dtype: DType, in_panels: bool) -> Option<Stream> {
     match dtype {
         _ if in_panels => Some(Stream::Quant),
         DType::Q8_0 if gemv::available() && Plan::get().one_row => Some(Stream::Q8),
+        DType::Q6_K if gemv::available() && Plan::get().one_row => Some(Stream::Q6K),
         DType::F16 | DType::BF16 | DType::F32 if gemv::available() && Plan::get().one_row => {
             Some(Stream::Float)
         }
@@ -56,7 +57,7 @@ pub(crate) fn stream_of(dtype: DType, in_panels: bool) -> Option<Stream> {
 /// `KILN_CPU_PREFETCH_AHEAD`. A machine where the measuring cannot run keeps the plan's
 /// distance.
 pub(crate) fn ensure(pool: &Pool, kind: Stream) {
-    static ONCE: [Once; 3] = [Once::new(), Once::new(), Once::new()];
+    static ONCE: [Once; 4] = [Once::new(), Once::new(), Once::new(), Once::new()];
     if stream::forced_ahead().is_some() {
         return;
     }
@@ -156,6 +157,19 @@ fn measure(pool: &Pool, kind: Stream, bytes: usize) -> Option<(usize, Vec<(usize
                 )
             })
         }
+        Stream::Q6K => {
+            if !(gemv::available() && Plan::get().one_row) {
+                return None;
+            }
+            let nb = cols / QK_K;
+            let rows = bytes / (nb * std::mem::size_of::<BlockQ6K>());
+            let mut w = Vec::new();
+            w.try_reserve_exact(rows * nb).ok()?;
+            w.resize(rows * nb, BlockQ6K::zeroed());
+            let x = vec![BlockQ8K::zeroed(); nb];
+            let mut out = vec![0f32; rows];
+            Box::new(move || gemv::k_quants::matvec_q6k_rows::<1>(pool, &w, &x, &mut out, rows))
+        }
         Stream::Float => {
             if !(gemv::available() && Plan::get().one_row) {
                 return None;
@@ -204,7 +218,7 @@ mod tests {
     #[test]
     fn measuring_picks_a_candidate() {
         let pool = Pool::new(2).unwrap();
-        for kind in [Stream::Quant, Stream::Float, Stream::Q8] {
+        for kind in [Stream::Quant, Stream::Float, Stream::Q8, Stream::Q6K] {
             let before = stream::ahead(kind);
             match measure(&pool, kind, 1 << 20) {
                 Some((best, times)) => {

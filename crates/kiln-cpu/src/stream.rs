@@ -11,8 +11,9 @@
 //!   few L1 miss buffers until it lands); Q8_0 one row at a time, one sequential stream.
 //! - AMD Zen 5 (session 15): one row at a time for floats too (F16 decode 14.6 → 17.0
 //!   t/s), and a stream prefetched 4-8 KiB ahead instead of 1 KiB (Q4_0 in panels 45 →
-//!   53 t/s, Q8_0 31 → 35, F16 21 → 24); Zen 4 had read Q8_0 fastest with no software
-//!   prefetch at all, which is why each kind of stream is measured apart.
+//!   53 t/s, Q8_0 31 → 35, F16 21 → 24), Q6_K one row at a time as well (Q4_K_M 55 → 58);
+//!   Zen 4 had read Q8_0 fastest with no software prefetch at all, which is why each
+//!   kind of stream is measured apart.
 //!
 //! The distance ahead is the quantity that depends most on the machine (bytes in flight
 //! = the rate a core consumes × the memory's latency), so it is measured on the machine
@@ -72,13 +73,14 @@ fn cpu_is_amd() -> bool {
 
 /// The kinds of stream, which consume bytes at different rates and so may want different
 /// distances: quantized weights in panels (unpacking nibbles takes time per byte), Q8_0
-/// rows (a byte a weight, one row at a time), and float weights (a conversion and an FMA
-/// per 16 weights: near the memory's own rate). Each is measured with its own kernel.
+/// and Q6_K rows (one row at a time), and float weights (a conversion and an FMA per 16
+/// weights: near the memory's own rate). Each is measured with its own kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Stream {
     Quant,
     Float,
     Q8,
+    Q6K,
 }
 
 impl Stream {
@@ -91,7 +93,7 @@ impl Stream {
     fn default_ahead(self) -> usize {
         match (Plan::get().one_row, self) {
             (false, _) => 1024,
-            (true, Stream::Quant | Stream::Q8) => 4096,
+            (true, Stream::Quant | Stream::Q8 | Stream::Q6K) => 4096,
             (true, Stream::Float) => 8192,
         }
     }
@@ -118,7 +120,8 @@ pub(crate) fn forced_ahead() -> Option<usize> {
 const UNSET: usize = usize::MAX;
 
 /// Each stream's distance, [`UNSET`] until first read.
-static AHEAD: [AtomicUsize; 3] = [
+static AHEAD: [AtomicUsize; 4] = [
+    AtomicUsize::new(UNSET),
     AtomicUsize::new(UNSET),
     AtomicUsize::new(UNSET),
     AtomicUsize::new(UNSET),

@@ -10,6 +10,7 @@
 
 use super::{available, avx2, by_groups, ROWS};
 use crate::pool::Pool;
+use crate::stream::Plan;
 use kiln_core::quant::{BlockQ4K, BlockQ6K, BlockQ8K, QK_K};
 
 /// One Q8_K block laid out for the Q4_K kernel.
@@ -135,12 +136,13 @@ mod x86 {
     /// # Safety
     /// AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn rows_q6k(w: [&[BlockQ6K]; ROWS], x: &[BlockQ8K]) -> [f32; ROWS] {
+    pub(super) unsafe fn rows_q6k<const R: usize>(w: [&[BlockQ6K]; R], x: &[BlockQ8K]) -> [f32; R] {
         assert!(w.iter().all(|r| r.len() == x.len()));
+        let distance = crate::stream::ahead(crate::stream::Stream::Q6K);
         // SAFETY: as in `rows_q4k`.
         unsafe {
             let idx = q6k_scale_index();
-            let mut acc = [_mm512_setzero_ps(); ROWS];
+            let mut acc = [_mm512_setzero_ps(); R];
             for (b, xb) in x.iter().enumerate() {
                 let y: [__m512i; 4] = std::array::from_fn(|i| {
                     _mm512_loadu_si512(xb.qs.as_ptr().add(64 * i) as *const _)
@@ -148,7 +150,14 @@ mod x86 {
                 let bsums = _mm256_loadu_si256(xb.bsums.as_ptr() as *const __m256i);
                 for (r, row) in w.iter().enumerate() {
                     let blk = row.get_unchecked(b);
-                    prefetch_ahead(blk, row.len());
+                    if R > 1 {
+                        prefetch_ahead(blk, row.len());
+                    } else if distance > 0 {
+                        let on = (blk as *const BlockQ6K as *const u8).wrapping_add(distance);
+                        for off in (0..std::mem::size_of::<BlockQ6K>()).step_by(64) {
+                            prefetch(on.wrapping_add(off));
+                        }
+                    }
                     let (d, _) = f16x2_times(blk.d.to_bits(), 0, xb.d);
                     let total = q6k_block(blk, &y, bsums, &idx);
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(total), acc[r]);
@@ -185,12 +194,31 @@ pub(crate) fn matvec_q6k(pool: &Pool, w: &[BlockQ6K], x: &[BlockQ8K], out: &mut 
     if crate::dot::isa() == crate::dot::Isa::Avx2 {
         return avx2::matmul_q6k(pool, w, x, out, 1, m);
     }
+    if Plan::get().one_row {
+        matvec_q6k_rows::<1>(pool, w, x, out, m)
+    } else {
+        matvec_q6k_rows::<ROWS>(pool, w, x, out, m)
+    }
+}
+
+/// [`matvec_q6k`], `R` rows at a time: with one, a sequential stream prefetched
+/// [`crate::stream::ahead`] bytes on, as Q8_0's (Q6_K's 6.6 bits a weight make it as
+/// much memory's as compute's; measured one row at a time on a Zen 5, Q4_K_M decode,
+/// whose FFN down projections are Q6_K in half the layers: 54.6-55.2 → 57.2-58.3 t/s).
+/// Requires [`available()`].
+pub(crate) fn matvec_q6k_rows<const R: usize>(
+    pool: &Pool,
+    w: &[BlockQ6K],
+    x: &[BlockQ8K],
+    out: &mut [f32],
+    m: usize,
+) {
     assert!(available(), "matvec kernel needs AVX-512 VNNI");
     let nb = x.len();
     assert!(w.len() >= m * nb && out.len() >= m);
-    by_groups::<ROWS>(pool, out, m, |r| {
+    by_groups::<R>(pool, out, m, |r| {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `matvec_q4k`.
+        // SAFETY: `available()` (asserted above) means AVX-512 VNNI and its companions.
         return unsafe { x86::rows_q6k(r.map(|r| &w[r * nb..][..nb]), x) };
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("checked by available()")
@@ -268,5 +296,16 @@ mod tests {
             return;
         }
         check::<BlockQ6K>(DType::Q6_K, matvec_q6k, dot::dot_q6_k);
+    }
+
+    /// Both row plans of Q6_K, whichever this CPU's vendor picks.
+    #[test]
+    fn q6_k_one_and_four_rows_match_dot() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI: the AVX-512 matvec kernels are not testable here");
+            return;
+        }
+        check::<BlockQ6K>(DType::Q6_K, matvec_q6k_rows::<1>, dot::dot_q6_k);
+        check::<BlockQ6K>(DType::Q6_K, matvec_q6k_rows::<ROWS>, dot::dot_q6_k);
     }
 }
