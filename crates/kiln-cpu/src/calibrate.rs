@@ -61,7 +61,7 @@ pub(crate) fn ensure(pool: &Pool, kind: Stream) {
     if stream::forced_ahead().is_some() {
         return;
     }
-    ONCE[kind as usize].call_once(|| {
+    ONCE[kind.index()].call_once(|| {
         let before = stream::ahead(kind);
         match measure(pool, kind, working_set()) {
             Some((best, times)) => {

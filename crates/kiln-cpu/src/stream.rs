@@ -84,7 +84,7 @@ pub(crate) enum Stream {
 }
 
 impl Stream {
-    fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         self as usize
     }
 
