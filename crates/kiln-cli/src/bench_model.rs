@@ -79,7 +79,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
         (None, Some(shape)) => {
             let s = SyntheticShape::from_name(shape).ok_or_else(|| {
                 Failure::usage(format!(
-                    "--synthetic {shape}: the shapes are tinyllama-1.1b and llama3-8b"
+                    "--synthetic {shape}: the shapes are tinyllama-1.1b, llama3-8b and llama3-70b"
                 ))
             })?;
             let t = SyntheticType::from_name(&b.ty).ok_or_else(|| {

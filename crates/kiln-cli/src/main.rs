@@ -84,7 +84,8 @@ struct BenchArgs {
     /// Model file or Hugging Face directory.
     #[arg(short = 'm', long, conflicts_with_all = ["synthetic", "kernels", "optimizer", "train"])]
     model: Option<PathBuf>,
-    /// A random-weight model of a known shape: tinyllama-1.1b or llama3-8b.
+    /// A random-weight model of a known shape: tinyllama-1.1b, llama3-8b or llama3-70b
+    /// (split that one with --tp).
     #[arg(long, conflicts_with_all = ["kernels", "optimizer", "train"])]
     synthetic: Option<String>,
     /// Weight type of a synthetic model: f32, f16, bf16, q8_0, q4_0, q4_k_m.

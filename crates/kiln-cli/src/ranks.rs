@@ -6,7 +6,7 @@ use crate::console::{CliResult, Failure};
 use crate::model_file::DeviceChoice;
 use kiln_core::{Backend, Collective};
 use kiln_cpu::CpuBackend;
-use kiln_cuda::{CudaBackend, NcclId};
+use kiln_cuda::{CudaBackend, NcclId, PeerBoard};
 use std::sync::{Arc, Mutex};
 
 /// A CPU rank's backend and its end of the host group, until the rank takes them.
@@ -14,7 +14,8 @@ type CpuRank = Option<(Arc<dyn Backend>, kiln_dist::host::HostCollective)>;
 
 /// Where the ranks run and how they sum.
 pub(crate) enum Ranks {
-    Cuda(NcclId),
+    /// NCCL's id, and the board where the ranks set up the one-shot all-reduce.
+    Cuda(NcclId, Arc<PeerBoard>),
     /// One group of host collectives, taken by the ranks in turn.
     Cpu(Mutex<Vec<CpuRank>>),
 }
@@ -47,7 +48,7 @@ impl Ranks {
                         "{flag} {n}: this machine has {gpus} NVIDIA GPU(s) (--device cpu splits over the CPU's threads)"
                     )));
                 }
-                Ok(Ranks::Cuda(NcclId::new()?))
+                Ok(Ranks::Cuda(NcclId::new()?, PeerBoard::new(n)?))
             }
             other => Err(Failure::usage(format!(
                 "{flag} with --device {other}: the ranks are cuda:0..N (--device cuda) or the CPU (--device cpu)"
@@ -62,9 +63,10 @@ impl Ranks {
         world: usize,
     ) -> CliResult<(Arc<dyn Backend>, Arc<dyn Collective>)> {
         match self {
-            Ranks::Cuda(id) => {
+            Ranks::Cuda(id, board) => {
                 let cuda = Arc::new(CudaBackend::new(rank)?);
-                let comm: Arc<dyn Collective> = Arc::new(cuda.communicator(id, rank, world)?);
+                let comm: Arc<dyn Collective> =
+                    Arc::new(cuda.communicator_in_process(id, board, rank, world)?);
                 Ok((cuda, comm))
             }
             Ranks::Cpu(slots) => {

@@ -7,11 +7,16 @@
 //! receive its 128 bytes (`kiln_dist::rendezvous` between processes or hosts, a copy
 //! between threads of one process); each then calls [`CudaBackend::communicator`] with its
 //! rank. NCCL's initialisation blocks until every rank has joined.
+//!
+//! Ranks that are threads of one process may also meet on a [`PeerBoard`]
+//! ([`CudaBackend::communicator_in_process`]): small sums then take the one-shot kernel
+//! over peer memory where it measured faster (see `one_shot`).
 
+use crate::one_shot::{OneShot, PeerBoard, Probe};
 use crate::{ptr, CudaBackend};
 use cudarc::nccl::{result as nccl, sys};
 use kiln_core::{Collective, DType, Error, Result, Tensor};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Whether NCCL's library can be loaded here.
 pub fn nccl_available() -> bool {
@@ -24,6 +29,19 @@ fn unavailable() -> Error {
         "NCCL (libnccl.so.2) is not installed here: several GPUs need it (NVIDIA's nccl package, or pip's nvidia-nccl-cu13 with its lib folder on LD_LIBRARY_PATH)"
             .into(),
     )
+}
+
+fn nccl_type(dtype: DType) -> Result<sys::ncclDataType_t> {
+    Ok(match dtype {
+        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+        DType::F16 => sys::ncclDataType_t::ncclFloat16,
+        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        other => {
+            return Err(Error::unsupported(format!(
+                "all-reduce of {other} tensors (F32, F16, BF16)"
+            )))
+        }
+    })
 }
 
 fn nccl_error(what: &str, e: nccl::NcclError) -> Error {
@@ -63,6 +81,8 @@ pub struct Communicator {
     calls: Mutex<()>,
     /// Set once the communicator is aborted: calls then fail, and drop leaves it be.
     aborted: std::sync::atomic::AtomicBool,
+    /// The one-shot path and the backend it launches on, where the ranks set it up.
+    one_shot: Option<(Arc<CudaBackend>, OneShot)>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time: `calls`
@@ -103,7 +123,27 @@ impl CudaBackend {
             world,
             calls: Mutex::new(()),
             aborted: std::sync::atomic::AtomicBool::new(false),
+            one_shot: None,
         })
+    }
+
+    /// [`CudaBackend::communicator`] for ranks that are threads of this process, all
+    /// meeting on `board`: sums of the sizes where the one-shot kernel measured faster
+    /// than NCCL take it (where every pair of the GPUs reaches the other's memory).
+    pub fn communicator_in_process(
+        self: &Arc<Self>,
+        id: &NcclId,
+        board: &PeerBoard,
+        rank: usize,
+        world: usize,
+    ) -> Result<Communicator> {
+        let mut comm = self.communicator(id, rank, world)?;
+        if world > 1 {
+            let nccl = |t: &mut Tensor| comm.nccl_all_reduce(t);
+            let one_shot = OneShot::join(self, &nccl, board, rank, world)?;
+            comm.one_shot = one_shot.map(|o| (self.clone(), o));
+        }
+        Ok(comm)
     }
 }
 
@@ -124,16 +164,7 @@ impl Collective for Communicator {
     /// `t` becomes the sum of every rank's `t`, elementwise, in place (F32, F16 or BF16):
     /// queued on the stream like any op.
     fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
-        let ty = match t.dtype() {
-            DType::F32 => sys::ncclDataType_t::ncclFloat32,
-            DType::F16 => sys::ncclDataType_t::ncclFloat16,
-            DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
-            other => {
-                return Err(Error::unsupported(format!(
-                    "all-reduce of {other} tensors (F32, F16, BF16)"
-                )))
-            }
-        };
+        nccl_type(t.dtype())?;
         if t.device() != kiln_core::Device::Cuda(self.ordinal) {
             return Err(Error::Device(format!(
                 "rank {}'s communicator is on cuda:{}, the tensor on {}",
@@ -142,14 +173,39 @@ impl Collective for Communicator {
                 t.device()
             )));
         }
-        let p = ptr(t)? as *mut std::ffi::c_void;
-        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((backend, one)) = self.one_shot.as_ref().filter(|(_, o)| o.takes(t)) {
+            let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+            self.check_live()?;
+            return one.all_reduce(backend, t, self.rank, self.world);
+        }
+        self.nccl_all_reduce(t)
+    }
+}
+
+impl Communicator {
+    /// The one-shot path's largest sum in bytes, and what was measured to choose it,
+    /// where this rank has the path.
+    pub fn one_shot(&self) -> Option<(usize, Vec<Probe>)> {
+        self.one_shot
+            .as_ref()
+            .map(|(_, o)| (o.max_bytes, o.probes.clone()))
+    }
+
+    fn check_live(&self) -> Result<()> {
         if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(Error::Device(format!(
                 "rank {}'s communicator was aborted",
                 self.rank
             )));
         }
+        Ok(())
+    }
+
+    fn nccl_all_reduce(&self, t: &mut Tensor) -> Result<()> {
+        let ty = nccl_type(t.dtype())?;
+        let p = ptr(t)? as *mut std::ffi::c_void;
+        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_live()?;
         // SAFETY: `p` addresses the tensor's `numel` elements of `ty` on this rank's
         // device; the tensor is borrowed mutably, and the stream orders the reduction
         // after the ops that wrote it and before those that read it.
@@ -167,9 +223,7 @@ impl Collective for Communicator {
         .map_err(|e| nccl_error(&format!("all-reduce on rank {}", self.rank), e))?;
         Ok(())
     }
-}
 
-impl Communicator {
     /// Abort the communicator (NCCL's way out of a hang: it may be called while another
     /// thread waits in one of its collectives, which then returns an error).
     fn abort_once(&self) {

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// Every kernel file, in the order they are joined (the shared header first).
-const SOURCES: [(&str, &str); 13] = [
+const SOURCES: [(&str, &str); 14] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dot_float.cu", include_str!("kernels/dot_float.cu")),
     ("dot_q8.cu", include_str!("kernels/dot_q8.cu")),
@@ -26,6 +26,7 @@ const SOURCES: [(&str, &str); 13] = [
     ("sample.cu", include_str!("kernels/sample.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
     ("grad.cu", include_str!("kernels/grad.cu")),
+    ("collective.cu", include_str!("kernels/collective.cu")),
 ];
 
 const MAGIC: &[u8; 8] = b"KILNCUBN";

@@ -17,6 +17,7 @@ mod kernels;
 mod matmul;
 mod memory;
 mod norm;
+mod one_shot;
 mod optim;
 mod sample;
 
@@ -24,6 +25,7 @@ pub use collective::{nccl_available, Communicator, NcclId};
 pub use compile::CacheOutcome;
 pub use device::{devices, peer_links, DeviceInfo, PeerLink};
 pub use memory::CudaStorage;
+pub use one_shot::{PeerBoard, Probe};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use kernels::{Arg, Kernels};

@@ -117,3 +117,101 @@ fn a_rank_on_every_gpu_sums_its_tensors() {
         }
     }
 }
+
+/// The one-shot path (ranks of one process on a `PeerBoard`), forced for every size it
+/// takes: sums of decode's sizes exact on every rank, eagerly and replayed from a
+/// recorded graph with new values each time (the epochs and parities on the device), and
+/// what NCCL keeps (BF16, a length not a multiple of 4) still right. Then a board that
+/// measures prints where the one-shot path pays (`--nocapture`).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn one_shot_sums_match_on_every_rank() {
+    use kiln_cuda::PeerBoard;
+    let gpus = kiln_cuda::devices().unwrap().len();
+    if gpus < 2 {
+        eprintln!("SKIPPED: one GPU here; the all-reduce between GPUs needs two or more");
+        return;
+    }
+    for world in (2..=gpus).filter(|w| *w == 2 || *w == gpus) {
+        let (id, id2) = (NcclId::new().unwrap(), NcclId::new().unwrap());
+        let forced = PeerBoard::with_max_bytes(world, Some(1 << 20));
+        let measured = PeerBoard::with_max_bytes(world, None);
+        let lines: Vec<Vec<String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let (id, id2, forced, measured) = (&id, &id2, &forced, &measured);
+                    s.spawn(move || {
+                        let b = Arc::new(CudaBackend::new(rank).unwrap());
+                        let comm = b.communicator_in_process(id, forced, rank, world).unwrap();
+                        assert_eq!(comm.one_shot().map(|o| o.0), Some(1 << 20));
+                        let check = |t: &Tensor, n: usize, salt: usize, what: &str| {
+                            let got = download(&b, t);
+                            for (i, &g) in got.iter().enumerate().take(n) {
+                                let want: f32 = (0..world).map(|r| value(r + salt, i)).sum();
+                                assert_eq!(g, want, "rank {rank} of {world}, {what}, element {i}");
+                            }
+                        };
+                        for (dtype, n) in [
+                            (DType::F32, 4096),
+                            (DType::F32, 8192),
+                            (DType::F32, 4100),
+                            (DType::F32, 1 << 18),
+                            (DType::F32, 4099),
+                            (DType::BF16, 8192),
+                        ] {
+                            for salt in 0..3 {
+                                let mine: Vec<f32> =
+                                    (0..n).map(|i| value(rank + salt, i)).collect();
+                                let mut t = upload(&b, dtype, &mine);
+                                comm.all_reduce_sum(&mut t).unwrap();
+                                check(&t, n, salt, &format!("{dtype} × {n}"));
+                            }
+                        }
+                        // Recorded once, replayed with new values: every replay advances
+                        // the epochs on the device.
+                        let n = 4096;
+                        let mut t = upload(&b, DType::F32, &vec![0.0; n]);
+                        let replay = b
+                            .capture(&mut || comm.all_reduce_sum(&mut t))
+                            .unwrap()
+                            .expect("CUDA records");
+                        for salt in 0..5 {
+                            let mine: Vec<f32> = (0..n).map(|i| value(rank + salt, i)).collect();
+                            b.write(&mut t, &quant::quantize(DType::F32, &mine).unwrap())
+                                .unwrap();
+                            replay.replay().unwrap();
+                            check(&t, n, salt, "replayed");
+                        }
+                        drop(replay);
+                        drop(comm);
+                        // A measured board: what was timed, both ways.
+                        b.communicator_in_process(id2, measured, rank, world)
+                            .unwrap()
+                            .one_shot()
+                            .map(|(max, probes)| {
+                                let mut lines =
+                                    vec![format!("{world} GPUs: one-shot up to {} KiB", max >> 10)];
+                                for p in probes {
+                                    lines.push(format!(
+                                        "  {} KiB: NCCL {:.1} µs, one-shot {:.1} µs",
+                                        p.bytes >> 10,
+                                        p.nccl_us,
+                                        p.one_shot_us
+                                    ));
+                                }
+                                lines
+                            })
+                            .unwrap_or_else(|| vec![format!("{world} GPUs: one-shot off")])
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a rank panicked"))
+                .collect()
+        });
+        for line in &lines[0] {
+            println!("{line}");
+        }
+    }
+}

@@ -16,6 +16,8 @@ use std::sync::Arc;
 pub enum SyntheticShape {
     TinyLlama,
     Llama3_8b,
+    /// Too large for one GPU in BF16 (141 GB): for `kiln bench --tp`.
+    Llama3_70b,
 }
 
 impl SyntheticShape {
@@ -23,6 +25,7 @@ impl SyntheticShape {
         match name {
             "tinyllama-1.1b" => Some(SyntheticShape::TinyLlama),
             "llama3-8b" => Some(SyntheticShape::Llama3_8b),
+            "llama3-70b" => Some(SyntheticShape::Llama3_70b),
             _ => None,
         }
     }
@@ -31,6 +34,7 @@ impl SyntheticShape {
         match self {
             SyntheticShape::TinyLlama => "tinyllama-1.1b",
             SyntheticShape::Llama3_8b => "llama3-8b",
+            SyntheticShape::Llama3_70b => "llama3-70b",
         }
     }
 
@@ -39,6 +43,7 @@ impl SyntheticShape {
         let (vocab, dim, ffn, layers, heads, kv, theta, ctx) = match self {
             SyntheticShape::TinyLlama => (32000, 2048, 5632, 22, 32, 4, 10000.0, 2048),
             SyntheticShape::Llama3_8b => (128256, 4096, 14336, 32, 32, 8, 500000.0, 8192),
+            SyntheticShape::Llama3_70b => (128256, 8192, 28672, 80, 64, 8, 500000.0, 8192),
         };
         let head_dim = dim / heads;
         ModelConfig {

@@ -129,13 +129,13 @@ fn models_outside_the_llama_family_are_refused() {
     assert!(err.contains("LLaMA family"), "{err}");
 }
 
-/// The same on the GPUs of this machine, a rank on each of two, summing through NCCL,
-/// against the unsplit model on the first GPU (CUDA's own rounding: products in another
-/// order on each side).
+/// The same on the GPUs of this machine, a rank on each of two, summing through NCCL and
+/// then through the one-shot kernel over peer memory, against the unsplit model on the
+/// first GPU (CUDA's own rounding: products in another order on each side).
 #[test]
 #[ignore = "needs a CUDA device"]
-fn split_over_two_gpus_through_nccl() {
-    use kiln_cuda::{CudaBackend, NcclId};
+fn split_over_two_gpus_through_nccl_and_one_shot() {
+    use kiln_cuda::{CudaBackend, NcclId, PeerBoard};
     let gpus = kiln_cuda::devices().unwrap().len();
     if gpus < 2 {
         eprintln!("SKIPPED: one GPU here; the split over GPUs needs two");
@@ -144,32 +144,43 @@ fn split_over_two_gpus_through_nccl() {
     for file in ["llama/llama-f32.gguf", "llama3/llama3-f32.gguf"] {
         let gpu0: Arc<dyn Backend> = Arc::new(CudaBackend::new(0).unwrap());
         let want = run(&mut Model::from_gguf(&fixture(file), gpu0, None).unwrap());
-        let id = NcclId::new().unwrap();
-        let ranks: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..2)
-                .map(|rank| {
-                    let id = &id;
-                    s.spawn(move || {
-                        let cuda = Arc::new(CudaBackend::new(rank).unwrap());
-                        let c: Arc<dyn Collective> =
-                            Arc::new(cuda.communicator(id, rank, 2).unwrap());
-                        let mut m = Model::from_gguf_rank(&fixture(file), cuda, c).unwrap();
-                        run(&mut m)
+        // NCCL for every sum, then the one-shot kernel for every sum it can take.
+        for one_shot in [0, 1 << 20] {
+            let id = NcclId::new().unwrap();
+            let board = PeerBoard::with_max_bytes(2, Some(one_shot));
+            let ranks: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..2)
+                    .map(|rank| {
+                        let (id, board) = (&id, &board);
+                        s.spawn(move || {
+                            let cuda = Arc::new(CudaBackend::new(rank).unwrap());
+                            let c: Arc<dyn Collective> =
+                                Arc::new(cuda.communicator_in_process(id, board, rank, 2).unwrap());
+                            let mut m = Model::from_gguf_rank(&fixture(file), cuda, c).unwrap();
+                            run(&mut m)
+                        })
                     })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert_eq!(ranks[0], ranks[1], "{file}: the two ranks' logits differ");
-        for (step, (g, w)) in ranks[0].iter().zip(&want).enumerate() {
-            let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
-            let err = g
-                .iter()
-                .zip(w)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            println!("{file} output {step}: {err:e} off (largest logit {scale})");
-            assert!(err <= 1e-4 * scale, "{file} output {step}: {err:e} off");
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let how = if one_shot > 0 { "one-shot" } else { "NCCL" };
+            assert_eq!(
+                ranks[0], ranks[1],
+                "{file}, {how}: the two ranks' logits differ"
+            );
+            for (step, (g, w)) in ranks[0].iter().zip(&want).enumerate() {
+                let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max);
+                let err = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                println!("{file}, {how}, output {step}: {err:e} off (largest logit {scale})");
+                assert!(
+                    err <= 1e-4 * scale,
+                    "{file}, {how}, output {step}: {err:e} off"
+                );
+            }
         }
     }
 }
