@@ -28,9 +28,16 @@ pub struct TpBench {
     pub kv_type: Option<DType>,
 }
 
-/// A rank's device, and its measurements: each test's name and the tokens/s of its timed
-/// repetitions.
-type Measured = (String, Vec<(String, Vec<f64>)>);
+/// What a rank measured.
+struct Measured {
+    device: String,
+    /// Each test's name and the tokens/s of its timed repetitions.
+    tests: Vec<(String, Vec<f64>)>,
+    /// Weight bytes a decode step reads on this rank.
+    decode_bytes: usize,
+    /// The GPU's copy bandwidth (bytes read + written a second); `None` on the CPU.
+    copy_bandwidth: Option<f64>,
+}
 
 /// One rank's model.
 fn load(b: &TpBench, backend: Arc<dyn Backend>, c: Arc<dyn Collective>) -> CliResult<Model> {
@@ -66,6 +73,11 @@ fn rank_run(
         Ok((load(b, backend, c)?, describe))
     };
     let (mut model, describe) = start.cross(rank, setup()).map_err(Failure::usage)?;
+    // The roofline's bandwidth: 256 MiB copies, far beyond the L2 cache.
+    let copy_bandwidth = match ranks {
+        Ranks::Cuda(..) => Some(kiln_cuda::copy_bandwidth(rank, 256 << 20)?),
+        Ranks::Cpu(_) => None,
+    };
     // F16 keys and values on GPUs, F32 on the CPU, as on one device.
     let kv = b.kv_type.unwrap_or(match b.device {
         DeviceChoice::Cpu => DType::F32,
@@ -103,7 +115,12 @@ fn rank_run(
         };
         out.push((test, speeds));
     }
-    Ok((describe, out))
+    Ok(Measured {
+        device: describe,
+        tests: out,
+        decode_bytes: model.decode_bytes(),
+        copy_bandwidth,
+    })
 }
 
 pub fn run(b: &TpBench) -> CliResult<String> {
@@ -139,7 +156,7 @@ pub fn run(b: &TpBench) -> CliResult<String> {
         _ => String::new(),
     };
     let mut out = String::from("| model | device | test | t/s |\n|---|---|---|---:|\n");
-    let (device, tests) = &measured[0];
+    let Measured { device, tests, .. } = &measured[0];
     for (test, speeds) in tests {
         let mean = speeds.iter().sum::<f64>() / speeds.len() as f64;
         let sd = (speeds.iter().map(|v| (v - mean).powi(2)).sum::<f64>()
@@ -148,6 +165,23 @@ pub fn run(b: &TpBench) -> CliResult<String> {
         out += &format!(
             "| {name} | {device} × {} | {test} | {mean:.2} ± {sd:.2} |\n",
             b.tp
+        );
+    }
+    // Decode's bound: the slowest rank streaming its weights at its copy bandwidth.
+    let bound = measured
+        .iter()
+        .map(|m| m.copy_bandwidth.map(|bw| (m.decode_bytes as f64 / bw, m)))
+        .collect::<Option<Vec<_>>>()
+        .and_then(|v| v.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)));
+    let tg = tests.iter().find(|(t, _)| t.starts_with("tg"));
+    if let (Some((seconds, m)), Some((test, speeds))) = (bound, tg) {
+        let mean = speeds.iter().sum::<f64>() / speeds.len() as f64;
+        out += &format!(
+            "\n{test}: {:.1}% of the HBM roofline ({:.2} GB of weights a token on each rank, {:.0} GB/s copy bandwidth: {:.1} t/s at most)\n",
+            100.0 * mean * seconds,
+            m.decode_bytes as f64 / 1e9,
+            m.copy_bandwidth.unwrap_or(0.0) / 1e9,
+            1.0 / seconds
         );
     }
     Ok(out)

@@ -13,6 +13,11 @@ pub trait Collective: Send + Sync {
     /// same on every rank. Every rank must call it, in the same order.
     fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()>;
 
+    /// `whole` (on this rank's device, `world` times `part`'s elements, of its dtype)
+    /// becomes every rank's `part` one after another in rank order, the same on every
+    /// rank. Every rank must call it, in the same order.
+    fn all_gather(&self, part: &Tensor, whole: &mut Tensor) -> Result<()>;
+
     /// This rank stops for `why`: the group's collectives under way or to come end with an
     /// error on every rank instead of waiting for this one for ever.
     fn abort(&self, why: &str);

@@ -180,6 +180,49 @@ impl Collective for Communicator {
         }
         self.nccl_all_reduce(t)
     }
+
+    /// Through NCCL (F32, F16 or BF16), queued on the stream like any op.
+    fn all_gather(&self, part: &Tensor, whole: &mut Tensor) -> Result<()> {
+        let ty = nccl_type(part.dtype())?;
+        let n = part.shape().numel();
+        if whole.dtype() != part.dtype() || whole.shape().numel() != n * self.world {
+            return Err(Error::shape(format!(
+                "all-gather of {n} {} values a rank over {} ranks into {} {} values",
+                part.dtype(),
+                self.world,
+                whole.shape().numel(),
+                whole.dtype()
+            )));
+        }
+        for t in [part, &*whole] {
+            if t.device() != kiln_core::Device::Cuda(self.ordinal) {
+                return Err(Error::Device(format!(
+                    "rank {}'s communicator is on cuda:{}, a tensor on {}",
+                    self.rank,
+                    self.ordinal,
+                    t.device()
+                )));
+            }
+        }
+        let (src, dst) = (ptr(part)?, ptr(whole)?);
+        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_live()?;
+        // SAFETY: `src` holds `n` elements of `ty` and `dst` `world · n` on this rank's
+        // device; `whole` is borrowed mutably, and the stream orders the gather after
+        // the ops that wrote `part` and before those that read `whole`.
+        unsafe {
+            nccl::all_gather(
+                src as *const std::ffi::c_void,
+                dst as *mut std::ffi::c_void,
+                n,
+                ty,
+                self.comm,
+                self.stream,
+            )
+        }
+        .map_err(|e| nccl_error(&format!("all-gather on rank {}", self.rank), e))?;
+        Ok(())
+    }
 }
 
 impl Communicator {

@@ -132,3 +132,26 @@ pub fn peer_links() -> Result<Vec<Vec<Option<PeerLink>>>> {
     }
     Ok(out)
 }
+
+/// Bytes read plus bytes written per second by device-to-device copies of `bytes` on GPU
+/// `ordinal`: the most a step that streams its weights can read per second, to set its
+/// speed against (a roofline).
+pub fn copy_bandwidth(ordinal: usize, bytes: usize) -> Result<f64> {
+    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(driver_error)?;
+    let stream = ctx.new_stream().map_err(driver_error)?;
+    let src = stream.alloc_zeros::<u8>(bytes).map_err(driver_error)?;
+    let mut dst = stream.alloc_zeros::<u8>(bytes).map_err(driver_error)?;
+    // The best of many short rounds: an idle GPU's clocks take a while to rise.
+    const COPIES: usize = 10;
+    let mut best = 0f64;
+    let started = std::time::Instant::now();
+    while started.elapsed() < std::time::Duration::from_millis(300) {
+        let clock = std::time::Instant::now();
+        for _ in 0..COPIES {
+            stream.memcpy_dtod(&src, &mut dst).map_err(driver_error)?;
+        }
+        stream.synchronize().map_err(driver_error)?;
+        best = best.max((2 * bytes * COPIES) as f64 / clock.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}

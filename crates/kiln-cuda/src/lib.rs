@@ -23,7 +23,7 @@ mod sample;
 
 pub use collective::{nccl_available, Communicator, NcclId};
 pub use compile::CacheOutcome;
-pub use device::{devices, peer_links, DeviceInfo, PeerLink};
+pub use device::{copy_bandwidth, devices, peer_links, DeviceInfo, PeerLink};
 pub use memory::CudaStorage;
 pub use one_shot::{PeerBoard, Probe};
 

@@ -1,6 +1,7 @@
 //! The one-shot all-reduce between GPUs of one process (`kernels/collective.cu`): for the
-//! few kilobytes a decode step sums twice a layer, a kernel that pushes its values
-//! straight into every peer's memory over NVLink beats NCCL's latency. Which sizes take
+//! few kilobytes a decode step sums twice a layer, a kernel that pushes its values, each
+//! with the call's epoch, straight into every peer's memory over NVLink beats NCCL's
+//! latency. Which sizes take
 //! it is measured when the ranks join (both ways, recorded as CUDA graphs as decode runs
 //! them), and every rank decides from the same measurements, so they always agree.
 //!
@@ -16,10 +17,11 @@ use std::time::{Duration, Instant};
 
 /// Blocks of every one-shot launch: the epochs on the device count calls only if every
 /// call has the same grid.
-const BLOCKS: u32 = 16;
-/// The largest sum that may take the one-shot path (bytes of f32), and so each sender's
-/// slot in the staging area.
+const BLOCKS: u32 = 32;
+/// The largest sum that may take the one-shot path (bytes of f32). Each sender's slot in
+/// the staging area is twice that: 8 bytes of values ride in each 16-byte line.
 const CAP_BYTES: usize = 1 << 20;
+const CAP_LINES: usize = CAP_BYTES / 8;
 /// Sizes measured when the ranks join, in bytes of f32.
 const PROBE_BYTES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 128 << 10, 256 << 10, 1 << 20];
 /// How long a rank waits for the others: on the board, and inside the kernel for a peer.
@@ -31,7 +33,6 @@ struct Post {
     ordinal: usize,
     ctx: usize,
     staging: u64,
-    flags: u64,
 }
 
 /// Where the ranks of one process meet to set up the one-shot path; shared by all of
@@ -120,9 +121,11 @@ pub(crate) struct OneShot {
     pub(crate) max_bytes: usize,
     /// What was measured when the ranks joined (empty where the board fixed `max_bytes`).
     pub(crate) probes: Vec<Probe>,
+    /// Every rank's staging address, in rank order.
     table: DeviceBuffer,
     _staging: DeviceBuffer,
-    _flags: DeviceBuffer,
+    /// This rank's epoch per block.
+    epochs: DeviceBuffer,
 }
 
 /// Why the one-shot path cannot join these GPUs, if it cannot.
@@ -152,11 +155,14 @@ impl OneShot {
         let fixed = board.fixed;
         let b = backend.as_ref();
         b.bind()?;
-        let staging = b.pool.alloc(2 * world * CAP_BYTES)?;
-        let flag_bytes = (BLOCKS as usize * world + BLOCKS as usize) * 4;
-        let flags = b.pool.alloc(flag_bytes)?;
-        unsafe { result::memset_d8_async(flags.ptr, 0, flag_bytes, b.stream.cu_stream()) }
-            .map_err(driver_error)?;
+        let staging_bytes = 2 * world * CAP_LINES * 16;
+        let staging = b.pool.alloc(staging_bytes)?;
+        let epochs = b.pool.alloc(BLOCKS as usize * 4)?;
+        // Zero epochs: the first call's is 1, which no line holds yet.
+        for (buf, bytes) in [(&staging, staging_bytes), (&epochs, BLOCKS as usize * 4)] {
+            unsafe { result::memset_d8_async(buf.ptr, 0, bytes, b.stream.cu_stream()) }
+                .map_err(driver_error)?;
+        }
         b.synchronize()?;
         let posts = board.exchange(
             rank,
@@ -164,7 +170,6 @@ impl OneShot {
                 ordinal: b.ordinal,
                 ctx: b.ctx.cu_ctx() as usize,
                 staging: staging.ptr,
-                flags: flags.ptr,
             },
         )?;
         let ordinals: Vec<usize> = posts.iter().map(|p| p.ordinal).collect();
@@ -191,12 +196,7 @@ impl OneShot {
                 }
             }
         }
-        let table_words: Vec<u64> = posts
-            .iter()
-            .map(|p| p.staging)
-            .chain(posts.iter().map(|p| p.flags))
-            .collect();
-        let table_bytes: Vec<u8> = table_words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let table_bytes: Vec<u8> = posts.iter().flat_map(|p| p.staging.to_le_bytes()).collect();
         let table = b.pool.alloc(table_bytes.len())?;
         unsafe { result::memcpy_htod_async(table.ptr, &table_bytes, b.stream.cu_stream()) }
             .map_err(driver_error)?;
@@ -206,7 +206,7 @@ impl OneShot {
             probes: Vec::new(),
             table,
             _staging: staging,
-            _flags: flags,
+            epochs,
         };
         match fixed {
             Some(bytes) => one.max_bytes = bytes.min(CAP_BYTES),
@@ -232,7 +232,7 @@ impl OneShot {
         Ok(Some(one))
     }
 
-    /// `t` (F32, a multiple of 4 values, at most `max_bytes`) becomes the sum over the
+    /// `t` (F32, an even number of values, at most `max_bytes`) becomes the sum over the
     /// ranks, queued on `b`'s stream.
     pub(crate) fn all_reduce(
         &self,
@@ -249,11 +249,12 @@ impl OneShot {
             0,
             &[
                 Arg::Ptr(crate::ptr(t)?),
-                Arg::I32((n / 4) as i32),
+                Arg::I32((n / 2) as i32),
                 Arg::I32(rank as i32),
                 Arg::I32(world as i32),
                 Arg::Ptr(self.table.ptr),
-                Arg::I32((CAP_BYTES / 16) as i32),
+                Arg::Ptr(self.epochs.ptr),
+                Arg::I32(CAP_LINES as i32),
                 Arg::U64(WAIT.as_nanos() as u64),
             ],
         )
@@ -262,7 +263,7 @@ impl OneShot {
     /// Whether `t` may take the one-shot path.
     pub(crate) fn takes(&self, t: &Tensor) -> bool {
         let n = t.shape().numel();
-        t.dtype() == kiln_core::DType::F32 && n.is_multiple_of(4) && n * 4 <= self.max_bytes
+        t.dtype() == kiln_core::DType::F32 && n.is_multiple_of(2) && n * 4 <= self.max_bytes
     }
 
     /// Each probed size's bytes and its time both ways (µs), the same on every rank:

@@ -121,7 +121,7 @@ fn a_rank_on_every_gpu_sums_its_tensors() {
 /// The one-shot path (ranks of one process on a `PeerBoard`), forced for every size it
 /// takes: sums of decode's sizes exact on every rank, eagerly and replayed from a
 /// recorded graph with new values each time (the epochs and parities on the device), and
-/// what NCCL keeps (BF16, a length not a multiple of 4) still right. Then a board that
+/// what NCCL keeps (BF16, an odd length) still right. Then a board that
 /// measures prints where the one-shot path pays (`--nocapture`).
 #[test]
 #[ignore = "needs a CUDA device"]

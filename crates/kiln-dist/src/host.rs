@@ -139,6 +139,42 @@ impl Collective for HostCollective {
         self.backend.write(t, &quant::quantize(dtype, &sum)?)
     }
 
+    fn all_gather(&self, part: &Tensor, whole: &mut Tensor) -> Result<()> {
+        let dtype = part.dtype();
+        let n = part.shape().numel();
+        if dtype != DType::F32 || whole.dtype() != DType::F32 {
+            return Err(Error::unsupported(format!(
+                "all-gather of {dtype} into {} tensors (F32)",
+                whole.dtype()
+            )));
+        }
+        if whole.shape().numel() != n * self.world {
+            return Err(Error::shape(format!(
+                "all-gather of {n} values a rank over {} ranks into {} values",
+                self.world,
+                whole.shape().numel()
+            )));
+        }
+        let mine = quant::dequantize_to_vec(dtype, &self.backend.download(part)?, n)?;
+        let slots = || self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots()[self.rank] = mine;
+        self.shared.barrier.wait()?;
+        let all: Vec<f32> = {
+            let all = slots();
+            if all.iter().any(|v| v.len() != n) {
+                drop(all);
+                self.shared.barrier.wait()?;
+                return Err(Error::shape(format!(
+                    "all-gather: the ranks' parts differ in size (rank {} has {n} values)",
+                    self.rank
+                )));
+            }
+            all.concat()
+        };
+        self.shared.barrier.wait()?;
+        self.backend.write(whole, &quant::quantize(dtype, &all)?)
+    }
+
     fn abort(&self, why: &str) {
         self.shared
             .barrier
@@ -217,6 +253,37 @@ mod tests {
                 e.contains("rank 2 stopped: its GPU is out of memory"),
                 "{e}"
             );
+        }
+    }
+
+    #[test]
+    fn every_rank_gets_the_parts_in_rank_order() {
+        let backends: Vec<Arc<dyn Backend>> = (0..3)
+            .map(|_| Arc::new(CpuBackend::new(Some(1)).unwrap()) as Arc<dyn Backend>)
+            .collect();
+        let threads: Vec<_> = group(backends.clone())
+            .into_iter()
+            .zip(backends)
+            .map(|(c, b)| {
+                std::thread::spawn(move || {
+                    let mine: Vec<f32> = (0..2).map(|i| (c.rank() * 10 + i) as f32).collect();
+                    let part = b
+                        .upload(
+                            DType::F32,
+                            Shape::new(vec![1, 2]).unwrap(),
+                            HostBytes::from_vec(quant::quantize(DType::F32, &mine).unwrap()),
+                        )
+                        .unwrap();
+                    let mut whole = b
+                        .zeros(DType::F32, Shape::new(vec![1, 6]).unwrap())
+                        .unwrap();
+                    c.all_gather(&part, &mut whole).unwrap();
+                    quant::dequantize_to_vec(DType::F32, &b.download(&whole).unwrap(), 6).unwrap()
+                })
+            })
+            .collect();
+        for t in threads {
+            assert_eq!(t.join().unwrap(), [0.0, 1.0, 10.0, 11.0, 20.0, 21.0]);
         }
     }
 

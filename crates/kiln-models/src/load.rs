@@ -172,7 +172,7 @@ impl WeightLoader<'_> {
         let output = match self.get(Role::Output, 0, "weight")? {
             Some((name, t)) => {
                 // Never transposed: lm_head is a plain Linear even in GPT-2.
-                self.check_shape(&name, &t, &[c.vocab_size, c.dim])?;
+                self.check_shape(&name, &t, &[self.src.output_rows(c.vocab_size), c.dim])?;
                 Some(self.upload(t)?)
             }
             None => None,

@@ -64,6 +64,9 @@ pub(crate) struct Scratch {
     pub(crate) last: Tensor,
     /// `[1, vocab]`: the last position's logits.
     pub(crate) logits: Tensor,
+    /// `[1, rows]`: this rank's part of them, where the output head is split by
+    /// vocabulary over the ranks.
+    pub(crate) head_part: Option<Tensor>,
     /// `[n, vocab]`, made by the first [`Logits::All`] pass of this size: large, and
     /// needed only for perplexity and tests.
     pub(crate) all_logits: Option<Tensor>,
@@ -148,6 +151,11 @@ impl Model {
         &self.backend
     }
 
+    /// Bytes of weights a one-token step reads (see [`ModelWeights::decode_bytes`]).
+    pub fn decode_bytes(&self) -> usize {
+        self.weights.decode_bytes()
+    }
+
     /// Whether steps are recorded and replayed where the backend can (see `set_graphs`).
     pub(crate) fn graphs_on(&self) -> bool {
         self.graphs
@@ -170,6 +178,15 @@ impl Model {
     /// The output projection (the embedding table when they are tied).
     pub(crate) fn head_weight(&self) -> &Tensor {
         self.weights.output.as_ref().unwrap_or(&self.weights.embed)
+    }
+
+    /// The collective that gathers the logits, where this rank holds a slice of the
+    /// output head's rows (the vocabulary split over the ranks, see [`crate::tp`]).
+    fn split_head(&self) -> Option<&Arc<dyn Collective>> {
+        let rows = self.head_weight().dims()[0];
+        self.collective
+            .as_ref()
+            .filter(|_| rows != self.config.vocab_size)
     }
 
     pub(crate) fn weights(&self) -> &ModelWeights {
@@ -239,6 +256,10 @@ impl Model {
                 .transpose()?,
             last: f32_tensor(b, &[1, c.dim])?,
             logits: f32_tensor(b, &[1, c.vocab_size])?,
+            head_part: self
+                .split_head()
+                .map(|_| f32_tensor(b, &[1, self.head_weight().dims()[0]]))
+                .transpose()?,
             all_logits: None,
             next: i32_tensor(1)?,
         })
@@ -611,10 +632,14 @@ impl Model {
             Output::Logits(which) => which,
         };
         let head = w.output.as_ref().unwrap_or(&w.embed);
+        let split = self.split_head();
         let logits = match which {
             Logits::All => {
                 let logits = s.all_logits.as_mut().expect("made before the step");
-                b.matmul(&s.h, head, logits)?;
+                match split {
+                    None => b.matmul(&s.h, head, logits)?,
+                    Some(c) => self.gather_all_logits(c.as_ref(), &s.h, logits)?,
+                }
                 logits
             }
             Logits::Last => {
@@ -623,7 +648,14 @@ impl Model {
                 let sliced = b.slice_cols(&s.h, (n - 1) * c.dim, &mut s.last);
                 reshape(&mut s.h, &[n, c.dim])?;
                 sliced?;
-                b.matmul(&s.last, head, &mut s.logits)?;
+                match (split, s.head_part.as_mut()) {
+                    (Some(c), Some(part)) => {
+                        // Rank r's slice is columns r·rows.. of the whole: in rank order.
+                        b.matmul(&s.last, head, part)?;
+                        c.all_gather(part, &mut s.logits)?;
+                    }
+                    _ => b.matmul(&s.last, head, &mut s.logits)?,
+                }
                 &mut s.logits
             }
         };
@@ -631,6 +663,29 @@ impl Model {
             b.softcap(logits, cap)?;
         }
         Ok(())
+    }
+
+    /// Every position's logits from a vocabulary-split head: this rank's columns of them,
+    /// gathered from all ranks (rank-major: rank j's `[n, rows]` block after rank j-1's),
+    /// then each rank's block moved to its columns. Not for recorded steps: it allocates.
+    fn gather_all_logits(&self, c: &dyn Collective, h: &Tensor, logits: &mut Tensor) -> Result<()> {
+        let b = self.backend.as_ref();
+        let head = self.head_weight();
+        let (n, rows, world) = (h.dims()[0], head.dims()[0], c.world());
+        let mut part = f32_tensor(b, &[n, rows])?;
+        b.matmul(h, head, &mut part)?;
+        let mut gathered = f32_tensor(b, &[world * n, rows])?;
+        c.all_gather(&part, &mut gathered)?;
+        // Row i·world + j of `[n · world, rows]` is position i's columns from rank j.
+        let mut to = b.zeros(DType::I32, Shape::new(vec![world * n])?)?;
+        b.write(
+            &mut to,
+            &i32_bytes((0..world * n).map(|g| (g % n) * world + g / n)),
+        )?;
+        reshape(logits, &[n * world, rows])?;
+        let written = b.write_rows(&gathered, logits, &to);
+        reshape(logits, &[n, world * rows])?;
+        written
     }
 
     /// The norm `nw` of `x` as an [`RmsNorm`] a backend can fuse into the matmuls it

@@ -46,6 +46,11 @@ pub(crate) trait Source {
     fn stored_bytes(&self) -> Option<u64> {
         None
     }
+    /// Rows of the output head it gives, for a model of `vocab` tokens: fewer where it is
+    /// a rank's slice of the vocabulary.
+    fn output_rows(&self, vocab: usize) -> usize {
+        vocab
+    }
 }
 
 pub(crate) struct GgufSource<'a>(pub &'a GgufFile);

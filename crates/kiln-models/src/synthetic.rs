@@ -96,8 +96,16 @@ impl Model {
         backend: Arc<dyn Backend>,
         collective: Arc<dyn kiln_core::Collective>,
     ) -> Result<Model> {
-        let src = SyntheticSource::new(config.clone(), ty);
-        Self::rank_of(&src, config, false, backend, collective)
+        // Random weights: the rank's slices are random matrices of the slices' shapes,
+        // drawn at those shapes (the rank's configuration) rather than cut from whole
+        // ones, which for a 70B model would have every rank build all 141 GB.
+        let plan = crate::tp::Plan::new(&config, collective.world())?;
+        let rank = collective.rank();
+        let mut src = SyntheticSource::new(plan.config(&config, rank)?, ty);
+        src.output_rows = plan.ranks[rank].vocab.as_ref().map(|v| v.len());
+        let mut model = Self::synthetic_with(src, backend)?;
+        model.collective = Some(collective);
+        Ok(model)
     }
 
     /// [`Model::synthetic_from_config`]'s model with every matrix decoded to F32: the same
@@ -186,6 +194,8 @@ pub(crate) struct SyntheticSource {
     ty: SyntheticType,
     /// Matrices decoded to F32 (see [`Model::synthetic_decoded`]).
     decoded: bool,
+    /// Rows of the output head where it is a rank's slice of the vocabulary.
+    output_rows: Option<usize>,
     /// Quantized row pools, by (dtype, row length).
     pools: std::sync::Mutex<RowPools>,
 }
@@ -196,6 +206,7 @@ impl SyntheticSource {
             config,
             ty,
             decoded: false,
+            output_rows: None,
             pools: Default::default(),
         }
     }
@@ -205,7 +216,8 @@ impl SyntheticSource {
         let base = name.strip_suffix(".weight")?;
         let role = base.rsplit('.').next()?;
         Some(match role {
-            "token_embd" | "output" => vec![c.vocab_size, c.dim],
+            "token_embd" => vec![c.vocab_size, c.dim],
+            "output" => vec![self.output_rows(c.vocab_size), c.dim],
             "attn_norm" | "ffn_norm" | "output_norm" => vec![c.dim],
             "attn_q" => vec![c.q_dim(), c.dim],
             "attn_k" | "attn_v" => vec![c.kv_dim(), c.dim],
@@ -288,5 +300,9 @@ impl Source for SyntheticSource {
 
     fn role_name(&self, arch: Arch, role: Role, layer: usize) -> Option<String> {
         GgufNames.role_name(arch, role, layer)
+    }
+
+    fn output_rows(&self, vocab: usize) -> usize {
+        self.output_rows.unwrap_or(vocab)
     }
 }

@@ -57,3 +57,51 @@ pub struct ModelWeights {
     /// Inverse rope frequencies, on the device.
     pub inv_freq: Option<Tensor>,
 }
+
+impl Linear {
+    fn bytes(&self) -> usize {
+        self.w.size_bytes() + self.b.as_ref().map_or(0, Tensor::size_bytes)
+    }
+}
+
+impl NormWeights {
+    fn bytes(&self) -> usize {
+        self.w.size_bytes() + self.b.as_ref().map_or(0, Tensor::size_bytes)
+    }
+}
+
+impl ModelWeights {
+    /// Bytes a one-token step reads: every tensor but the embedding table, of which it
+    /// reads one row (unless the output projection is the table). What bounds decode
+    /// from below, at the device's bandwidth.
+    pub fn decode_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let qkv = match &l.qkv {
+                    Qkv::Fused(f) => f.bytes(),
+                    Qkv::Split { q, k, v } => q.bytes() + k.bytes() + v.bytes(),
+                };
+                let ffn = match &l.ffn {
+                    FfnWeights::Gated { gate_up, down } => {
+                        down.bytes()
+                            + match gate_up {
+                                GateUp::Fused(f) => f.bytes(),
+                                GateUp::Split { gate, up } => gate.bytes() + up.bytes(),
+                            }
+                    }
+                    FfnWeights::Plain { up, down } => up.bytes() + down.bytes(),
+                };
+                let norms = [&l.post_attn_norm, &l.post_ffn_norm]
+                    .into_iter()
+                    .flatten()
+                    .map(NormWeights::bytes)
+                    .sum::<usize>();
+                l.attn_norm.bytes() + l.ffn_norm.bytes() + norms + qkv + l.o.bytes() + ffn
+            })
+            .sum();
+        let output = self.output.as_ref().unwrap_or(&self.embed).size_bytes();
+        layers + self.out_norm.bytes() + output
+    }
+}
