@@ -6,7 +6,7 @@
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::DeviceChoice;
-use crate::ranks::Ranks;
+use crate::ranks::{self, Devices, NodeArgs, Ranks, Watchdog};
 use kiln_core::{Backend, Collective, DType};
 use kiln_dist::start::StartLine;
 use kiln_io::gguf::GgufFile;
@@ -26,6 +26,7 @@ pub struct TpBench {
     pub gen: usize,
     pub reps: usize,
     pub kv_type: Option<DType>,
+    pub nodes: NodeArgs,
 }
 
 /// What a rank measured.
@@ -67,16 +68,39 @@ fn rank_run(
     start: &StartLine,
     barrier: &Barrier,
 ) -> CliResult<Measured> {
-    let setup = || -> CliResult<(Model, String)> {
-        let (backend, c) = ranks.take(rank, b.tp)?;
+    let setup = || -> CliResult<(Model, String, Arc<dyn Collective>)> {
+        let (backend, c) = ranks.take(rank)?;
         let describe = backend.describe();
-        Ok((load(b, backend, c)?, describe))
+        Ok((load(b, backend, c.clone())?, describe, c))
     };
-    let (mut model, describe) = start.cross(rank, setup()).map_err(Failure::usage)?;
+    let (mut model, describe, c) = start.cross(rank, setup()).map_err(Failure::usage)?;
+    let dog = Watchdog::new(rank, c, ranks::rank_timeout()?);
+    let measured = measure(b, rank, ranks, &mut model, barrier, &dog);
+    if let Err(e) = &measured {
+        ranks.abort(rank, &e.to_string());
+    }
+    Ok(Measured {
+        device: describe,
+        ..measured?
+    })
+}
+
+/// Rank `rank`'s runs of the tests (its `device` left for the caller).
+fn measure(
+    b: &TpBench,
+    rank: usize,
+    ranks: &Ranks,
+    model: &mut Model,
+    barrier: &Barrier,
+    dog: &Watchdog,
+) -> CliResult<Measured> {
     // The roofline's bandwidth: 256 MiB copies, far beyond the L2 cache.
-    let copy_bandwidth = match ranks {
-        Ranks::Cuda(..) => Some(kiln_cuda::copy_bandwidth(rank, 256 << 20)?),
-        Ranks::Cpu(_) => None,
+    let copy_bandwidth = match ranks.devices {
+        Devices::Cuda(..) => Some(kiln_cuda::copy_bandwidth(
+            rank - ranks.here().start,
+            256 << 20,
+        )?),
+        Devices::Cpu(_) => None,
     };
     // F16 keys and values on GPUs, F32 on the CPU, as on one device.
     let kv = b.kv_type.unwrap_or(match b.device {
@@ -102,8 +126,10 @@ fn rank_run(
                 let mut next = 1;
                 for pos in 0..tokens {
                     next = model.forward_argmax(&[next], pos, &mut cache)?;
+                    dog.alive();
                 }
             }
+            dog.alive();
             if rep > 0 {
                 speeds.push(tokens as f64 / clock.elapsed().as_secs_f64());
             }
@@ -116,7 +142,7 @@ fn rank_run(
         out.push((test, speeds));
     }
     Ok(Measured {
-        device: describe,
+        device: String::new(),
         tests: out,
         decode_bytes: model.decode_bytes(),
         copy_bandwidth,
@@ -127,11 +153,17 @@ pub fn run(b: &TpBench) -> CliResult<String> {
     if b.tp < 2 {
         return Err(Failure::usage(format!("--tp {}: give 2 or more", b.tp)));
     }
-    let ranks = Ranks::new("--tp", b.tp, b.device, b.threads)?;
-    let barrier = Barrier::new(b.tp);
-    let start = StartLine::new(b.tp);
+    let settings = format!(
+        "{:?} {} -p {} -n {} -r {} {:?}",
+        b.synthetic, b.ty, b.prompt, b.gen, b.reps, b.kv_type
+    );
+    let fingerprint = ranks::fingerprint(b.model.as_deref(), &settings);
+    let ranks = Ranks::new("--tp", b.tp, b.device, b.threads, &b.nodes, &fingerprint)?;
+    let here = ranks.here();
+    let barrier = Barrier::new(here.len());
+    let start = StartLine::new(here.len());
     let results: Vec<CliResult<Measured>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..b.tp)
+        let handles: Vec<_> = here
             .map(|rank| {
                 let (ranks, start, barrier) = (&ranks, &start, &barrier);
                 s.spawn(move || rank_run(b, rank, ranks, start, barrier))

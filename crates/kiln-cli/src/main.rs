@@ -121,6 +121,8 @@ struct BenchArgs {
     /// NCCL; the LLaMA family, -m GGUF or --synthetic, pp and tg tests).
     #[arg(long, conflicts_with_all = ["kernels", "optimizer", "train"])]
     tp: Option<usize>,
+    #[command(flatten)]
+    nodes: ranks::NodeArgs,
     /// Time the CPU matrix-vector kernels instead (GB/s per dtype beside memory bandwidth).
     #[arg(long)]
     kernels: bool,
@@ -166,6 +168,7 @@ fn bench(a: BenchArgs) -> CliResult {
             gen: a.gen,
             reps: usize::from(a.reps),
             kv_type: a.kv_type,
+            nodes: a.nodes,
         })?
     } else if let Some(shape) = a.train {
         bench_train::run(&bench_train::TrainBench {

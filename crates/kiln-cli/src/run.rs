@@ -61,6 +61,8 @@ pub struct RunArgs {
     /// cuda:0..N through NCCL, or with --device cpu shares of the CPU's threads.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub tp: Option<u16>,
+    #[command(flatten)]
+    pub nodes: crate::ranks::NodeArgs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -166,8 +168,13 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
             device: a.device,
             threads: a.threads,
             prompt: &prompt,
+            fingerprint: crate::ranks::fingerprint(
+                a.model.as_deref(),
+                &format!("{prompt:?} {sampler:?} {:?} {:?}", a.n_predict, a.ctx_size),
+            ),
             sampler,
             opts,
+            nodes: a.nodes.clone(),
         };
         run_tp::generate_split(&file, &split, &echo, &show)?
     } else {

@@ -3,12 +3,13 @@
 //! the CPU's threads summing through host memory (`--device cpu`: a split where there are
 //! no GPUs, and the way it is tested). Every rank runs the same generation: the
 //! all-reduce leaves each rank the same logits and their samplers share the seed, so all
-//! pick the same tokens; rank 0's text is what is shown.
+//! pick the same tokens; rank 0's text is what is shown. Over several hosts
+//! (`--nnodes`, see `ranks`) host 0 shows it.
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::{DeviceChoice, ModelFile};
-use crate::ranks::Ranks;
-use kiln_models::{generate, GenerateOptions, Generation, Model, Sampler, SamplerConfig};
+use crate::ranks::{self, NodeArgs, Ranks, Watchdog};
+use kiln_models::{generate, GenerateOptions, Generation, Sampler, SamplerConfig};
 
 /// What [`generate_split`] needs of `kiln run`'s settings.
 pub struct SplitRun<'a> {
@@ -18,10 +19,14 @@ pub struct SplitRun<'a> {
     pub prompt: &'a [u32],
     pub sampler: SamplerConfig,
     pub opts: GenerateOptions<'a>,
+    pub nodes: NodeArgs,
+    /// What must be the same on every host (see `ranks::fingerprint`).
+    pub fingerprint: String,
 }
 
-/// Generate on `r.tp` ranks: `on_start` runs once every rank has loaded its part, and
-/// `on_piece` sees rank 0's text as it comes.
+/// Generate on `r.tp` ranks: `on_start` runs once every rank here has loaded its part,
+/// and `on_piece` sees rank 0's text as it comes (nothing on the other hosts, which give
+/// back their first rank's generation: the same tokens).
 pub fn generate_split(
     file: &ModelFile,
     r: &SplitRun,
@@ -33,20 +38,24 @@ pub fn generate_split(
         kiln_core::Error::Unsupported(why) => Failure::usage(why),
         e => Failure::from(e),
     })?;
-    let ranks = Ranks::new("--tp", r.tp, r.device, r.threads)?;
-    let start = kiln_dist::start::StartLine::new(r.tp);
+    let ranks = Ranks::new("--tp", r.tp, r.device, r.threads, &r.nodes, &r.fingerprint)?;
+    let here = ranks.here();
+    let lead = here.start;
+    let timeout = ranks::rank_timeout()?;
+    let start = kiln_dist::start::StartLine::new(here.len());
     let results: Vec<CliResult<Option<Generation>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..r.tp)
+        let handles: Vec<_> = here
             .map(|rank| {
                 let (ranks, start) = (&ranks, &start);
                 s.spawn(move || -> CliResult<Option<Generation>> {
-                    let model: CliResult<Model> = ranks
-                        .take(rank, r.tp)
-                        .and_then(|(b, c)| Ok(file.checkpoint.load_rank(b, c)?));
-                    let mut model = start.cross(rank, model).map_err(Failure::usage)?;
-                    if rank == 0 {
+                    let model = ranks
+                        .take(rank)
+                        .and_then(|(b, c)| Ok((file.checkpoint.load_rank(b, c.clone())?, c)));
+                    let (mut model, c) = start.cross(rank, model).map_err(Failure::usage)?;
+                    if rank == lead {
                         on_start();
                     }
+                    let dog = Watchdog::new(rank, c, timeout);
                     let mut sampler = Sampler::new(r.sampler.clone());
                     let g = generate(
                         &mut model,
@@ -55,12 +64,19 @@ pub fn generate_split(
                         &mut sampler,
                         &r.opts,
                         |piece| {
+                            dog.alive();
                             if rank == 0 {
                                 on_piece(piece)
                             }
                         },
-                    )?;
-                    Ok((rank == 0).then_some(g))
+                    );
+                    match g {
+                        Ok(g) => Ok((rank == lead).then_some(g)),
+                        Err(e) => {
+                            ranks.abort(rank, &e.to_string());
+                            Err(e.into())
+                        }
+                    }
                 })
             })
             .collect();
@@ -78,5 +94,5 @@ pub fn generate_split(
             first = Some(g);
         }
     }
-    first.ok_or_else(|| Failure::usage("rank 0 produced nothing"))
+    first.ok_or_else(|| Failure::usage(format!("rank {lead} produced nothing")))
 }

@@ -103,6 +103,8 @@ pub struct TrainArgs {
     /// sequences (--batch × --grad-accum must divide among them), gradients summed.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub dp: Option<u16>,
+    #[command(flatten)]
+    pub nodes: crate::ranks::NodeArgs,
     /// From scratch: llama or gpt2.
     #[arg(long, default_value = "llama")]
     pub arch: String,
@@ -603,8 +605,10 @@ fn make_trainer(
 }
 
 /// `--dp N`: ranks 1..N step in threads of their own, rank 0 here with the progress bar,
-/// the log, the checkpoints and the exports. Every rank starts or none does; a rank that
-/// fails stops the others' collectives, so none waits for it for ever.
+/// the log, the checkpoints and the exports (over several hosts, host 0; the others'
+/// ranks all step as workers). Every rank here starts or none does; a rank that fails
+/// stops the others' collectives, and a rank that waits too long on the others stops its
+/// own (see `ranks::Watchdog`), so none waits for ever.
 #[allow(clippy::too_many_arguments)]
 fn data_parallel(
     a: &TrainArgs,
@@ -616,48 +620,78 @@ fn data_parallel(
     optimizer: StepConfig,
     export_type: DType,
 ) -> CliResult {
-    let ranks = Ranks::new("--dp", dp, a.device, a.threads)?;
-    let start = kiln_dist::start::StartLine::new(dp);
+    let settings = format!(
+        "{} {} {} {} {} {} {} {} {} {:?} {:?} {} {} {} {}",
+        text.fingerprint(),
+        a.arch,
+        a.dim,
+        a.layers,
+        a.heads,
+        a.ffn,
+        a.batch,
+        a.seq_len,
+        a.grad_accum,
+        a.from,
+        a.lora_rank,
+        a.steps,
+        a.optimizer,
+        a.lr,
+        a.seed
+    );
+    let fingerprint = crate::ranks::fingerprint(None, &settings);
+    let ranks = Ranks::new("--dp", dp, a.device, a.threads, &a.nodes, &fingerprint)?;
+    let here = ranks.here();
+    let timeout = crate::ranks::rank_timeout()?;
+    let start = kiln_dist::start::StartLine::new(here.len());
     let replica = |rank: usize| -> CliResult<(Trainer, Arc<dyn Collective>, String)> {
-        let (backend, c) = ranks.take(rank, dp)?;
+        let (backend, c) = ranks.take(rank)?;
         let describe = backend.describe();
         let t = make_trainer(a, start_file, text.clone(), optimizer, backend)?;
         Ok((t.data_parallel(c.clone())?, c, describe))
     };
     std::thread::scope(|s| {
-        let workers: Vec<_> = (1..dp)
+        let workers: Vec<_> = here
+            .clone()
+            .filter(|&rank| rank != 0)
             .map(|rank| {
-                let (replica, start) = (&replica, &start);
+                let (replica, start, ranks) = (&replica, &start, &ranks);
                 s.spawn(move || -> CliResult {
                     let (mut t, c, _) = start.cross(rank, replica(rank)).map_err(Failure::usage)?;
+                    let dog = crate::ranks::Watchdog::new(rank, c, timeout);
                     let pause_at = a.pause_after.map(|n| t.steps_done() + n);
                     while t.steps_done() < t.settings().steps
                         && pause_at.is_none_or(|p| t.steps_done() < p)
                     {
                         if let Err(e) = t.step() {
-                            c.abort(&e.to_string());
+                            ranks.abort(rank, &e.to_string());
                             return Err(e.into());
                         }
+                        dog.alive();
                     }
                     Ok(())
                 })
             })
             .collect();
-        let first = start.cross(0, replica(0)).map_err(Failure::usage);
-        let result = first.and_then(|(t, c, describe)| {
-            let out = drive(
-                a,
-                quiet,
-                t,
-                tokenizer,
-                export_type,
-                &format!("{describe} × {dp} (data-parallel)"),
-            );
-            if let Err(e) = &out {
-                c.abort(&e.to_string());
-            }
-            out
-        });
+        let result =
+            match here.contains(&0) {
+                false => Ok(()),
+                true => start.cross(0, replica(0)).map_err(Failure::usage).and_then(
+                    |(t, _, describe)| {
+                        let out = drive(
+                            a,
+                            quiet,
+                            t,
+                            tokenizer,
+                            export_type,
+                            &format!("{describe} × {dp} (data-parallel)"),
+                        );
+                        if let Err(e) = &out {
+                            ranks.abort(0, &e.to_string());
+                        }
+                        out
+                    },
+                ),
+            };
         // Rank 0's failure is the one to show; a worker's when rank 0 had none.
         let mut failure = result.err();
         for w in workers {

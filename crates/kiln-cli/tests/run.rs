@@ -591,3 +591,30 @@ fn a_model_split_over_two_ranks_generates_the_same_text() {
         assert!(err.contains(want), "--tp {tp}: {err}");
     }
 }
+
+/// Spreading ranks over hosts that cannot be: one line each, before anything loads.
+#[test]
+fn impossible_host_settings_are_refused_naming_the_flag() {
+    for (args, want) in [
+        (
+            &["--tp", "2", "--nnodes", "2", "--node-rank", "2"][..],
+            "--node-rank 2: the hosts are 0..2",
+        ),
+        (
+            &["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1:9"][..],
+            "--nnodes with --device cpu",
+        ),
+        (
+            &["--tp", "2", "--nnodes", "4"][..],
+            "every host runs the same number of ranks",
+        ),
+    ] {
+        let mut all = vec!["run", "-p", "x", "-n", "2", "--device", "cpu"];
+        all.extend_from_slice(args);
+        let o = kiln(&all);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

@@ -18,6 +18,11 @@ pub trait Collective: Send + Sync {
     /// rank. Every rank must call it, in the same order.
     fn all_gather(&self, part: &Tensor, whole: &mut Tensor) -> Result<()>;
 
+    /// An error if the group can no longer be trusted: aborted (by this rank or its
+    /// watchdog) or failed in the library (a peer gone). A recorded step replays its
+    /// collectives without calling them, so callers check after each step.
+    fn check(&self) -> Result<()>;
+
     /// This rank stops for `why`: the group's collectives under way or to come end with an
     /// error on every rank instead of waiting for this one for ever.
     fn abort(&self, why: &str);

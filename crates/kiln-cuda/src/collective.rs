@@ -81,6 +81,8 @@ pub struct Communicator {
     calls: Mutex<()>,
     /// Set once the communicator is aborted: calls then fail, and drop leaves it be.
     aborted: std::sync::atomic::AtomicBool,
+    /// Why it was aborted.
+    why: Mutex<Option<String>>,
     /// The one-shot path and the backend it launches on, where the ranks set it up.
     one_shot: Option<(Arc<CudaBackend>, OneShot)>,
 }
@@ -123,6 +125,7 @@ impl CudaBackend {
             world,
             calls: Mutex::new(()),
             aborted: std::sync::atomic::AtomicBool::new(false),
+            why: Mutex::new(None),
             one_shot: None,
         })
     }
@@ -157,8 +160,33 @@ impl Collective for Communicator {
     }
 
     fn abort(&self, why: &str) {
+        self.why
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(|| why.to_string());
         tracing::warn!("rank {} aborts its NCCL communicator: {why}", self.rank);
         self.abort_once();
+    }
+
+    fn check(&self) -> Result<()> {
+        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_live()?;
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: the communicator is live: checked under `calls`, which an abort takes
+        // too; NCCL documents this call as safe beside the communicator's other use.
+        let asked = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+        match (asked, state) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess)
+            | (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => Ok(()),
+            (sys::ncclResult_t::ncclSuccess, e) => Err(Error::Device(format!(
+                "rank {}: NCCL reports {e:?} (another rank or host failed or left)",
+                self.rank
+            ))),
+            (e, _) => Err(Error::Device(format!(
+                "rank {}: asking NCCL for errors: {e:?}",
+                self.rank
+            ))),
+        }
     }
 
     /// `t` becomes the sum of every rank's `t`, elementwise, in place (F32, F16 or BF16):
@@ -236,9 +264,11 @@ impl Communicator {
 
     fn check_live(&self) -> Result<()> {
         if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+            let why = self.why.lock().unwrap_or_else(|e| e.into_inner()).clone();
             return Err(Error::Device(format!(
-                "rank {}'s communicator was aborted",
-                self.rank
+                "rank {}'s communicator was aborted{}",
+                self.rank,
+                why.map_or(String::new(), |w| format!(": {w}"))
             )));
         }
         Ok(())
@@ -270,6 +300,9 @@ impl Communicator {
     /// Abort the communicator (NCCL's way out of a hang: it may be called while another
     /// thread waits in one of its collectives, which then returns an error).
     fn abort_once(&self) {
+        // Kiln's NCCL calls only queue work (the waiting is on the stream), so the lock
+        // is soon free; holding it keeps a call from using the handle as it goes.
+        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         if !self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
             // SAFETY: NCCL documents ncclCommAbort as the way to end a communicator whose
             // operations are pending (a rank that will never join them); it runs once (the

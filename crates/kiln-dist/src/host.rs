@@ -175,6 +175,19 @@ impl Collective for HostCollective {
         self.backend.write(whole, &quant::quantize(dtype, &all)?)
     }
 
+    fn check(&self) -> Result<()> {
+        let st = self
+            .shared
+            .barrier
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match &st.broken {
+            Some(why) => Err(Error::Device(why.clone())),
+            None => Ok(()),
+        }
+    }
+
     fn abort(&self, why: &str) {
         self.shared
             .barrier

@@ -384,8 +384,24 @@ impl Model {
     }
 
     /// Write the step's ids and positions, then run its ops: eagerly, or for one-token
-    /// steps by recording them once and replaying the recording.
+    /// steps by recording them once and replaying the recording. On a rank of a split
+    /// model, an error where the ranks' collective failed (a replay does not call it).
     fn step(
+        &mut self,
+        s: &mut Scratch,
+        ids: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        which: Output,
+    ) -> Result<()> {
+        self.step_ops(s, ids, pos0, cache, which)?;
+        match &self.collective {
+            Some(c) => c.check(),
+            None => Ok(()),
+        }
+    }
+
+    fn step_ops(
         &mut self,
         s: &mut Scratch,
         ids: &[u32],
