@@ -73,8 +73,11 @@ fn rank_run(
         let describe = backend.describe();
         Ok((load(b, backend, c.clone())?, describe, c))
     };
+    let timeout = ranks::rank_timeout()?;
+    let starting = Watchdog::starting(rank, 3 * timeout);
     let (mut model, describe, c) = start.cross(rank, setup()).map_err(Failure::usage)?;
-    let dog = Watchdog::new(rank, c, ranks::rank_timeout()?);
+    drop(starting);
+    let dog = Watchdog::new(rank, c, timeout);
     let measured = measure(b, rank, ranks, &mut model, barrier, &dog);
     if let Err(e) = &measured {
         ranks.abort(rank, &e.to_string());

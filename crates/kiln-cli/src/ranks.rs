@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 
 /// How long host 0 waits for the other hosts to arrive, and they for it.
 const RENDEZVOUS: Duration = Duration::from_secs(300);
+/// How long a rank whose watchdog aborted its collective has to end before the process
+/// is ended for it.
+const GRACE: Duration = Duration::from_secs(20);
 
 /// Where this process stands among the hosts of a run.
 #[derive(clap::Args, Clone, Debug)]
@@ -232,8 +235,9 @@ pub(crate) fn fingerprint(model: Option<&std::path::Path>, settings: &str) -> St
 
 /// Ends a rank's collectives when it stops making progress: a rank that waits longer
 /// than `limit` for the others (a rank that died, a host that went away) aborts its end
-/// of the collective, so its wait ends in an error naming it instead of lasting for ever.
-/// Each step calls [`Watchdog::alive`]; dropping it stops the watch.
+/// of the collective, so its wait ends in an error naming it instead of lasting for ever;
+/// if even that does not end the wait, the process ends ([`GRACE`] later), with the
+/// message. Each step calls [`Watchdog::alive`]; dropping it stops the watch.
 pub(crate) struct Watchdog {
     shared: Arc<WatchState>,
 }
@@ -246,7 +250,26 @@ struct WatchState {
 }
 
 impl Watchdog {
+    /// Watch a rank that has started and holds its collective `c`.
     pub(crate) fn new(rank: usize, c: Arc<dyn Collective>, limit: Duration) -> Watchdog {
+        let why = format!(
+            "rank {rank} made no progress for {} s: a rank it waits for stopped (see that rank's own message) or hangs",
+            limit.as_secs()
+        );
+        Self::watch(Some(c), why, limit)
+    }
+
+    /// Watch a rank's start (joining the others, loading its part): one that takes more
+    /// than `limit` ends the process, since NCCL's joining cannot be aborted.
+    pub(crate) fn starting(rank: usize, limit: Duration) -> Watchdog {
+        let why = format!(
+            "rank {rank} did not start within {} s: the ranks it joins did not all come (one that failed says why in its own output), or loading took longer (KILN_RANK_TIMEOUT raises the limit)",
+            limit.as_secs()
+        );
+        Self::watch(None, why, limit)
+    }
+
+    fn watch(c: Option<Arc<dyn Collective>>, why: String, limit: Duration) -> Watchdog {
         let shared = Arc::new(WatchState {
             last: AtomicU64::new(0),
             start: Instant::now(),
@@ -260,10 +283,17 @@ impl Watchdog {
                 let now = s.start.elapsed().as_millis() as u64;
                 let quiet = Duration::from_millis(now - s.last.load(Ordering::Relaxed));
                 if quiet > limit && !s.done.load(Ordering::Relaxed) {
-                    c.abort(&format!(
-                        "rank {rank} made no progress for {} s: a rank it waits for stopped (see that rank's own message) or hangs",
-                        limit.as_secs()
-                    ));
+                    // The abort ends the rank's waits in NCCL, and the rank its run with
+                    // an error. A wait it does not end (a kernel spinning on a peer that
+                    // is gone, a start) ends the process, a grace period later.
+                    if let Some(c) = &c {
+                        c.abort(&why);
+                        std::thread::sleep(GRACE.min(limit));
+                    }
+                    if !s.done.load(Ordering::Relaxed) {
+                        eprintln!("kiln: error: {why}; the process ends here");
+                        std::process::exit(1);
+                    }
                     return;
                 }
             }
@@ -286,7 +316,8 @@ impl Drop for Watchdog {
 }
 
 /// The longest a rank may wait on the others (`KILN_RANK_TIMEOUT` seconds, 300 by
-/// default: a first step on a cold machine compiles kernels and records graphs).
+/// default: a first step on a cold machine compiles kernels and records graphs); a
+/// rank's start (joining, loading) may take three times that.
 pub(crate) fn rank_timeout() -> CliResult<Duration> {
     match std::env::var("KILN_RANK_TIMEOUT") {
         Ok(v) => v
@@ -322,6 +353,8 @@ mod tests {
             .unwrap();
         let clock = Instant::now();
         let err = c.all_reduce_sum(&mut t).unwrap_err().to_string();
+        // Done with it before its grace period ends the test's process.
+        drop(dog);
         assert!(clock.elapsed() < Duration::from_secs(10), "{err}");
         assert!(err.contains("rank 0 made no progress for 1 s"), "{err}");
     }

@@ -48,10 +48,12 @@ pub fn generate_split(
             .map(|rank| {
                 let (ranks, start) = (&ranks, &start);
                 s.spawn(move || -> CliResult<Option<Generation>> {
+                    let starting = Watchdog::starting(rank, 3 * timeout);
                     let model = ranks
                         .take(rank)
                         .and_then(|(b, c)| Ok((file.checkpoint.load_rank(b, c.clone())?, c)));
                     let (mut model, c) = start.cross(rank, model).map_err(Failure::usage)?;
+                    drop(starting);
                     if rank == lead {
                         on_start();
                     }

@@ -656,7 +656,9 @@ fn data_parallel(
             .map(|rank| {
                 let (replica, start, ranks) = (&replica, &start, &ranks);
                 s.spawn(move || -> CliResult {
+                    let starting = crate::ranks::Watchdog::starting(rank, 3 * timeout);
                     let (mut t, c, _) = start.cross(rank, replica(rank)).map_err(Failure::usage)?;
+                    drop(starting);
                     let dog = crate::ranks::Watchdog::new(rank, c, timeout);
                     let pause_at = a.pause_after.map(|n| t.steps_done() + n);
                     while t.steps_done() < t.settings().steps
@@ -672,26 +674,29 @@ fn data_parallel(
                 })
             })
             .collect();
-        let result =
-            match here.contains(&0) {
-                false => Ok(()),
-                true => start.cross(0, replica(0)).map_err(Failure::usage).and_then(
-                    |(t, _, describe)| {
-                        let out = drive(
-                            a,
-                            quiet,
-                            t,
-                            tokenizer,
-                            export_type,
-                            &format!("{describe} × {dp} (data-parallel)"),
-                        );
-                        if let Err(e) = &out {
-                            ranks.abort(0, &e.to_string());
-                        }
-                        out
-                    },
-                ),
-            };
+        let result = match here.contains(&0) {
+            false => Ok(()),
+            true => {
+                let starting = crate::ranks::Watchdog::starting(0, 3 * timeout);
+                let first = start.cross(0, replica(0)).map_err(Failure::usage);
+                drop(starting);
+                first
+            }
+            .and_then(|(t, _, describe)| {
+                let out = drive(
+                    a,
+                    quiet,
+                    t,
+                    tokenizer,
+                    export_type,
+                    &format!("{describe} × {dp} (data-parallel)"),
+                );
+                if let Err(e) = &out {
+                    ranks.abort(0, &e.to_string());
+                }
+                out
+            }),
+        };
         // Rank 0's failure is the one to show; a worker's when rank 0 had none.
         let mut failure = result.err();
         for w in workers {

@@ -169,6 +169,7 @@ impl Collective for Communicator {
     }
 
     fn check(&self) -> Result<()> {
+        self.check_live()?;
         let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         self.check_live()?;
         let mut state = sys::ncclResult_t::ncclSuccess;
@@ -202,7 +203,6 @@ impl Collective for Communicator {
             )));
         }
         if let Some((backend, one)) = self.one_shot.as_ref().filter(|(_, o)| o.takes(t)) {
-            let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
             self.check_live()?;
             return one.all_reduce(backend, t, self.rank, self.world);
         }
@@ -233,6 +233,7 @@ impl Collective for Communicator {
             }
         }
         let (src, dst) = (ptr(part)?, ptr(whole)?);
+        self.check_live()?;
         let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         self.check_live()?;
         // SAFETY: `src` holds `n` elements of `ty` and `dst` `world · n` on this rank's
@@ -277,6 +278,7 @@ impl Communicator {
     fn nccl_all_reduce(&self, t: &mut Tensor) -> Result<()> {
         let ty = nccl_type(t.dtype())?;
         let p = ptr(t)? as *mut std::ffi::c_void;
+        self.check_live()?;
         let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         self.check_live()?;
         // SAFETY: `p` addresses the tensor's `numel` elements of `ty` on this rank's
@@ -300,10 +302,11 @@ impl Communicator {
     /// Abort the communicator (NCCL's way out of a hang: it may be called while another
     /// thread waits in one of its collectives, which then returns an error).
     fn abort_once(&self) {
-        // Kiln's NCCL calls only queue work (the waiting is on the stream), so the lock
-        // is soon free; holding it keeps a call from using the handle as it goes.
-        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        // The flag first, so that no call takes the lock from here on (they check it
+        // before locking); then the lock, so that no call under way uses the handle as
+        // it goes. NCCL's abort may itself wait on the GPU: the lock stays with it.
         if !self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
             // SAFETY: NCCL documents ncclCommAbort as the way to end a communicator whose
             // operations are pending (a rank that will never join them); it runs once (the
             // flag), and kiln's own calls check the flag before using the handle.
