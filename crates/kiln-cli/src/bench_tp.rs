@@ -8,11 +8,12 @@ use crate::console::{CliResult, Failure};
 use crate::model_file::DeviceChoice;
 use crate::ranks::{self, Devices, NodeArgs, Ranks, Watchdog};
 use kiln_core::{Backend, Collective, DType};
+use kiln_dist::gate::Gate;
 use kiln_dist::start::StartLine;
 use kiln_io::gguf::GgufFile;
 use kiln_models::{Model, SyntheticShape, SyntheticType};
 use std::path::PathBuf;
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::Instant;
 
 pub struct TpBench {
@@ -66,7 +67,7 @@ fn rank_run(
     rank: usize,
     ranks: &Ranks,
     start: &StartLine,
-    barrier: &Barrier,
+    barrier: &Gate,
 ) -> CliResult<Measured> {
     let setup = || -> CliResult<(Model, String, Arc<dyn Collective>)> {
         let (backend, c) = ranks.take(rank)?;
@@ -80,6 +81,8 @@ fn rank_run(
     let dog = Watchdog::new(rank, c, timeout);
     let measured = measure(b, rank, ranks, &mut model, barrier, &dog);
     if let Err(e) = &measured {
+        // The others stop waiting for it: at the gate between tests, and in collectives.
+        barrier.break_with(format!("rank {rank} failed: {e}"));
         ranks.abort(rank, &e.to_string());
     }
     Ok(Measured {
@@ -94,7 +97,7 @@ fn measure(
     rank: usize,
     ranks: &Ranks,
     model: &mut Model,
-    barrier: &Barrier,
+    barrier: &Gate,
     dog: &Watchdog,
 ) -> CliResult<Measured> {
     // The roofline's bandwidth: 256 MiB copies, far beyond the L2 cache.
@@ -118,7 +121,7 @@ fn measure(
     for (tokens, prompt) in tests.into_iter().filter(|(n, _)| *n > 0) {
         let mut speeds = Vec::new();
         for rep in 0..=b.reps {
-            barrier.wait();
+            barrier.wait()?;
             let clock = Instant::now();
             if prompt {
                 let ids: Vec<u32> = (0..tokens as u32)
@@ -163,7 +166,7 @@ pub fn run(b: &TpBench) -> CliResult<String> {
     let fingerprint = ranks::fingerprint(b.model.as_deref(), &settings);
     let ranks = Ranks::new("--tp", b.tp, b.device, b.threads, &b.nodes, &fingerprint)?;
     let here = ranks.here();
-    let barrier = Barrier::new(here.len());
+    let barrier = Gate::new(here.len());
     let start = StartLine::new(here.len());
     let results: Vec<CliResult<Measured>> = std::thread::scope(|s| {
         let handles: Vec<_> = here

@@ -141,8 +141,13 @@ impl Ranks {
     /// Rank `rank` failed (`why`): end the collectives of every rank here, whose next
     /// or current wait would be for it.
     pub(crate) fn abort(&self, rank: usize, why: &str) {
+        self.abort_all(&format!("rank {rank} failed: {why}"));
+    }
+
+    /// End the collectives of every rank here, for `why`.
+    pub(crate) fn abort_all(&self, why: &str) {
         for c in self.taken.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            c.abort(&format!("rank {rank} failed: {why}"));
+            c.abort(why);
         }
     }
 
@@ -221,11 +226,13 @@ pub(crate) fn fingerprint(model: Option<&std::path::Path>, settings: &str) -> St
         if let Ok(mut f) = std::fs::File::open(path) {
             let len = f.metadata().map_or(0, |m| m.len());
             eat(&len.to_le_bytes());
-            let mut buf = vec![0u8; 1 << 20];
             for at in [0, len.saturating_sub(1 << 20)] {
-                if f.seek(SeekFrom::Start(at)).is_ok() {
-                    let got = f.read(&mut buf).unwrap_or(0);
-                    eat(&buf[..got]);
+                let mut buf = Vec::new();
+                // Read to the MiB's end: one read may return less (a network file system).
+                if f.seek(SeekFrom::Start(at)).is_ok()
+                    && (&mut f).take(1 << 20).read_to_end(&mut buf).is_ok()
+                {
+                    eat(&buf);
                 }
             }
         }
@@ -281,13 +288,17 @@ impl Watchdog {
             while !s.done.load(Ordering::Relaxed) {
                 std::thread::sleep(tick);
                 let now = s.start.elapsed().as_millis() as u64;
-                let quiet = Duration::from_millis(now - s.last.load(Ordering::Relaxed));
+                let quiet =
+                    Duration::from_millis(now.saturating_sub(s.last.load(Ordering::Relaxed)));
                 if quiet > limit && !s.done.load(Ordering::Relaxed) {
                     // The abort ends the rank's waits in NCCL, and the rank its run with
                     // an error. A wait it does not end (a kernel spinning on a peer that
                     // is gone, a start) ends the process, a grace period later.
-                    if let Some(c) = &c {
-                        c.abort(&why);
+                    if let Some(c) = c.clone() {
+                        // On a thread of its own: an abort may itself wait (on a call
+                        // under way, or on the GPU), and the exit below must not.
+                        let why = why.clone();
+                        std::thread::spawn(move || c.abort(&why));
                         std::thread::sleep(GRACE.min(limit));
                     }
                     if !s.done.load(Ordering::Relaxed) {

@@ -129,12 +129,21 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
         (_, DeviceChoice::Cpu, None) => DType::F32,
         (_, _, None) => DType::F16,
     };
-    let seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-    });
+    if a.nodes.nnodes > 1 && a.seed.is_none() && a.temp > 0.0 {
+        return Err(Failure::usage(
+            "--nnodes: give --seed (or --temp 0), so that every host draws the same tokens",
+        ));
+    }
+    // Greedy runs over hosts need no seed: one fixed, so their fingerprints agree.
+    let seed = a
+        .seed
+        .or((a.nodes.nnodes > 1).then_some(0))
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        });
     let sampler = SamplerConfig {
         temperature: a.temp,
         top_k: a.top_k,
@@ -170,7 +179,10 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
             prompt: &prompt,
             fingerprint: crate::ranks::fingerprint(
                 a.model.as_deref(),
-                &format!("{prompt:?} {sampler:?} {:?} {:?}", a.n_predict, a.ctx_size),
+                &format!(
+                    "{prompt:?} {sampler:?} {:?} {:?} {:?}",
+                    a.n_predict, a.ctx_size, a.stop
+                ),
             ),
             sampler,
             opts,

@@ -3,11 +3,16 @@
 
 use crate::console::{CliResult, Failure};
 use crate::model_file::{self, DeviceChoice, ModelFile};
+use crate::ranks::Ranks;
 use kiln_core::{Backend, DType, Error};
 use kiln_models::chat::Message;
 use kiln_models::memory::{self, human_bytes};
+use kiln_models::{Model, ModelConfig};
 use kiln_serve::engine::blocks::{blocks_for, BLOCK_POSITIONS};
-use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel};
+use kiln_serve::{
+    App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel, SplitRunner,
+    StepRunner,
+};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -54,6 +59,11 @@ pub struct ServeArgs {
     pub chat_template: Option<PathBuf>,
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
+    /// Split the model over this many ranks (tensor parallelism, the LLaMA family): GPUs
+    /// cuda:0..N through NCCL, or with --device cpu shares of the CPU's threads. Every
+    /// step runs on all of them; the KV pool is each rank's share of the heads.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub tp: Option<u16>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -121,7 +131,12 @@ impl ChatRenderer for SandboxedChat {
 const DEFAULT_CONTEXT: usize = 4096;
 
 pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
-    let backend = model_file::backend(a.device, a.threads)?;
+    let tp = usize::from(a.tp.unwrap_or(1));
+    let backend = match tp {
+        1 => model_file::backend(a.device, a.threads)?,
+        // The ranks make their own backends; this one only reads the settings.
+        _ => Arc::new(kiln_cpu::CpuBackend::new(Some(1))?) as Arc<dyn Backend>,
+    };
     let file = model_file::open(a.model.as_deref())?;
     let context = model_file::context_size(a.ctx_size, file.config(), &file.name, DEFAULT_CONTEXT)?;
     let max_seqs = usize::from(a.max_seqs);
@@ -129,20 +144,27 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     // (the first chunk even past it).
     let budget = a.max_batch_tokens as usize;
     let step_rows = max_seqs.max(budget) + PREFILL_CHUNK;
-    let kv_type = model_file::kv_type(a.kv_type, backend.as_ref(), file.config(), &file.name)?;
-    let plan = file.plan(backend.as_ref(), step_rows, false, kv_type);
-    let kv_blocks = kv_blocks(
-        &file,
-        backend.as_ref(),
-        &plan,
-        context,
-        max_seqs,
-        a.kv_memory,
-        kv_type,
-    )?;
     let chat = chat_renderer(&file, a.chat_template.as_deref())?;
-    // The pool was checked against free memory above; the weights are checked here.
-    let model = file.load(backend.clone(), &plan, 0)?;
+    let (runner, kv_blocks, kv_type, describe): (Box<dyn StepRunner>, _, _, _) = if tp > 1 {
+        split_runner(&a, tp, &file, context, step_rows)?
+    } else {
+        let kv_type = model_file::kv_type(a.kv_type, backend.as_ref(), file.config(), &file.name)?;
+        let plan = file.plan(backend.as_ref(), step_rows, false, kv_type);
+        let free_after_weights = memory::free_memory(backend.as_ref())?
+            .map(|free| (free.bytes.saturating_sub(plan.total(0)), free.what));
+        let kv_blocks = kv_blocks(
+            file.config(),
+            free_after_weights,
+            context,
+            max_seqs,
+            a.kv_memory,
+            kv_type,
+        )?;
+        // The pool was checked against free memory above; the weights are checked here.
+        let model = file.load(backend.clone(), &plan, 0)?;
+        let runner = Box::new(PagedRunner::new(model, kv_blocks, kv_type)?);
+        (runner, kv_blocks, kv_type, backend.describe())
+    };
     let tokenizer = Arc::new(file.tokenizer);
     let limits = Limits {
         max_seqs,
@@ -150,7 +172,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
         prefill_chunk: PREFILL_CHUNK,
     };
     let engine = Engine::start(
-        Box::new(PagedRunner::new(model, kv_blocks, kv_type)?),
+        runner,
         tokenizer.clone(),
         EngineConfig {
             limits,
@@ -199,7 +221,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
             eprintln!(
                 "kiln serve: {id} ({}) on {}, context {context}, {max_seqs} sequences at once, KV pool {kv_blocks} blocks of {BLOCK_POSITIONS} positions ({kv_type}); listening on http://{bound}",
                 file.name,
-                backend.describe(),
+                describe,
             );
         }
         kiln_serve::serve(listener, app, shutdown_signal())
@@ -241,21 +263,19 @@ async fn shutdown_signal() {
     tracing::info!("stopping: no new connections; finishing the requests in flight");
 }
 
-/// Blocks in the KV pool, from `--kv-memory`, keys and values kept as `kv` (an f16 pool
-/// holds twice the blocks of an f32 one in the same memory); refused when the pool cannot
-/// hold one whole context or does not fit in free memory.
+/// Blocks in the KV pool of a model of `config` (a rank's, when split), from
+/// `--kv-memory`, keys and values kept as `kv` (an f16 pool holds twice the blocks of an
+/// f32 one in the same memory); refused when the pool cannot hold one whole context or
+/// does not fit in the memory free after the weights.
 fn kv_blocks(
-    file: &ModelFile,
-    backend: &dyn Backend,
-    plan: &memory::MemoryPlan,
+    config: &ModelConfig,
+    free_after_weights: Option<(u128, String)>,
     context: usize,
     max_seqs: usize,
     asked: Option<KvMemory>,
     kv: DType,
 ) -> CliResult<usize> {
-    let per_block = memory::kv_cache_bytes(file.config(), BLOCK_POSITIONS, kv).max(1);
-    let free_after_weights = memory::free_memory(backend)?
-        .map(|free| (free.bytes.saturating_sub(plan.total(0)), free.what));
+    let per_block = memory::kv_cache_bytes(config, BLOCK_POSITIONS, kv).max(1);
     // The pool holds one block more than sequences may use: the spare that the padding rows
     // of recorded steps write into (kiln_models::PagedKvCache). It is counted in the bytes.
     let everyone = per_block.saturating_mul((max_seqs * blocks_for(context) + 1) as u128);
@@ -289,6 +309,76 @@ fn kv_blocks(
         )));
     }
     Ok(blocks)
+}
+
+/// `--tp N`: the ranks load their parts in threads of their own (NCCL's join needs all
+/// of them at once), then the pool is sized from a rank's share of the heads and the
+/// memory free on rank 0 after its weights.
+fn split_runner(
+    a: &ServeArgs,
+    tp: usize,
+    file: &ModelFile,
+    context: usize,
+    step_rows: usize,
+) -> CliResult<(Box<dyn StepRunner>, usize, DType, String)> {
+    kiln_models::tp::Plan::new(file.config(), tp).map_err(|e| match e {
+        Error::Unsupported(why) => Failure::usage(why),
+        e => Failure::from(e),
+    })?;
+    let nodes = crate::ranks::NodeArgs {
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: None,
+    };
+    let ranks = Arc::new(Ranks::new("--tp", tp, a.device, a.threads, &nodes, "")?);
+    let start = kiln_dist::start::StartLine::new(tp);
+    let loaded: Vec<CliResult<(Model, Arc<dyn Backend>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..tp)
+            .map(|rank| {
+                let (ranks, start) = (&ranks, &start);
+                s.spawn(move || {
+                    let model = ranks
+                        .take(rank)
+                        .and_then(|(b, c)| Ok((file.checkpoint.load_rank(b.clone(), c)?, b)));
+                    start.cross(rank, model).map_err(Failure::usage)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Failure::usage("a rank panicked")))
+            })
+            .collect()
+    });
+    let mut models = Vec::new();
+    let mut first: Option<Arc<dyn Backend>> = None;
+    for r in loaded {
+        let (m, b) = r?;
+        first.get_or_insert(b);
+        models.push(m);
+    }
+    let first = first.ok_or_else(|| Failure::usage("--tp: no rank loaded"))?;
+    let rank_config = kiln_models::tp::Plan::new(file.config(), tp)?.config(file.config(), 0)?;
+    let kv_type = model_file::kv_type(a.kv_type, first.as_ref(), file.config(), &file.name)?;
+    // The step's activations are still to come; the whole model's are an upper bound.
+    let buffers = file.plan(first.as_ref(), step_rows, false, kv_type).buffers;
+    let free_after_weights = memory::free_memory(first.as_ref())?
+        .map(|free| (free.bytes.saturating_sub(buffers), free.what));
+    let blocks = kv_blocks(
+        &rank_config,
+        free_after_weights,
+        context,
+        usize::from(a.max_seqs),
+        a.kv_memory,
+        kv_type,
+    )?;
+    let abort_ranks = ranks.clone();
+    let abort = Arc::new(move |why: &str| abort_ranks.abort_all(why));
+    let describe = format!("{} × {tp}", first.describe());
+    let runner = SplitRunner::new(models, blocks, kv_type, abort)?;
+    Ok((Box::new(runner), blocks, kv_type, describe))
 }
 
 fn chat_renderer(

@@ -567,7 +567,15 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
         );
     }
     let t = make_trainer(&a, &start_file, text, optimizer, backend.clone())?;
-    drive(&a, quiet, t, &tokenizer, export_type, &backend.describe())
+    drive(
+        &a,
+        quiet,
+        t,
+        &tokenizer,
+        export_type,
+        &backend.describe(),
+        None,
+    )
 }
 
 /// The trainer of `a`'s run on `backend`: resumed, or new with `a`'s settings.
@@ -682,7 +690,7 @@ fn data_parallel(
                 drop(starting);
                 first
             }
-            .and_then(|(t, _, describe)| {
+            .and_then(|(t, c, describe)| {
                 let out = drive(
                     a,
                     quiet,
@@ -690,6 +698,7 @@ fn data_parallel(
                     tokenizer,
                     export_type,
                     &format!("{describe} × {dp} (data-parallel)"),
+                    Some(crate::ranks::Watchdog::new(0, c, timeout)),
                 );
                 if let Err(e) = &out {
                     ranks.abort(0, &e.to_string());
@@ -720,7 +729,13 @@ fn drive(
     tokenizer: &Tokenizer,
     export_type: DType,
     device: &str,
+    watch: Option<crate::ranks::Watchdog>,
 ) -> CliResult {
+    let alive = || {
+        if let Some(w) = &watch {
+            w.alive();
+        }
+    };
     let mut log = Log::open(&a.out, &t, device)?;
     let mut bar = Progress::new(&t, quiet);
     let ckpt = a.out.join("checkpoint.gguf");
@@ -743,6 +758,7 @@ fn drive(
         }
         let at = Instant::now();
         let report = t.step()?;
+        alive();
         let seconds = at.elapsed().as_secs_f64();
         bar.step(&report, seconds);
         log.step(&report, seconds);
@@ -754,12 +770,16 @@ fn drive(
                 loss.exp()
             ));
             log.eval(n, loss);
+            alive();
         }
         if n == steps || (a.save_every > 0 && n.is_multiple_of(a.save_every)) {
             t.save_checkpoint(&ckpt)?;
             log.write(started.elapsed().as_secs_f64())?;
+            alive();
         }
     }
+    // No collectives from here on: the exports take as long as they take.
+    drop(watch);
     bar.finish();
     let model_out = a.out.join("model.gguf");
     t.export_gguf(&model_out, export_type)?;

@@ -608,8 +608,15 @@ fn impossible_host_settings_are_refused_naming_the_flag() {
             &["--tp", "2", "--nnodes", "4"][..],
             "every host runs the same number of ranks",
         ),
+        (
+            &["--tp", "2", "--nnodes", "2", "--temp", "0.8"][..],
+            "give --seed (or --temp 0)",
+        ),
     ] {
         let mut all = vec!["run", "-p", "x", "-n", "2", "--device", "cpu"];
+        if !args.contains(&"--temp") {
+            all.extend_from_slice(&["--temp", "0"]);
+        }
         all.extend_from_slice(args);
         let o = kiln(&all);
         let err = stderr(&o);

@@ -65,3 +65,55 @@ fn sigterm_finishes_the_stream_in_flight_then_exits_0() {
     assert_eq!(status.code(), Some(0));
     assert!(TcpStream::connect(&addr).is_err(), "still accepting");
 }
+
+/// `kiln serve --tp 2 --device cpu`: the model split over two ranks (threads summing
+/// through host memory) answers as the whole model does (greedy, the same text).
+#[test]
+fn a_split_server_answers_as_the_whole_one() {
+    let mut texts = Vec::new();
+    for tp in ["1", "2"] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args([
+                "serve", "--device", "cpu", "--port", "0", "-t", "2", "--tp", tp,
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let (addr, line) = loop {
+            let mut line = String::new();
+            assert!(
+                stderr.read_line(&mut line).unwrap() > 0,
+                "kiln serve --tp {tp} ended"
+            );
+            if let Some(at) = line.trim().split("listening on http://").nth(1) {
+                break (at.to_string(), line.clone());
+            }
+        };
+        if tp == "2" {
+            assert!(line.contains(" × 2"), "{line}");
+        }
+        let body = r#"{"prompt": "Permission is hereby granted", "max_tokens": 12, "temperature": 0, "ignore_eos": true}"#;
+        let mut conn = TcpStream::connect(&addr).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        write!(
+            conn,
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut reply = String::new();
+        conn.read_to_string(&mut reply).unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200"), "--tp {tp}: {reply}");
+        let json = &reply[reply.find("\r\n\r\n").unwrap() + 4..];
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
+        // SAFETY: kill sends a signal to the child this test started.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+        assert_eq!(child.wait().unwrap().code(), Some(0));
+    }
+    assert_eq!(texts[0], texts[1]);
+}

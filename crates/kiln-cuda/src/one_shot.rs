@@ -12,7 +12,7 @@ use crate::memory::DeviceBuffer;
 use crate::{driver_error, kernels::Arg, CudaBackend};
 use cudarc::driver::{result, sys};
 use kiln_core::{Backend, Error, Result, Shape, Tensor};
-use std::sync::{Arc, Barrier, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Blocks of every one-shot launch: the epochs on the device count calls only if every
@@ -24,8 +24,12 @@ const CAP_BYTES: usize = 1 << 20;
 const CAP_LINES: usize = CAP_BYTES / 8;
 /// Sizes measured when the ranks join, in bytes of f32.
 const PROBE_BYTES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 128 << 10, 256 << 10, 1 << 20];
-/// How long a rank waits for the others: on the board, and inside the kernel for a peer.
+/// How long a rank waits for the others to set up the path.
 const WAIT: Duration = Duration::from_secs(60);
+/// How long the kernel waits for a peer before it stops the GPU (a trap: the context is
+/// lost). A backstop only: a run's own watchdog (the CLI's, 300 s by default) ends the
+/// process with its reason well before.
+const KERNEL_WAIT: Duration = Duration::from_secs(1800);
 
 /// What a rank posts on the board.
 #[derive(Clone, Copy)]
@@ -42,7 +46,10 @@ pub struct PeerBoard {
     posted: Condvar,
     /// Each rank's measurements, when it has made them.
     probes: Mutex<Vec<Option<Vec<Probe>>>>,
-    barrier: Barrier,
+    /// Ranks at the meeting under way, and how many meetings there have been.
+    met: Mutex<(usize, u64)>,
+    all_met: Condvar,
+    world: usize,
     /// The largest one-shot sum in bytes if fixed rather than measured (0: NCCL only).
     fixed: Option<usize>,
 }
@@ -69,9 +76,40 @@ impl PeerBoard {
             posts: Mutex::new(vec![None; world]),
             posted: Condvar::new(),
             probes: Mutex::new(vec![None; world]),
-            barrier: Barrier::new(world),
+            met: Mutex::new((0, 0)),
+            all_met: Condvar::new(),
+            world,
             fixed: max_bytes,
         })
+    }
+
+    /// Wait until every rank has come here; an error after [`WAIT`] (a rank that failed
+    /// while measuring does not come).
+    fn meet(&self, rank: usize) -> Result<()> {
+        let mut met = self.met.lock().unwrap_or_else(|e| e.into_inner());
+        let meeting = met.1;
+        met.0 += 1;
+        if met.0 == self.world {
+            *met = (0, meeting + 1);
+            self.all_met.notify_all();
+            return Ok(());
+        }
+        let deadline = Instant::now() + WAIT;
+        while met.1 == meeting {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Device(format!(
+                    "rank {rank} waited {} s for the other ranks while timing the all-reduce (one of them failed: see its message)",
+                    WAIT.as_secs()
+                )));
+            }
+            met = self
+                .all_met
+                .wait_timeout(met, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
     }
 
     /// Post `rank`'s part and wait for every rank's.
@@ -255,7 +293,7 @@ impl OneShot {
                 Arg::Ptr(self.table.ptr),
                 Arg::Ptr(self.epochs.ptr),
                 Arg::I32(CAP_LINES as i32),
-                Arg::U64(WAIT.as_nanos() as u64),
+                Arg::U64(KERNEL_WAIT.as_nanos() as u64),
             ],
         )
     }
@@ -263,7 +301,12 @@ impl OneShot {
     /// Whether `t` may take the one-shot path.
     pub(crate) fn takes(&self, t: &Tensor) -> bool {
         let n = t.shape().numel();
-        t.dtype() == kiln_core::DType::F32 && n.is_multiple_of(2) && n * 4 <= self.max_bytes
+        // Not empty: every call must exchange a line, or a fast rank's next call could
+        // overwrite what a slow one has still to read.
+        t.dtype() == kiln_core::DType::F32
+            && n > 0
+            && n.is_multiple_of(2)
+            && n * 4 <= self.max_bytes
     }
 
     /// Each probed size's bytes and its time both ways (µs), the same on every rank:
@@ -294,7 +337,7 @@ impl OneShot {
                     .ok_or_else(|| Error::Device("the CUDA backend did not record".into()))?;
                 replay.replay()?;
                 b.synchronize()?;
-                board.barrier.wait();
+                board.meet(rank)?;
                 let clock = Instant::now();
                 for _ in 0..3 {
                     replay.replay()?;
@@ -311,7 +354,7 @@ impl OneShot {
         let mut probes = board.probes.lock().unwrap_or_else(|e| e.into_inner());
         probes[rank] = Some(mine);
         drop(probes);
-        board.barrier.wait();
+        board.meet(rank)?;
         let probes = board.probes.lock().unwrap_or_else(|e| e.into_inner());
         let slowest = |i: usize, f: fn(&Probe) -> f64| {
             probes

@@ -4,69 +4,14 @@
 //! NCCL, and meant for what needs no speed: the tensor-parallel model's tests on the CPU,
 //! where it stands in for NCCL with the same contract.
 
+use crate::gate::Gate;
 use kiln_core::{quant, Backend, Collective, DType, Error, Result, Tensor};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 
 struct Shared {
     /// Each rank's values for the reduction under way.
     slots: Mutex<Vec<Vec<f32>>>,
     barrier: Gate,
-}
-
-/// A barrier that a rank can break: the ranks waiting at it, and those that come later,
-/// get the reason instead of waiting for ever.
-struct Gate {
-    state: Mutex<GateState>,
-    turned: Condvar,
-    world: usize,
-}
-
-struct GateState {
-    waiting: usize,
-    generation: u64,
-    broken: Option<String>,
-}
-
-impl Gate {
-    fn new(world: usize) -> Gate {
-        Gate {
-            state: Mutex::new(GateState {
-                waiting: 0,
-                generation: 0,
-                broken: None,
-            }),
-            turned: Condvar::new(),
-            world,
-        }
-    }
-
-    fn wait(&self) -> Result<()> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(why) = &st.broken {
-            return Err(Error::Device(why.clone()));
-        }
-        st.waiting += 1;
-        if st.waiting == self.world {
-            st.waiting = 0;
-            st.generation += 1;
-            self.turned.notify_all();
-            return Ok(());
-        }
-        let generation = st.generation;
-        while st.generation == generation && st.broken.is_none() {
-            st = self.turned.wait(st).unwrap_or_else(|e| e.into_inner());
-        }
-        match (&st.broken, st.generation == generation) {
-            (Some(why), true) => Err(Error::Device(why.clone())),
-            _ => Ok(()),
-        }
-    }
-
-    fn break_with(&self, why: String) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.broken.get_or_insert(why);
-        self.turned.notify_all();
-    }
 }
 
 /// One rank of a [`group`].
@@ -176,14 +121,8 @@ impl Collective for HostCollective {
     }
 
     fn check(&self) -> Result<()> {
-        let st = self
-            .shared
-            .barrier
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        match &st.broken {
-            Some(why) => Err(Error::Device(why.clone())),
+        match self.shared.barrier.broken() {
+            Some(why) => Err(Error::Device(why)),
             None => Ok(()),
         }
     }

@@ -4,11 +4,13 @@
 //!   model files or settings differ;
 //! - [`host`]: a group of ranks that are threads of one process, summing their tensors
 //!   through host memory, over any backend (tests, and tensor parallelism on CPUs);
-//! - [`start`]: such ranks start together or not at all.
+//! - [`start`]: such ranks start together or not at all;
+//! - [`gate`]: a barrier one of them can break.
 //!
 //! The tensor-parallel split of a model is `kiln_models::tp`; NCCL lives with the CUDA
 //! backend.
 
+pub mod gate;
 pub mod host;
 pub mod rendezvous;
 pub mod start;

@@ -70,8 +70,20 @@ pub(crate) struct Scratch {
     /// `[n, vocab]`, made by the first [`Logits::All`] pass of this size: large, and
     /// needed only for perplexity and tests.
     pub(crate) all_logits: Option<Tensor>,
+    /// Where a vocabulary-split head gathers `all_logits`, made with them.
+    pub(crate) split_logits: Option<SplitLogits>,
     /// I32 `[1]`: the greedy token, all that [`Model::forward_argmax`] reads back.
     pub(crate) next: Tensor,
+}
+
+/// A vocabulary-split head's buffers for `n` rows (see [`Model::gather_all_logits`]).
+pub(crate) struct SplitLogits {
+    /// `[n, rows]`: this rank's columns.
+    part: Tensor,
+    /// `[world · n, rows]`: every rank's, rank-major.
+    gathered: Tensor,
+    /// I32 `[world · n]`: where each gathered row goes in `[n · world, rows]`.
+    to: Tensor,
 }
 
 impl Scratch {
@@ -182,7 +194,7 @@ impl Model {
 
     /// The collective that gathers the logits, where this rank holds a slice of the
     /// output head's rows (the vocabulary split over the ranks, see [`crate::tp`]).
-    fn split_head(&self) -> Option<&Arc<dyn Collective>> {
+    pub(crate) fn split_head(&self) -> Option<&Arc<dyn Collective>> {
         let rows = self.head_weight().dims()[0];
         self.collective
             .as_ref()
@@ -261,6 +273,7 @@ impl Model {
                 .map(|_| f32_tensor(b, &[1, self.head_weight().dims()[0]]))
                 .transpose()?,
             all_logits: None,
+            split_logits: None,
             next: i32_tensor(1)?,
         })
     }
@@ -394,6 +407,10 @@ impl Model {
         cache: &mut KvCache,
         which: Output,
     ) -> Result<()> {
+        // Before too: a recorded step would replay collectives on an aborted group.
+        if let Some(c) = &self.collective {
+            c.check()?;
+        }
         self.step_ops(s, ids, pos0, cache, which)?;
         match &self.collective {
             Some(c) => c.check(),
@@ -415,6 +432,7 @@ impl Model {
         b.write(&mut s.positions, &i32_bytes(pos0..pos0 + n))?;
         if which == Output::Logits(Logits::All) && s.all_logits.is_none() {
             s.all_logits = Some(f32_tensor(b.as_ref(), &[n, self.config.vocab_size])?);
+            s.split_logits = self.split_logits(n)?;
         }
         if !(self.graphs && n == 1 && which == Output::Logits(Logits::Last)) {
             return self.ops(s, cache, which);
@@ -652,9 +670,11 @@ impl Model {
         let logits = match which {
             Logits::All => {
                 let logits = s.all_logits.as_mut().expect("made before the step");
-                match split {
-                    None => b.matmul(&s.h, head, logits)?,
-                    Some(c) => self.gather_all_logits(c.as_ref(), &s.h, logits)?,
+                match (split, s.split_logits.as_mut()) {
+                    (Some(c), Some(parts)) => {
+                        self.gather_all_logits(c.as_ref(), &s.h, logits, parts)?
+                    }
+                    _ => b.matmul(&s.h, head, logits)?,
                 }
                 logits
             }
@@ -681,27 +701,54 @@ impl Model {
         Ok(())
     }
 
-    /// Every position's logits from a vocabulary-split head: this rank's columns of them,
-    /// gathered from all ranks (rank-major: rank j's `[n, rows]` block after rank j-1's),
-    /// then each rank's block moved to its columns. Not for recorded steps: it allocates.
-    fn gather_all_logits(&self, c: &dyn Collective, h: &Tensor, logits: &mut Tensor) -> Result<()> {
+    /// The buffers [`Self::gather_all_logits`] needs for `n` positions, where the head is
+    /// split (made before any step is recorded: the gather allocates nothing).
+    pub(crate) fn split_logits(&self, n: usize) -> Result<Option<SplitLogits>> {
+        let Some(c) = self.split_head() else {
+            return Ok(None);
+        };
         let b = self.backend.as_ref();
-        let head = self.head_weight();
-        let (n, rows, world) = (h.dims()[0], head.dims()[0], c.world());
-        let mut part = f32_tensor(b, &[n, rows])?;
-        b.matmul(h, head, &mut part)?;
-        let mut gathered = f32_tensor(b, &[world * n, rows])?;
-        c.all_gather(&part, &mut gathered)?;
-        // Row i·world + j of `[n · world, rows]` is position i's columns from rank j.
+        let (rows, world) = (self.head_weight().dims()[0], c.world());
         let mut to = b.zeros(DType::I32, Shape::new(vec![world * n])?)?;
+        // Row i·world + j of `[n · world, rows]` is position i's columns from rank j.
         b.write(
             &mut to,
             &i32_bytes((0..world * n).map(|g| (g % n) * world + g / n)),
         )?;
-        reshape(logits, &[n * world, rows])?;
-        let written = b.write_rows(&gathered, logits, &to);
-        reshape(logits, &[n, world * rows])?;
+        Ok(Some(SplitLogits {
+            part: f32_tensor(b, &[n, rows])?,
+            gathered: f32_tensor(b, &[world * n, rows])?,
+            to,
+        }))
+    }
+
+    /// Every row's logits from a vocabulary-split head: this rank's columns of them,
+    /// gathered from all ranks (rank-major: rank j's `[n, rows]` block after rank j-1's),
+    /// then each rank's block moved to its columns.
+    pub(crate) fn gather_all_logits(
+        &self,
+        c: &dyn Collective,
+        h: &Tensor,
+        logits: &mut Tensor,
+        parts: &mut SplitLogits,
+    ) -> Result<()> {
+        let b = self.backend.as_ref();
+        let (n, rows) = (h.dims()[0], self.head_weight().dims()[0]);
+        b.matmul(h, self.head_weight(), &mut parts.part)?;
+        c.all_gather(&parts.part, &mut parts.gathered)?;
+        reshape(logits, &[n * c.world(), rows])?;
+        let written = b.write_rows(&parts.gathered, logits, &parts.to);
+        reshape(logits, &[n, c.world() * rows])?;
         written
+    }
+
+    /// `logits = h · headᵀ` for any rows `h`, through the split head's gather where it
+    /// is split (allocating: not for recorded steps).
+    pub(crate) fn head_logits(&self, h: &Tensor, logits: &mut Tensor) -> Result<()> {
+        match (self.split_head(), self.split_logits(h.dims()[0])?) {
+            (Some(c), Some(mut parts)) => self.gather_all_logits(c.as_ref(), h, logits, &mut parts),
+            _ => self.backend.matmul(h, self.head_weight(), logits),
+        }
     }
 
     /// The norm `nw` of `x` as an [`RmsNorm`] a backend can fuse into the matmuls it

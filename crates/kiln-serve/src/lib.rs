@@ -13,6 +13,6 @@ pub mod engine;
 pub mod metrics;
 
 pub use api::{router, serve, App, ChatRenderer, ServedModel};
-pub use engine::runner::{PagedRunner, StepRunner};
+pub use engine::runner::{PagedRunner, SplitRunner, StepRunner};
 pub use engine::scheduler::Limits;
 pub use engine::{Engine, EngineConfig};

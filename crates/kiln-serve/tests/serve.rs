@@ -2,11 +2,15 @@
 //! CPU, spoken to over HTTP as OpenAI's clients do.
 
 use kiln_core::DType;
+use kiln_core::{Backend, Collective};
 use kiln_cpu::CpuBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_models::chat::Message;
 use kiln_models::{generate, GenerateOptions, Model, Sampler, SamplerConfig};
-use kiln_serve::{App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel};
+use kiln_serve::{
+    App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel, SplitRunner,
+    StepRunner,
+};
 use kiln_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -45,6 +49,8 @@ struct Options {
     max_waiting: usize,
     kv_blocks: usize,
     api_key: Option<String>,
+    /// Ranks the model is split over (1: whole), threads summing through host memory.
+    tp: usize,
 }
 
 impl Default for Options {
@@ -54,6 +60,7 @@ impl Default for Options {
             max_waiting: 64,
             kv_blocks: 16 * CONTEXT / 16,
             api_key: None,
+            tp: 1,
         }
     }
 }
@@ -66,11 +73,34 @@ struct Server {
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
+/// The model split over `tp` ranks, each on a CPU backend of its own.
+fn split_runner(tp: usize, kv_blocks: usize) -> SplitRunner {
+    let file = GgufFile::open(model_path()).unwrap();
+    let backends: Vec<Arc<dyn Backend>> = (0..tp)
+        .map(|_| Arc::new(CpuBackend::new(Some(1)).unwrap()) as Arc<dyn Backend>)
+        .collect();
+    let group: Vec<Arc<dyn Collective>> = kiln_dist::host::group(backends.clone())
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Collective>)
+        .collect();
+    let models = backends
+        .into_iter()
+        .zip(group.clone())
+        .map(|(b, c)| Model::from_gguf_rank(&file, b, c).unwrap())
+        .collect();
+    let abort = Arc::new(move |why: &str| group.iter().for_each(|c| c.abort(why)));
+    SplitRunner::new(models, kv_blocks, DType::F32, abort).unwrap()
+}
+
 async fn start(o: Options) -> Server {
     let (model, tokenizer) = load();
     let tokenizer = Arc::new(tokenizer);
+    let runner: Box<dyn StepRunner> = match o.tp {
+        1 => Box::new(PagedRunner::new(model, o.kv_blocks, DType::F32).unwrap()),
+        tp => Box::new(split_runner(tp, o.kv_blocks)),
+    };
     let engine = Engine::start(
-        Box::new(PagedRunner::new(model, o.kv_blocks, DType::F32).unwrap()),
+        runner,
         tokenizer.clone(),
         EngineConfig {
             limits: Limits {
@@ -595,6 +625,47 @@ async fn greedy_tokens_do_not_depend_on_the_batch() {
     }
     s.wait_idle().await;
     s.shut_down().await;
+}
+
+/// The model split over two ranks (`kiln serve --tp 2`, here ranks on the CPU summing
+/// through host memory) serves the whole model's greedy tokens to concurrent requests,
+/// long prompts in chunks among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_model_serves_what_the_whole_one_does() {
+    let long_prompt =
+        "Permission is hereby granted to deal in the Software without restriction, ".repeat(8);
+    let prompts = [
+        PROMPT.to_string(),
+        long_prompt,
+        "The licensor grants".to_string(),
+    ];
+    let mut texts = Vec::new();
+    for tp in [1, 2] {
+        let s = start(Options {
+            tp,
+            ..Options::default()
+        })
+        .await;
+        let asks = prompts.iter().map(|p| {
+            s.post(
+                "/v1/completions",
+                json!({"prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": true}),
+            )
+        });
+        let answers = futures_util::future::join_all(asks).await;
+        texts.push(
+            answers
+                .into_iter()
+                .map(|(status, r)| {
+                    assert_eq!(status, 200, "--tp {tp}: {r}");
+                    text_of(&r["choices"][0])
+                })
+                .collect::<Vec<_>>(),
+        );
+        s.wait_idle().await;
+        s.shut_down().await;
+    }
+    assert_eq!(texts[0], texts[1]);
 }
 
 /// With a pool of one context, concurrent sequences run out of blocks: the newest are

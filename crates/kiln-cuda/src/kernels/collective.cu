@@ -43,7 +43,9 @@ extern "C" __global__ void all_reduce_one_shot(float2* data, int n2, int rank, i
                                                int cap_lines, u64 timeout_ns) {
     follow_previous();
     __shared__ u32 epoch_s;
-    if (threadIdx.x == 0) epoch_s = epochs[blockIdx.x] + 1;
+    // Epoch 0 is what the zeroed staging area holds: after 2^32 calls it is skipped for
+    // 2, which keeps the parity.
+    if (threadIdx.x == 0) epoch_s = epochs[blockIdx.x] + 1 == 0 ? 2 : epochs[blockIdx.x] + 1;
     __syncthreads();
     const u32 e = epoch_s;
     const size_t area = (size_t)(e & 1) * world * cap_lines;

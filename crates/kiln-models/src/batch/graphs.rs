@@ -96,6 +96,7 @@ impl Model {
             DType::F32,
             Shape::new(vec![bucket, self.config.vocab_size])?,
         )?);
+        s.split_logits = self.split_logits(bucket)?;
         exact_rows(&mut s);
         let ints = || b.zeros(DType::I32, Shape::new(vec![bucket])?);
         // Row i reads table row i, in every step.

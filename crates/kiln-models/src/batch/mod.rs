@@ -324,7 +324,7 @@ impl Model {
         self.norm(self.out_norm(), &last, &mut normed)?;
         normed.set_exact_rows(true);
         let mut logits = f32_tensor(vec![m, c.vocab_size])?;
-        b.matmul(&normed, self.head_weight(), &mut logits)?;
+        self.head_logits(&normed, &mut logits)?;
         if let Some(cap) = c.final_softcap {
             b.softcap(&mut logits, cap)?;
         }

@@ -60,3 +60,161 @@ impl StepRunner for PagedRunner {
         self.model.forward_batch(&batch, &mut self.cache)
     }
 }
+
+/// A step's item with its own copies of the tokens and the block table, for another
+/// thread.
+struct OwnedItem {
+    seq: SeqId,
+    tokens: Vec<u32>,
+    pos0: usize,
+    blocks: Vec<BlockId>,
+    want: Want,
+}
+
+/// A rank other than the first: its thread runs every step it is sent on its own part of
+/// the model and says whether the step went through.
+struct Rank {
+    steps: std::sync::mpsc::Sender<Vec<OwnedItem>>,
+    done: std::sync::mpsc::Receiver<std::result::Result<(), String>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Runs a step on a model split over several ranks (`kiln_models::tp`, `kiln serve
+/// --tp`): the first rank on the engine's thread, the others on threads of their own,
+/// each with its own part of the model and its own KV pool of the same blocks (the
+/// scheduler's block ids are every rank's). Every rank runs the same step, the
+/// collectives inside keep them in step, and every rank gets the same tokens: the first
+/// rank's are the step's.
+pub struct SplitRunner {
+    first: PagedRunner,
+    others: Vec<Rank>,
+    /// Called when a rank fails, to end the collectives the others wait in.
+    abort: std::sync::Arc<dyn Fn(&str) + Send + Sync>,
+}
+
+impl SplitRunner {
+    /// The ranks' models in rank order (rank 0 first), each with a pool of `blocks`
+    /// blocks kept as `kv`; `abort` ends the ranks' collectives (a rank that fails).
+    pub fn new(
+        models: Vec<Model>,
+        blocks: usize,
+        kv: DType,
+        abort: std::sync::Arc<dyn Fn(&str) + Send + Sync>,
+    ) -> Result<Self> {
+        let mut models = models.into_iter();
+        let first = models
+            .next()
+            .ok_or_else(|| kiln_core::Error::shape("a split model of no ranks"))?;
+        let first = PagedRunner::new(first, blocks, kv)?;
+        let mut others = Vec::new();
+        for (i, model) in models.enumerate() {
+            let mut runner = PagedRunner::new(model, blocks, kv)?;
+            let (steps, inbox) = std::sync::mpsc::channel::<Vec<OwnedItem>>();
+            let (outbox, done) = std::sync::mpsc::channel();
+            let abort = abort.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("kiln-rank-{}", i + 1))
+                .spawn(move || {
+                    for owned in inbox {
+                        let items = owned
+                            .iter()
+                            .map(|o| StepItem {
+                                seq: o.seq,
+                                tokens: &o.tokens,
+                                pos0: o.pos0,
+                                blocks: &o.blocks,
+                                want: o.want.clone(),
+                            })
+                            .collect();
+                        let failed = runner.run(items).into_iter().find_map(|r| {
+                            r.err().filter(|e| matches!(e, kiln_core::Error::Device(_)))
+                        });
+                        let outcome = match failed {
+                            Some(e) => {
+                                let why = format!("rank {}: {e}", i + 1);
+                                abort(&why);
+                                Err(why)
+                            }
+                            None => Ok(()),
+                        };
+                        if outbox.send(outcome).is_err() {
+                            return;
+                        }
+                    }
+                })
+                .map_err(|e| kiln_core::Error::io("starting a rank's thread", e))?;
+            others.push(Rank {
+                steps,
+                done,
+                thread: Some(thread),
+            });
+        }
+        Ok(SplitRunner {
+            first,
+            others,
+            abort,
+        })
+    }
+}
+
+impl StepRunner for SplitRunner {
+    fn run(&mut self, items: Vec<StepItem<'_>>) -> Vec<Result<StepOutput>> {
+        let n = items.len();
+        let mut sent = true;
+        for rank in &self.others {
+            let owned = items
+                .iter()
+                .map(|it| OwnedItem {
+                    seq: it.seq,
+                    tokens: it.tokens.to_vec(),
+                    pos0: it.pos0,
+                    blocks: it.blocks.to_vec(),
+                    want: it.want.clone(),
+                })
+                .collect();
+            sent &= rank.steps.send(owned).is_ok();
+        }
+        if !sent {
+            let why = "a rank of the split model has stopped".to_string();
+            (self.abort)(&why);
+            return (0..n)
+                .map(|_| Err(kiln_core::Error::Device(why.clone())))
+                .collect();
+        }
+        let mut outs = self.first.run(items);
+        if outs
+            .iter()
+            .any(|r| matches!(r, Err(kiln_core::Error::Device(_))))
+        {
+            (self.abort)("rank 0's step failed");
+        }
+        // Every rank answers for every step, so the next step starts together.
+        let mut failure = None;
+        for rank in &self.others {
+            match rank.done.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(why)) => failure = failure.or(Some(why)),
+                Err(_) => failure = failure.or(Some("a rank's thread ended".to_string())),
+            }
+        }
+        if let Some(why) = failure {
+            outs = (0..n)
+                .map(|_| Err(kiln_core::Error::Device(why.clone())))
+                .collect();
+        }
+        outs
+    }
+}
+
+impl Drop for SplitRunner {
+    fn drop(&mut self) {
+        for rank in &mut self.others {
+            // Closing the channel ends the rank's loop.
+            let (closed, _) = std::sync::mpsc::channel();
+            drop(std::mem::replace(&mut rank.steps, closed));
+            if let Some(t) = rank.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
