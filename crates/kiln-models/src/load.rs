@@ -147,7 +147,7 @@ impl WeightLoader<'_> {
         let c = self.cfg;
         self.check_room()?;
         let (name, embed) = self.require(Role::Embed, 0, "weight")?;
-        self.check_shape(&name, &embed, &[c.vocab_size, c.dim])?;
+        self.check_shape(&name, &embed, &[self.src.embed_rows(c.vocab_size), c.dim])?;
         let embed = self.upload(embed)?;
         let pos_embed = match self.get(Role::PosEmbed, 0, "weight")? {
             // One row per position, as transformers and llama.cpp size the table: a

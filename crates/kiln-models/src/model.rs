@@ -44,6 +44,8 @@ pub(crate) struct Scratch {
     pub(crate) n: usize,
     /// I32 `[n]`: the token ids and their positions, the only inputs a step writes.
     pub(crate) ids: Tensor,
+    /// I32 `[n]`: the ids as rows of this rank's slice of a split embedding table.
+    pub(crate) local_ids: Option<Tensor>,
     pub(crate) positions: Tensor,
     pub(crate) x: Tensor,
     pub(crate) h: Tensor,
@@ -175,7 +177,37 @@ impl Model {
 
     /// Rows of the embedding table: token ids must be below it.
     pub(crate) fn vocab_rows(&self) -> usize {
-        self.weights.embed.dims()[0]
+        match self.split_embed() {
+            Some(_) => self.config.vocab_size,
+            None => self.weights.embed.dims()[0],
+        }
+    }
+
+    /// The collective and this rank's first token id, where this rank holds a slice of
+    /// the embedding table (and a zero row after it, see [`crate::tp`]).
+    fn split_embed(&self) -> Option<(&Arc<dyn Collective>, usize)> {
+        let rows = self.weights.embed.dims()[0];
+        let c = self
+            .collective
+            .as_ref()
+            .filter(|_| rows != self.config.vocab_size)?;
+        Some((c, c.rank() * (rows - 1)))
+    }
+
+    /// Write a step's token ids into `s`, and where the embedding is split, each id as
+    /// a row of this rank's slice (the zero row for the others' tokens).
+    pub(crate) fn write_ids(&self, s: &mut Scratch, ids: &[usize]) -> Result<()> {
+        let b = self.backend.as_ref();
+        b.write(&mut s.ids, &i32_bytes(ids.iter().copied()))?;
+        if let (Some((_, first)), Some(local)) = (self.split_embed(), s.local_ids.as_mut()) {
+            let zero = self.weights.embed.dims()[0] - 1;
+            let rows = ids.iter().map(|&id| match id.checked_sub(first) {
+                Some(r) if r < zero => r,
+                _ => zero,
+            });
+            b.write(local, &i32_bytes(rows))?;
+        }
+        Ok(())
     }
 
     /// Positions a model with learned position embeddings (GPT-2) has.
@@ -242,6 +274,7 @@ impl Model {
         Ok(Scratch {
             n,
             ids: i32_tensor(n)?,
+            local_ids: self.split_embed().map(|_| i32_tensor(n)).transpose()?,
             positions: i32_tensor(n)?,
             x: f32_tensor(b, &[n, c.dim])?,
             h: f32_tensor(b, &[n, c.dim])?,
@@ -361,7 +394,7 @@ impl Model {
             )));
         }
         // Checked here because a device may not report a bad index mid-step.
-        let vocab = self.weights.embed.dims()[0];
+        let vocab = self.vocab_rows();
         if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(Error::shape(format!(
                 "token id {id} is outside the vocabulary of {vocab}"
@@ -428,7 +461,8 @@ impl Model {
     ) -> Result<()> {
         let b = self.backend.clone();
         let n = ids.len();
-        b.write(&mut s.ids, &i32_bytes(ids.iter().map(|&id| id as usize)))?;
+        let ids: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
+        self.write_ids(s, &ids)?;
         b.write(&mut s.positions, &i32_bytes(pos0..pos0 + n))?;
         if which == Output::Logits(Logits::All) && s.all_logits.is_none() {
             s.all_logits = Some(f32_tensor(b.as_ref(), &[n, self.config.vocab_size])?);
@@ -482,7 +516,13 @@ impl Model {
         let w = &self.weights;
         let n = s.n;
 
-        b.embedding(&w.embed, &s.ids, &mut s.x)?;
+        match (self.split_embed(), &s.local_ids) {
+            (Some((c, _)), Some(local)) => {
+                b.embedding(&w.embed, local, &mut s.x)?;
+                c.all_reduce_sum(&mut s.x)?;
+            }
+            _ => b.embedding(&w.embed, &s.ids, &mut s.x)?,
+        }
         if let Some(scale) = c.embed_scale {
             b.scale(&mut s.x, scale)?;
         }

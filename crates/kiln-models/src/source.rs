@@ -51,6 +51,11 @@ pub(crate) trait Source {
     fn output_rows(&self, vocab: usize) -> usize {
         vocab
     }
+    /// Rows of the embedding table it gives: more than a rank's slice (its zero row, see
+    /// `tp`) where it is one.
+    fn embed_rows(&self, vocab: usize) -> usize {
+        vocab
+    }
 }
 
 pub(crate) struct GgufSource<'a>(pub &'a GgufFile);

@@ -103,6 +103,9 @@ impl Model {
         let rank = collective.rank();
         let mut src = SyntheticSource::new(plan.config(&config, rank)?, ty);
         src.output_rows = plan.ranks[rank].vocab.as_ref().map(|v| v.len());
+        src.embed_rows = plan
+            .split_embed
+            .then(|| plan.embed_rows(rank, config.vocab_size));
         let mut model = Self::synthetic_with(src, backend)?;
         model.collective = Some(collective);
         Ok(model)
@@ -196,6 +199,8 @@ pub(crate) struct SyntheticSource {
     decoded: bool,
     /// Rows of the output head where it is a rank's slice of the vocabulary.
     output_rows: Option<usize>,
+    /// Rows of the embedding where it is a rank's slice, its last row zeros.
+    embed_rows: Option<usize>,
     /// Quantized row pools, by (dtype, row length).
     pools: std::sync::Mutex<RowPools>,
 }
@@ -207,6 +212,7 @@ impl SyntheticSource {
             ty,
             decoded: false,
             output_rows: None,
+            embed_rows: None,
             pools: Default::default(),
         }
     }
@@ -216,7 +222,7 @@ impl SyntheticSource {
         let base = name.strip_suffix(".weight")?;
         let role = base.rsplit('.').next()?;
         Some(match role {
-            "token_embd" => vec![c.vocab_size, c.dim],
+            "token_embd" => vec![self.embed_rows(c.vocab_size), c.dim],
             "output" => vec![self.output_rows(c.vocab_size), c.dim],
             "attn_norm" | "ffn_norm" | "output_norm" => vec![c.dim],
             "attn_q" => vec![c.q_dim(), c.dim],
@@ -291,6 +297,11 @@ impl Source for SyntheticSource {
             let take = (rows * row_bytes - bytes.len()).min(pool.len());
             bytes.extend_from_slice(&pool[..take]);
         }
+        if name == "token_embd.weight" && self.embed_rows.is_some() {
+            // A rank's slice ends in the row the others' tokens read: zeros.
+            let last = bytes.len() - row_bytes;
+            bytes[last..].fill(0);
+        }
         Ok(Some(RawTensor {
             dtype,
             shape: Shape::new(dims)?,
@@ -304,5 +315,9 @@ impl Source for SyntheticSource {
 
     fn output_rows(&self, vocab: usize) -> usize {
         self.output_rows.unwrap_or(vocab)
+    }
+
+    fn embed_rows(&self, vocab: usize) -> usize {
+        self.embed_rows.unwrap_or(vocab)
     }
 }

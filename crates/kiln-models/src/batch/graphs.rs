@@ -140,7 +140,8 @@ impl Model {
                 *t = blk as i32;
             }
         }
-        b.write(&mut bk.s.ids, &i32_bytes(&ids))?;
+        let ids: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
+        self.write_ids(&mut bk.s, &ids)?;
         b.write(&mut bk.s.positions, &i32_bytes(&positions))?;
         b.write(&mut bk.slots, &i32_bytes(&slots))?;
         let fresh = !bk.widths.contains_key(&width);

@@ -284,7 +284,8 @@ impl Model {
             b.write(&mut t, &i32_bytes(v))?;
             Ok(t)
         };
-        b.write(&mut s.ids, &i32_bytes(&l.ids))?;
+        let ids: Vec<usize> = l.ids.iter().map(|&id| id as usize).collect();
+        self.write_ids(&mut s, &ids)?;
         b.write(&mut s.positions, &i32_bytes(&l.positions))?;
         let slots = ints(&l.slots, vec![n])?;
         let seq = ints(&l.seq, vec![n])?;
