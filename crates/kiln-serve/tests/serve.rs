@@ -627,6 +627,60 @@ async fn greedy_tokens_do_not_depend_on_the_batch() {
     s.shut_down().await;
 }
 
+/// `echo`: the prompt's text before the choice's, whole and streamed, for text and token
+/// id prompts; with logprobs, a 400 saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_puts_the_prompt_before_the_completion() {
+    let s = start(Options::default()).await;
+    let ask = |prompt: Value, echo: bool, stream: bool| {
+        json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": true,
+               "echo": echo, "stream": stream})
+    };
+    let plain = s
+        .post("/v1/completions", ask(json!(PROMPT), false, false))
+        .await
+        .1;
+    let echoed = s
+        .post("/v1/completions", ask(json!(PROMPT), true, false))
+        .await
+        .1;
+    let completion = text_of(&plain["choices"][0]);
+    assert_eq!(
+        text_of(&echoed["choices"][0]),
+        format!("{PROMPT}{completion}")
+    );
+    assert_eq!(echoed["usage"], plain["usage"]);
+    let events = s
+        .stream("/v1/completions", ask(json!(PROMPT), true, true))
+        .await;
+    let streamed: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .flat_map(|c| c["choices"].as_array().unwrap().clone())
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(streamed, format!("{PROMPT}{completion}"));
+    // Token ids echo as their text.
+    let (_, tokenizer) = load();
+    let ids = tokenizer.encode(PROMPT, false).unwrap();
+    let by_ids = s
+        .post("/v1/completions", ask(json!(ids), true, false))
+        .await
+        .1;
+    let text = text_of(&by_ids["choices"][0]);
+    assert!(text.starts_with(&tokenizer.decode(&ids).unwrap()), "{text}");
+    let mut with_logprobs = ask(json!(PROMPT), true, false);
+    with_logprobs["logprobs"] = json!(1);
+    let (status, e) = s.post("/v1/completions", with_logprobs).await;
+    assert_eq!(status, 400, "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("echo"),
+        "{e}"
+    );
+    s.wait_idle().await;
+    s.shut_down().await;
+}
+
 /// The model split over two ranks (`kiln serve --tp 2`, here ranks on the CPU summing
 /// through host memory) serves the whole model's greedy tokens to concurrent requests,
 /// long prompts in chunks among them.

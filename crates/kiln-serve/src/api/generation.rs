@@ -42,6 +42,8 @@ pub struct Job {
     pub prompt_tokens: usize,
     pub include_usage: bool,
     pub tokenizer: Arc<Tokenizer>,
+    /// Each choice's prompt text, sent before its own (`echo`); empty otherwise.
+    pub echo: Vec<String>,
 }
 
 async fn generate(app: Arc<App>, body: Bytes, endpoint: Endpoint) -> Result<Response, ApiError> {
@@ -49,10 +51,21 @@ async fn generate(app: Arc<App>, body: Bytes, endpoint: Endpoint) -> Result<Resp
     app.check_model(req.model.as_deref())?;
     let params = req.sampling(endpoint)?;
     let n = req.n()?;
-    let prompts = match endpoint {
-        Endpoint::Completions => completion_prompts(&app, req.prompt.take()).await?,
+    // Chat has no echo (OpenAI's neither): an unknown field there, ignored.
+    let echo = endpoint == Endpoint::Completions && req.echo.unwrap_or(false);
+    if echo && req.logprobs.is_some() {
+        return Err(ApiError::field(
+            "echo",
+            "with logprobs is not supported: kiln does not score the prompt's tokens",
+        ));
+    }
+    let (prompts, texts): (Vec<Vec<u32>>, Vec<String>) = match endpoint {
+        Endpoint::Completions => completion_prompts(&app, req.prompt.take())
+            .await?
+            .into_iter()
+            .unzip(),
         Endpoint::Chat => match &req.messages {
-            Some(messages) => vec![app.chat_prompt(messages).await?],
+            Some(messages) => (vec![app.chat_prompt(messages).await?], Vec::new()),
             None => return Err(ApiError::field("messages", "is required")),
         },
     };
@@ -86,6 +99,14 @@ async fn generate(app: Arc<App>, body: Bytes, endpoint: Endpoint) -> Result<Resp
         ));
     }
     let prompt_tokens = prompts.iter().map(Vec::len).sum();
+    // Choice k is prompt k / n's.
+    let echo: Vec<String> = match echo {
+        true => texts
+            .iter()
+            .flat_map(|t| std::iter::repeat_n(t.clone(), n))
+            .collect(),
+        false => Vec::new(),
+    };
     let mut sequences = Vec::with_capacity(prompts.len() * n);
     for prompt in prompts {
         for j in 0..n {
@@ -113,6 +134,7 @@ async fn generate(app: Arc<App>, body: Bytes, endpoint: Endpoint) -> Result<Resp
         prompt_tokens,
         include_usage: req.include_usage(),
         tokenizer: app.tokenizer.clone(),
+        echo,
     };
     if req.stream.unwrap_or(false) {
         Ok(stream::sse(job, submission).into_response())
@@ -124,17 +146,31 @@ async fn generate(app: Arc<App>, body: Bytes, endpoint: Endpoint) -> Result<Resp
 }
 
 /// The prompts of a `/v1/completions` request as tokens (text gets the model's BOS).
+/// Each prompt's token ids and its text (as given, or the ids decoded).
 async fn completion_prompts(
     app: &Arc<App>,
     prompt: Option<PromptInput>,
-) -> Result<Vec<Vec<u32>>, ApiError> {
+) -> Result<Vec<(Vec<u32>, String)>, ApiError> {
+    let tokenizer = app.tokenizer.clone();
+    let decoded = |lists: Vec<Vec<u32>>| {
+        blocking(move || {
+            lists
+                .into_iter()
+                .map(|ids| {
+                    // An id outside the vocabulary is refused later, naming it.
+                    let text = tokenizer.decode(&ids).unwrap_or_default();
+                    Ok((ids, text))
+                })
+                .collect()
+        })
+    };
     let texts = match prompt {
         None => return Err(ApiError::field("prompt", "is required")),
-        Some(PromptInput::Ids(ids)) => return Ok(vec![ids]),
+        Some(PromptInput::Ids(ids)) => return decoded(vec![ids]).await,
         Some(PromptInput::IdLists(lists)) if lists.is_empty() => {
             return Err(ApiError::field("prompt", "is empty"))
         }
-        Some(PromptInput::IdLists(lists)) => return Ok(lists),
+        Some(PromptInput::IdLists(lists)) => return decoded(lists).await,
         Some(PromptInput::Text(t)) => vec![t],
         Some(PromptInput::Texts(ts)) if ts.is_empty() => {
             return Err(ApiError::field("prompt", "is empty"))
@@ -144,9 +180,9 @@ async fn completion_prompts(
     let tokenizer = app.tokenizer.clone();
     blocking(move || {
         texts
-            .iter()
-            .map(|t| tokenizer.encode(t, true))
-            .collect::<Result<Vec<_>, _>>()
+            .into_iter()
+            .map(|t| Ok((tokenizer.encode(&t, true)?, t)))
+            .collect::<Result<Vec<_>, kiln_core::Error>>()
             .map_err(|e| ApiError::field("prompt", e.to_string()))
     })
     .await
@@ -179,7 +215,12 @@ pub struct Choice {
 
 /// Wait for every choice to finish, then answer with them all.
 async fn whole(job: Job, mut submission: Submission) -> Result<Json<Value>, ApiError> {
-    let mut choices: Vec<Choice> = (0..job.choices).map(|_| Choice::default()).collect();
+    let mut choices: Vec<Choice> = (0..job.choices)
+        .map(|i| Choice {
+            text: job.echo.get(i).cloned().unwrap_or_default(),
+            ..Choice::default()
+        })
+        .collect();
     let mut left = job.choices;
     while left > 0 {
         let Some((i, event)) = submission.events.recv().await else {

@@ -96,6 +96,8 @@ pub struct GenerationRequest {
     pub ignore_eos: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// `/v1/completions`: the prompt's text before each choice's.
+    pub echo: Option<bool>,
 }
 
 /// The most choices a request may ask for.

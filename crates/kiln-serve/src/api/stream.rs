@@ -44,6 +44,11 @@ pub fn sse(job: Job, submission: Submission) -> Sse<impl Stream<Item = Result<Ev
         completion_tokens: 0,
         done: false,
     };
+    // `echo`: each choice opens with its prompt's text.
+    for i in 0..state.job.echo.len() {
+        let chunk = state.chunk(i, Value::String(state.job.echo[i].clone()), None, None);
+        state.queue.push_back(chunk);
+    }
     if state.job.endpoint == Endpoint::Chat {
         // OpenAI opens each choice with its role.
         for i in 0..state.job.choices {
