@@ -103,6 +103,10 @@ pub struct TrainArgs {
     /// sequences (--batch × --grad-accum must divide among them), gradients summed.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub dp: Option<u16>,
+    /// With --dp: shard the optimizer's state over the ranks (ZeRO stage 1): each keeps
+    /// and updates 1/N of it; gradients are reduce-scattered, weights all-gathered.
+    #[arg(long, requires = "dp")]
+    pub zero1: bool,
     #[command(flatten)]
     pub nodes: crate::ranks::NodeArgs,
     /// From scratch: llama or gpt2.
@@ -654,8 +658,10 @@ fn data_parallel(
     let replica = |rank: usize| -> CliResult<(Trainer, Arc<dyn Collective>, String)> {
         let (backend, c) = ranks.take(rank)?;
         let describe = backend.describe();
-        let t = make_trainer(a, start_file, text.clone(), optimizer, backend)?;
-        Ok((t.data_parallel(c.clone())?, c, describe))
+        let t = make_trainer(a, start_file, text.clone(), optimizer, backend)?
+            .data_parallel(c.clone())?;
+        let t = if a.zero1 { t.shard_optimizer()? } else { t };
+        Ok((t, c, describe))
     };
     std::thread::scope(|s| {
         let workers: Vec<_> = here
@@ -669,14 +675,27 @@ fn data_parallel(
                     drop(starting);
                     let dog = crate::ranks::Watchdog::new(rank, c, timeout);
                     let pause_at = a.pause_after.map(|n| t.steps_done() + n);
-                    while t.steps_done() < t.settings().steps
-                        && pause_at.is_none_or(|p| t.steps_done() < p)
-                    {
-                        if let Err(e) = t.step() {
-                            ranks.abort(rank, &e.to_string());
-                            return Err(e.into());
+                    let steps = t.settings().steps;
+                    let mut work = || -> kiln_core::Result<()> {
+                        while t.steps_done() < steps && pause_at.is_none_or(|p| t.steps_done() < p)
+                        {
+                            let n = t.step()?.step;
+                            dog.alive();
+                            // Rank 0 saves here: a sharded optimizer's state is gathered
+                            // from every rank.
+                            if saves_after(a, n, steps) {
+                                t.join_save()?;
+                            }
                         }
-                        dog.alive();
+                        if t.steps_done() < steps {
+                            // Paused: rank 0 saves.
+                            t.join_save()?;
+                        }
+                        Ok(())
+                    };
+                    if let Err(e) = work() {
+                        ranks.abort(rank, &e.to_string());
+                        return Err(e.into());
                     }
                     Ok(())
                 })
@@ -718,6 +737,12 @@ fn data_parallel(
         }
         failure.map_or(Ok(()), Err)
     })
+}
+
+/// Whether a checkpoint is written after step `n` of `steps` (every rank of a sharded
+/// run must know: each takes part in gathering the optimizer's state).
+fn saves_after(a: &TrainArgs, n: usize, steps: usize) -> bool {
+    n == steps || (a.save_every > 0 && n.is_multiple_of(a.save_every))
 }
 
 /// Steps, evaluations, checkpoints and exports of one trainer (rank 0 of a data-parallel
@@ -772,7 +797,7 @@ fn drive(
             log.eval(n, loss);
             alive();
         }
-        if n == steps || (a.save_every > 0 && n.is_multiple_of(a.save_every)) {
+        if saves_after(a, n, steps) {
             t.save_checkpoint(&ckpt)?;
             log.write(started.elapsed().as_secs_f64())?;
             alive();

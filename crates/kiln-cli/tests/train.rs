@@ -433,8 +433,9 @@ fn a_lora_fine_tune_exports_a_merged_model_that_runs() {
 }
 
 /// `--dp 2 --device cpu`: two replicas, each half of every step's sequences, take the
-/// one-replica run's steps (losses equal up to the order of the sums); a step's sequences
-/// that do not divide among the replicas are a one-line error.
+/// one-replica run's steps (losses equal up to the order of the sums), with the
+/// optimizer sharded over them too (`--zero1`); a step's sequences that do not divide
+/// among the replicas are a one-line error.
 #[test]
 fn data_parallel_replicas_train_as_one() {
     let losses = |extra: &[&str]| {
@@ -451,14 +452,21 @@ fn data_parallel_replicas_train_as_one() {
             .collect::<Vec<f64>>()
     };
     let one = losses(&[]);
-    let two = losses(&["--dp", "2"]);
     assert_eq!(one.len(), 6);
-    for (step, (a, b)) in one.iter().zip(&two).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * a,
-            "step {}: {a} alone, {b} with --dp 2",
-            step + 1
-        );
+    // `--save-every 2`: a sharded run's workers take part in every save.
+    for extra in [
+        &["--dp", "2"][..],
+        &["--dp", "2", "--zero1", "--save-every", "2"][..],
+    ] {
+        let two = losses(extra);
+        assert_eq!(two.len(), 6, "{extra:?}");
+        for (step, (a, b)) in one.iter().zip(&two).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * a,
+                "step {}: {a} alone, {b} with {extra:?}",
+                step + 1
+            );
+        }
     }
     let dir = tempfile::tempdir().unwrap();
     let o = train(

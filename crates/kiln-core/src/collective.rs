@@ -18,6 +18,11 @@ pub trait Collective: Send + Sync {
     /// rank. Every rank must call it, in the same order.
     fn all_gather(&self, part: &Tensor, whole: &mut Tensor) -> Result<()>;
 
+    /// `part` (`whole`'s elements / `world`, F32) becomes chunk `rank` of the elementwise
+    /// sum of every rank's `whole`: what each rank of a sharded optimizer updates. Every
+    /// rank must call it, in the same order.
+    fn reduce_scatter_sum(&self, whole: &Tensor, part: &mut Tensor) -> Result<()>;
+
     /// An error if the group can no longer be trusted: aborted (by this rank or its
     /// watchdog) or failed in the library (a peer gone). A recorded step replays its
     /// collectives without calling them, so callers check after each step.

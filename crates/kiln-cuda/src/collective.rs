@@ -209,6 +209,53 @@ impl Collective for Communicator {
         self.nccl_all_reduce(t)
     }
 
+    /// Through NCCL, queued on the stream like any op.
+    fn reduce_scatter_sum(&self, whole: &Tensor, part: &mut Tensor) -> Result<()> {
+        let n = part.shape().numel();
+        if whole.dtype() != DType::F32
+            || part.dtype() != DType::F32
+            || whole.shape().numel() != n * self.world
+        {
+            return Err(Error::shape(format!(
+                "reduce-scatter of {} {} values over {} ranks into {n} {} values a rank (F32, world × part)",
+                whole.shape().numel(),
+                whole.dtype(),
+                self.world,
+                part.dtype()
+            )));
+        }
+        for t in [whole, &*part] {
+            if t.device() != kiln_core::Device::Cuda(self.ordinal) {
+                return Err(Error::Device(format!(
+                    "rank {}'s communicator is on cuda:{}, a tensor on {}",
+                    self.rank,
+                    self.ordinal,
+                    t.device()
+                )));
+            }
+        }
+        let (src, dst) = (ptr(whole)?, ptr(part)?);
+        self.check_live()?;
+        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_live()?;
+        // SAFETY: `src` holds `world · n` F32 values and `dst` `n` on this rank's device;
+        // `part` is borrowed mutably, and the stream orders the reduction after the ops
+        // that wrote `whole` and before those that read `part`.
+        unsafe {
+            nccl::reduce_scatter(
+                src as *const std::ffi::c_void,
+                dst as *mut std::ffi::c_void,
+                n,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.stream,
+            )
+        }
+        .map_err(|e| nccl_error(&format!("reduce-scatter on rank {}", self.rank), e))?;
+        Ok(())
+    }
+
     /// Through NCCL (F32, F16 or BF16), queued on the stream like any op.
     fn all_gather(&self, part: &Tensor, whole: &mut Tensor) -> Result<()> {
         let ty = nccl_type(part.dtype())?;

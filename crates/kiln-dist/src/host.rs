@@ -120,6 +120,50 @@ impl Collective for HostCollective {
         self.backend.write(whole, &quant::quantize(dtype, &all)?)
     }
 
+    fn reduce_scatter_sum(&self, whole: &Tensor, part: &mut Tensor) -> Result<()> {
+        let n = part.shape().numel();
+        if whole.dtype() != DType::F32
+            || part.dtype() != DType::F32
+            || whole.shape().numel() != n * self.world
+        {
+            return Err(Error::shape(format!(
+                "reduce-scatter of {} {} values over {} ranks into {n} {} values a rank (F32, world × part)",
+                whole.shape().numel(),
+                whole.dtype(),
+                self.world,
+                part.dtype()
+            )));
+        }
+        let mine =
+            quant::dequantize_to_vec(DType::F32, &self.backend.download(whole)?, n * self.world)?;
+        let slots = || self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots()[self.rank] = mine;
+        self.shared.barrier.wait()?;
+        let chunk = {
+            let all = slots();
+            if all.iter().any(|v| v.len() != n * self.world) {
+                drop(all);
+                self.shared.barrier.wait()?;
+                return Err(Error::shape(format!(
+                    "reduce-scatter: the ranks' tensors differ in size (rank {} has {})",
+                    self.rank,
+                    n * self.world
+                )));
+            }
+            let at = self.rank * n;
+            let mut sum = all[0][at..at + n].to_vec();
+            for other in &all[1..] {
+                sum.iter_mut()
+                    .zip(&other[at..at + n])
+                    .for_each(|(s, v)| *s += v);
+            }
+            sum
+        };
+        self.shared.barrier.wait()?;
+        self.backend
+            .write(part, &quant::quantize(DType::F32, &chunk)?)
+    }
+
     fn check(&self) -> Result<()> {
         match self.shared.barrier.broken() {
             Some(why) => Err(Error::Device(why)),

@@ -92,6 +92,24 @@ pub struct Trainer {
     /// Data parallelism: the other ranks, each with a replica of the model, running
     /// their share of every step's sequences; the gradients are summed through it.
     collective: Option<Arc<dyn Collective>>,
+    /// ZeRO stage 1: the shard of the parameters this rank updates, `opt` being its
+    /// optimizer (see [`Trainer::shard_optimizer`]).
+    shard: Option<Shard>,
+}
+
+/// One rank's part of a sharded optimizer (ZeRO stage 1): its chunk of the flat buffers
+/// (padded to a multiple of the ranks; chunk `rank`), its copy of those master weights
+/// and its chunk of the summed gradients.
+struct Shard {
+    /// The whole parameters' layout (the optimizer's own is the shard's one entry).
+    whole: ParamLayout,
+    params: Tensor,
+    grads: Tensor,
+}
+
+/// The layout of the whole flat buffers, sharded or not.
+fn layout_of<'a>(opt: &'a Optimizer, shard: &'a Option<Shard>) -> &'a ParamLayout {
+    shard.as_ref().map_or(opt.layout(), |s| &s.whole)
 }
 
 impl Trainer {
@@ -231,6 +249,7 @@ impl Trainer {
             step: 0,
             broken: None,
             collective: None,
+            shard: None,
         })
     }
 
@@ -271,7 +290,11 @@ impl Trainer {
 
     /// Parameters in all.
     pub fn parameter_count(&self) -> usize {
-        self.opt.layout().entries().iter().map(|e| e.len).sum()
+        layout_of(&self.opt, &self.shard)
+            .entries()
+            .iter()
+            .map(|e| e.len)
+            .sum()
     }
 
     fn param_refs(&self) -> Vec<&Tensor> {
@@ -354,27 +377,31 @@ impl Trainer {
             )));
         }
         let inner = self.tape.inner().clone();
-        let offsets: Vec<usize> = self
-            .opt
-            .layout()
+        let offsets: Vec<usize> = layout_of(&self.opt, &self.shard)
             .entries()
             .iter()
             .map(|e| e.offset)
             .collect();
         self.tape.write_grads(&mut self.grads, &offsets)?;
-        if let Some(c) = &self.collective {
-            // Each rank's gradient is its sequences' share of the step's mean: summed,
-            // they are the whole step's.
-            c.all_reduce_sum(&mut self.grads)?;
-        }
-        let grad_norm = self.grad_ops().sum_squares(&self.grads)?.sqrt();
-        if !grad_norm.is_finite() {
-            return Err(Error::format(format!(
-                "step {number}: the gradient's norm is {grad_norm}; the run stops here (nothing of this step is kept or saved)"
-            )));
-        }
-        self.opt
-            .step(inner.as_ref(), &mut self.params, &self.grads, None)?;
+        let grad_norm = match (self.collective.clone(), self.shard.take()) {
+            (Some(c), Some(mut shard)) => {
+                let norm = self.sharded_update(c.as_ref(), &mut shard, number);
+                self.shard = Some(shard);
+                norm?
+            }
+            (c, _) => {
+                if let Some(c) = &c {
+                    // Each rank's gradient is its sequences' share of the step's mean:
+                    // summed, they are the whole step's.
+                    c.all_reduce_sum(&mut self.grads)?;
+                }
+                let grad_norm = self.grad_ops().sum_squares(&self.grads)?.sqrt();
+                check_norm(grad_norm, number)?;
+                self.opt
+                    .step(inner.as_ref(), &mut self.params, &self.grads, None)?;
+                grad_norm
+            }
+        };
         let lr = self.opt.status(inner.as_ref())?.lr;
         if !self.grad_ops().sum_squares(&self.params)?.is_finite() {
             let flat = self.parameters_flat()?;
@@ -400,6 +427,117 @@ impl Trainer {
         })
     }
 
+    /// A sharded optimizer's update (ZeRO stage 1): the gradients summed and scattered,
+    /// each rank holding the sum of its shard; their global norm from the shards' sums of
+    /// squares, and clipping as the fused step clips (`max_norm / (norm + 1e-6)`, at most
+    /// 1); the shard's step; every shard's new weights gathered into the whole flat
+    /// buffer. Returns the norm.
+    fn sharded_update(
+        &mut self,
+        c: &dyn Collective,
+        shard: &mut Shard,
+        number: usize,
+    ) -> Result<f64> {
+        let inner = self.tape.inner().clone();
+        c.reduce_scatter_sum(&self.grads, &mut shard.grads)?;
+        let local = self.grad_ops().sum_squares(&shard.grads)?;
+        let grad_norm = self.sum_over_ranks(c, local)?.sqrt();
+        check_norm(grad_norm, number)?;
+        if let Some(max_norm) = self.settings.optimizer.max_grad_norm {
+            let coef = (1.0f32 / (grad_norm as f32 + 1e-6f32)) * max_norm;
+            if coef < 1.0 {
+                inner.scale(&mut shard.grads, coef)?;
+            }
+        }
+        self.opt
+            .step(inner.as_ref(), &mut shard.params, &shard.grads, None)?;
+        c.all_gather(&shard.params, &mut self.params)?;
+        Ok(grad_norm)
+    }
+
+    /// Shard the optimizer over the data-parallel ranks (ZeRO stage 1): each rank keeps
+    /// the optimizer's state for `1/world` of the parameters only and updates that part;
+    /// the gradients are reduce-scattered and the new weights all-gathered. The same steps
+    /// as unsharded, up to the rounding of the gradient norm; checkpoints hold the whole
+    /// state ([`Trainer::gather_optimizer`]), so a run resumes sharded or not.
+    pub fn shard_optimizer(mut self) -> Result<Trainer> {
+        let c = self.collective.clone().ok_or_else(|| {
+            Error::format("a sharded optimizer (ZeRO-1) shards over data-parallel ranks: give --dp")
+        })?;
+        if self.shard.is_some() {
+            return Ok(self);
+        }
+        let inner = self.tape.inner().clone();
+        let grad_ops = self.tape.grad_ops();
+        let (world, rank) = (c.world(), c.rank());
+        let whole = self.opt.layout().clone();
+        let numel = whole.numel();
+        let len = numel.div_ceil(world).max(1);
+        let (first, padded) = (rank * len, len * world);
+        let flat = |n: usize| inner.zeros(DType::F32, Shape::new(vec![n])?);
+        let mut params = flat(padded)?;
+        grad_ops.copy_span(&self.params, 0, &mut params, 0, numel)?;
+        let mut shard_params = flat(len)?;
+        grad_ops.copy_span(&params, first, &mut shard_params, 0, len)?;
+        let config = StepConfig {
+            max_grad_norm: None,
+            ..self.settings.optimizer
+        };
+        let mut opt = Optimizer::new(
+            inner.as_ref(),
+            ParamLayout::new([("shard", vec![len])])?,
+            config,
+        )?;
+        // The state so far (a resumed run's), this rank's part of it.
+        opt.load_shard(
+            inner.as_ref(),
+            &self.opt.save(inner.as_ref())?,
+            &whole,
+            first,
+        )?;
+        self.shard = Some(Shard {
+            whole,
+            params: shard_params,
+            grads: flat(len)?,
+        });
+        self.opt = opt;
+        self.params = params;
+        self.grads = flat(padded)?;
+        Ok(self)
+    }
+
+    /// The optimizer's whole state as [`Optimizer::save`] writes it: gathered from every
+    /// rank's shard when sharded (every rank must call it then, at the same point: rank 0
+    /// writes the checkpoint, the others only take part).
+    pub fn gather_optimizer(&self) -> Result<Vec<u8>> {
+        let inner = self.tape.inner().clone();
+        let (Some(c), Some(shard)) = (&self.collective, &self.shard) else {
+            return self.opt.save(inner.as_ref());
+        };
+        let padded = shard.params.shape().numel() * c.world();
+        let mut states = Vec::new();
+        for name in self.settings.optimizer.rule.states() {
+            let part = self
+                .opt
+                .state(name)
+                .ok_or_else(|| Error::format(format!("optimizer state {name} is missing")))?;
+            let mut whole = inner.zeros(DType::F32, Shape::new(vec![padded])?)?;
+            c.all_gather(part, &mut whole)?;
+            states.push(inner.download(&whole)?);
+        }
+        self.opt.save_whole(inner.as_ref(), &shard.whole, &states)
+    }
+
+    /// A rank other than 0 at a point where rank 0 saves a checkpoint: a sharded
+    /// optimizer's state is gathered from every rank, so each must take part (nothing to
+    /// do otherwise).
+    pub fn join_save(&self) -> Result<()> {
+        if self.shard.is_some() {
+            self.gather_optimizer()?;
+        }
+        Ok(())
+    }
+
     /// `value` summed over the ranks of `c` (the step's losses), through a one-value
     /// tensor on this rank's device.
     fn sum_over_ranks(&self, c: &dyn Collective, value: f64) -> Result<f64> {
@@ -421,7 +559,7 @@ impl Trainer {
     /// Copy the flat master weights into the model's tensors.
     fn write_params(&mut self) -> Result<()> {
         let grad_ops = self.tape.grad_ops();
-        let entries = self.opt.layout().entries();
+        let entries = layout_of(&self.opt, &self.shard).entries();
         if self.settings.lora.is_some() {
             let mut adapters = self.tape.adapters();
             let targets = adapters
@@ -518,7 +656,7 @@ impl Trainer {
                 rng: self.rng.state,
                 settings: self.settings.clone(),
                 data: self.data.fingerprint(),
-                optimizer: self.opt.save(self.tape.inner().as_ref())?,
+                optimizer: self.gather_optimizer()?,
             },
         )?;
         checkpoint::write(&w, path)
@@ -563,11 +701,23 @@ impl Trainer {
     /// comparing runs).
     pub fn parameters_flat(&self) -> Result<Vec<f32>> {
         let bytes = self.tape.inner().download(&self.params)?;
+        // A sharded run's buffer is padded to a multiple of the ranks: not parameters.
+        let numel = layout_of(&self.opt, &self.shard).numel();
         Ok(bytes
             .chunks_exact(4)
+            .take(numel)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect())
     }
+}
+
+fn check_norm(grad_norm: f64, number: usize) -> Result<()> {
+    if !grad_norm.is_finite() {
+        return Err(Error::format(format!(
+            "step {number}: the gradient's norm is {grad_norm}; the run stops here (nothing of this step is kept or saved)"
+        )));
+    }
+    Ok(())
 }
 
 /// Refuse settings no run can take: sizes of zero, a context past the model's, text too

@@ -418,7 +418,9 @@ fn lora_settings_that_cannot_work_are_refused() {
 /// Data parallelism: `world` replicas (threads, each its own CPU backend) running every
 /// `world`-th sequence of each step and summing gradients through host memory take the
 /// one-rank run's steps: the same losses and parameters, up to the order of the sums.
-fn data_parallel(world: usize, steps: usize) -> Vec<(Vec<f64>, Vec<f32>)> {
+/// With `zero1`, the optimizer sharded over the ranks (ZeRO stage 1): the same steps, up
+/// to the rounding of the gradient's norm.
+fn data_parallel(world: usize, steps: usize, zero1: bool) -> Vec<(Vec<f64>, Vec<f32>)> {
     let backends: Vec<Arc<dyn Backend>> = (0..world).map(|_| cpu()).collect();
     let group = kiln_dist::host::group(backends.clone());
     let threads: Vec<_> = group
@@ -430,6 +432,9 @@ fn data_parallel(world: usize, steps: usize) -> Vec<(Vec<f64>, Vec<f32>)> {
                     .unwrap()
                     .data_parallel(Arc::new(c))
                     .unwrap();
+                if zero1 {
+                    t = t.shard_optimizer().unwrap();
+                }
                 let losses: Vec<f64> = (0..steps).map(|_| t.step().unwrap().loss).collect();
                 (losses, t.parameters_flat().unwrap())
             })
@@ -443,18 +448,18 @@ fn data_parallel_replicas_take_the_one_rank_runs_steps() {
     let mut one = Trainer::new(&start(), text(), settings(5, 1e-2), cpu()).unwrap();
     let want: Vec<f64> = (0..5).map(|_| one.step().unwrap().loss).collect();
     let want_params = one.parameters_flat().unwrap();
-    for world in [2, 4] {
-        let ranks = data_parallel(world, 5);
+    for (world, zero1) in [(2, false), (4, false), (2, true), (4, true)] {
+        let ranks = data_parallel(world, 5, zero1);
         for (rank, (losses, params)) in ranks.iter().enumerate() {
             // Every replica holds the same parameters, to the bit.
             assert!(
                 params == &ranks[0].1,
-                "--dp {world}: rank {rank}'s parameters differ"
+                "--dp {world} (zero1 {zero1}): rank {rank}'s parameters differ"
             );
             for (step, (g, w)) in losses.iter().zip(&want).enumerate() {
                 assert!(
                     (g - w).abs() <= 1e-5 * w,
-                    "--dp {world}, step {}: loss {g} against {w}",
+                    "--dp {world} (zero1 {zero1}), step {}: loss {g} against {w}",
                     step + 1
                 );
             }
@@ -466,7 +471,7 @@ fn data_parallel_replicas_take_the_one_rank_runs_steps() {
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(
             worst < 1e-4,
-            "--dp {world}: parameters {worst} off the one-rank run's"
+            "--dp {world} (zero1 {zero1}): parameters {worst} off the one-rank run's"
         );
     }
     // Four sequences a step do not divide among three ranks.
@@ -479,6 +484,49 @@ fn data_parallel_replicas_take_the_one_rank_runs_steps() {
         .expect("refused")
         .to_string();
     assert!(err.contains("do not divide among 3 ranks"), "{err}");
+}
+
+/// A checkpoint of a sharded run holds the whole optimizer state (gathered from the
+/// shards): one rank resumes it and goes on as the one-rank run does.
+#[test]
+fn a_sharded_runs_checkpoint_resumes_on_one_rank() {
+    let mut one = Trainer::new(&start(), text(), settings(5, 1e-2), cpu()).unwrap();
+    let want: Vec<f64> = (0..5).map(|_| one.step().unwrap().loss).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("sharded.gguf");
+    let backends: Vec<Arc<dyn Backend>> = (0..2).map(|_| cpu()).collect();
+    let group = kiln_dist::host::group(backends.clone());
+    std::thread::scope(|s| {
+        for (c, b) in group.into_iter().zip(backends) {
+            let ckpt = &ckpt;
+            s.spawn(move || {
+                let rank = kiln_core::Collective::rank(&c);
+                let mut t = Trainer::new(&start(), text(), settings(5, 1e-2), b)
+                    .unwrap()
+                    .data_parallel(Arc::new(c))
+                    .unwrap()
+                    .shard_optimizer()
+                    .unwrap();
+                for _ in 0..3 {
+                    t.step().unwrap();
+                }
+                // Every rank takes part in the gathering; rank 0 writes.
+                match rank {
+                    0 => t.save_checkpoint(ckpt).unwrap(),
+                    _ => t.join_save().unwrap(),
+                }
+            });
+        }
+    });
+    let mut resumed = Trainer::resume(&GgufFile::open(&ckpt).unwrap(), text(), cpu()).unwrap();
+    assert_eq!(resumed.steps_done(), 3);
+    for w in &want[3..] {
+        let got = resumed.step().unwrap().loss;
+        assert!(
+            (got - w).abs() <= 1e-5 * w,
+            "resumed: loss {got} against {w}"
+        );
+    }
 }
 
 #[test]
