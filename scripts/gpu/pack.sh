@@ -2,6 +2,8 @@
 # Build the GPU tests and the kiln binary (profile `gpu`: optimised, no fat LTO) into
 # .gpu-bin/, stripped, for a GPU machine without a Rust toolchain (see
 # ../shared/gpu/README.md), gzipped: stripped, they pass the 64 MiB a device call carries.
+# `pack.sh collective tp train` keeps only those test binaries (scripts/gpu/verify_multi.sh
+# needs these three).
 # Run there from the repository root:
 #   gunzip .gpu-bin/*.gz; chmod +x .gpu-bin/*
 #   for t in .gpu-bin/*-*; do $t --include-ignored || exit 1; done
@@ -21,7 +23,9 @@ for line in sys.stdin:
     except ValueError:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
-        print(m["executable"])' \
+        name = m["executable"].rsplit("/", 1)[-1].rsplit("-", 1)[0]
+        if len(sys.argv) == 1 or name in sys.argv[1:]:
+            print(m["executable"])' "$@" \
   | while read -r exe; do cp "$exe" "$out/"; done
 cargo build --profile gpu -p kiln-cli
 cp target/gpu/kiln "$out/"

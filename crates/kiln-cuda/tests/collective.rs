@@ -215,3 +215,50 @@ fn one_shot_sums_match_on_every_rank() {
         }
     }
 }
+
+/// All-gather and reduce-scatter through NCCL on every GPU: exact (small integers), in
+/// rank order, and what cannot be taken an error.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gathers_and_scatters_are_exact_in_rank_order() {
+    let gpus = kiln_cuda::devices().unwrap().len();
+    if gpus < 2 {
+        eprintln!("SKIPPED: one GPU here; the collectives between GPUs need two or more");
+        return;
+    }
+    let id = NcclId::new().unwrap();
+    std::thread::scope(|s| {
+        for rank in 0..gpus {
+            let id = &id;
+            s.spawn(move || {
+                let b = CudaBackend::new(rank).unwrap();
+                let comm = b.communicator(id, rank, gpus).unwrap();
+                // Gather: every rank's 1000 values one after another.
+                let n = 1000;
+                let part = upload(
+                    &b,
+                    DType::F32,
+                    &(0..n).map(|i| value(rank, i)).collect::<Vec<_>>(),
+                );
+                let mut whole = upload(&b, DType::F32, &vec![0.0; n * gpus]);
+                comm.all_gather(&part, &mut whole).unwrap();
+                let got = download(&b, &whole);
+                for (j, g) in got.iter().enumerate() {
+                    assert_eq!(*g, value(j / n, j % n), "rank {rank}, gathered value {j}");
+                }
+                // Scatter: chunk `rank` of the sum.
+                let whole: Vec<f32> = (0..n * gpus).map(|i| value(rank, i)).collect();
+                let whole = upload(&b, DType::F32, &whole);
+                let mut part = upload(&b, DType::F32, &vec![0.0; n]);
+                comm.reduce_scatter_sum(&whole, &mut part).unwrap();
+                for (i, g) in download(&b, &part).iter().enumerate() {
+                    let want: f32 = (0..gpus).map(|r| value(r, rank * n + i)).sum();
+                    assert_eq!(*g, want, "rank {rank}, scattered value {i}");
+                }
+                let mut wrong = upload(&b, DType::F32, &vec![0.0; n + 1]);
+                assert!(comm.reduce_scatter_sum(&whole, &mut wrong).is_err());
+                assert!(comm.all_gather(&part, &mut wrong).is_err());
+            });
+        }
+    });
+}

@@ -581,3 +581,53 @@ fn cuda_follows_cpu(settings: Settings) {
     );
     assert!((a - b).abs() <= 2e-3 * a, "held-out loss {a} vs {b}");
 }
+
+/// Data parallelism on two GPUs through NCCL, plain and with the optimizer sharded
+/// (ZeRO-1): both follow the one-rank CPU run as a one-GPU run does.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn two_gpus_follow_the_cpu_run_sharded_or_not() {
+    use kiln_cuda::{CudaBackend, NcclId};
+    let gpus = kiln_cuda::devices().unwrap().len();
+    if gpus < 2 {
+        eprintln!("SKIPPED: one GPU here; data parallelism over GPUs needs two");
+        return;
+    }
+    let mut one = Trainer::new(&start(), text(), settings(8, 1e-2), cpu()).unwrap();
+    let want: Vec<f64> = (0..8).map(|_| one.step().unwrap().loss).collect();
+    for zero1 in [false, true] {
+        let id = NcclId::new().unwrap();
+        let losses: Vec<Vec<f64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let id = &id;
+                    s.spawn(move || {
+                        let cuda = Arc::new(CudaBackend::new(rank).unwrap());
+                        let c = Arc::new(cuda.communicator(id, rank, 2).unwrap());
+                        let mut t = Trainer::new(&start(), text(), settings(8, 1e-2), cuda)
+                            .unwrap()
+                            .data_parallel(c)
+                            .unwrap();
+                        if zero1 {
+                            t = t.shard_optimizer().unwrap();
+                        }
+                        (0..8).map(|_| t.step().unwrap().loss).collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(
+            losses[0], losses[1],
+            "zero1 {zero1}: the ranks' losses differ"
+        );
+        for (step, (g, w)) in losses[0].iter().zip(&want).enumerate() {
+            let tol = if step == 0 { 1e-5 } else { 2e-3 };
+            assert!(
+                (g - w).abs() <= tol * w,
+                "zero1 {zero1}, step {}: loss {g} on two GPUs, {w} on the CPU",
+                step + 1
+            );
+        }
+    }
+}
