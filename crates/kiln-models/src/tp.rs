@@ -330,6 +330,7 @@ struct ShardSource<'a> {
     inner: &'a dyn Source,
     plan: &'a Plan,
     rank: usize,
+    arch: Arch,
     /// The part of each tensor name the loader asked for (names come from `role_name`).
     parts: Mutex<HashMap<String, Role>>,
 }
@@ -372,6 +373,28 @@ impl Source for ShardSource<'_> {
 
     fn embed_rows(&self, vocab: usize) -> usize {
         self.plan.embed_rows(self.rank, vocab)
+    }
+
+    /// What this rank holds, for the loader's check of free memory before it loads: its
+    /// share of the split tensors (1/world of them) and the tensors it keeps whole (the
+    /// embedding and head where they are not split; norms are counted as split, a few
+    /// MB that the loader's working margin covers).
+    fn stored_bytes(&self) -> Option<u64> {
+        let total = self.inner.stored_bytes()?;
+        let bytes_of = |role| -> u64 {
+            self.inner
+                .role_name(self.arch, role, 0)
+                .and_then(|n| self.inner.get(&format!("{n}.weight")).ok().flatten())
+                .map_or(0, |t| t.bytes.len() as u64)
+        };
+        let vocab_split = self.plan.ranks[self.rank].vocab.is_some();
+        let whole = match (self.plan.split_embed, vocab_split) {
+            (true, _) => 0,
+            (false, true) => bytes_of(Role::Embed),
+            (false, false) => bytes_of(Role::Embed) + bytes_of(Role::Output),
+        };
+        let world = self.plan.world as u64;
+        Some((total - whole.min(total)).div_ceil(world) + whole)
     }
 
     fn output_rows(&self, vocab: usize) -> usize {
@@ -423,6 +446,7 @@ impl Model {
             inner: src,
             plan: &plan,
             rank,
+            arch: config.arch,
             parts: Mutex::new(HashMap::new()),
         };
         let mut model = load_model(&shard, plan.config(&config, rank)?, hf, backend, None)?;
@@ -513,6 +537,39 @@ mod tests {
             Plan::new(&c, 1).unwrap().shard(0, Part::Output).unwrap(),
             Shard::Whole
         );
+    }
+
+    #[test]
+    fn a_ranks_stored_bytes_are_its_share() {
+        let file = kiln_io::gguf::GgufFile::open(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/llama/llama-f32.gguf"),
+        )
+        .unwrap();
+        let src = GgufSource(&file);
+        let config = config_gguf::config_from_gguf(&file).unwrap();
+        let total = src.stored_bytes().unwrap();
+        for world in [2, 4] {
+            // Untied and divisible: everything split, each rank about 1/world.
+            let plan = Plan::new(&config, world).unwrap().with_tied_head(false);
+            let shard = ShardSource {
+                inner: &src,
+                plan: &plan,
+                rank: 1,
+                arch: config.arch,
+                parts: Mutex::new(HashMap::new()),
+            };
+            assert_eq!(shard.stored_bytes(), Some(total.div_ceil(world as u64)));
+            // A tied head keeps the embedding whole on every rank.
+            let tied = Plan::new(&config, world).unwrap().with_tied_head(true);
+            let shard = ShardSource {
+                plan: &tied,
+                ..shard
+            };
+            let embed = 64 * 384 * 4;
+            let want = (total - embed).div_ceil(world as u64) + embed;
+            assert_eq!(shard.stored_bytes(), Some(want));
+        }
     }
 
     #[test]
