@@ -8,7 +8,7 @@
 //! no overflow), then go to i32 once, take the offset correction, and are scaled by the 8
 //! rows' scales (one `vcvtph2ps`) times the activation block's scale.
 
-use super::{KXBlock, XBlock, P};
+use super::{ahead_at, KXBlock, XBlock, P};
 use crate::stream::Ahead;
 use kiln_core::quant::{BlockQ8K, BlockQ8_0};
 use std::arch::x86_64::*;
@@ -51,7 +51,8 @@ unsafe fn q4_0_tile<const C: usize, const H: usize>(
             let q = base.add(32 * nb + 256 * b + 32 * h0);
             let mut s16 = [[_mm256_setzero_si256(); H]; C];
             for c in 0..4 {
-                ahead.fetch(base, 32 * nb + 256 * b + 32 * h0 + 64 * c + ahead.distance);
+                let pos = 256 * b + 32 * h0 + 64 * c + ahead.distance;
+                ahead.fetch(base, ahead_at(32 * nb, 256 * nb, 288 * nb, pos));
                 let mut lo = [_mm256_setzero_si256(); H];
                 let mut hi = [_mm256_setzero_si256(); H];
                 for h in 0..H {
@@ -70,7 +71,8 @@ unsafe fn q4_0_tile<const C: usize, const H: usize>(
                 }
             }
             if b % 2 == 0 {
-                ahead.fetch(base, 32 * b + ahead.distance / 8);
+                let pos = 32 * b + ahead.distance / 8;
+                ahead.fetch(base, ahead_at(0, 32 * nb, 288 * nb, pos));
             }
             let dw: [__m256; H] = std::array::from_fn(|h| {
                 _mm256_cvtph_ps(_mm_loadu_si128(base.add(32 * b + 16 * (h0 + h)) as *const _))
@@ -221,14 +223,15 @@ unsafe fn q4_k_tile<const C: usize, const H: usize>(
             let mut isum = [[_mm256_setzero_si256(); H]; C];
             for j in 0..4 {
                 // The next super-block's headers, a line per group.
-                ahead.fetch(base, 256 * (b + 1) + 64 * j);
+                ahead.fetch(
+                    base,
+                    ahead_at(0, 256 * nb, 2304 * nb, 256 * (b + 1) + 64 * j),
+                );
                 let mut s16 = [[[_mm256_setzero_si256(); 2]; H]; C];
                 for t in 0..8 {
                     let c = 8 * j + t;
-                    ahead.fetch(
-                        base,
-                        256 * nb + 2048 * b + 32 * h0 + 64 * c + ahead.distance,
-                    );
+                    let pos = 2048 * b + 32 * h0 + 64 * c + ahead.distance;
+                    ahead.fetch(base, ahead_at(256 * nb, 2048 * nb, 2304 * nb, pos));
                     let mut lo = [_mm256_setzero_si256(); H];
                     let mut hi = [_mm256_setzero_si256(); H];
                     for h in 0..H {

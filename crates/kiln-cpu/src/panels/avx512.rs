@@ -8,7 +8,7 @@
 //! scales, and one FMA: no gathers, no permutes, no horizontal sums. Prompts reuse each
 //! unpacked chunk for a register tile of [`C`] activation rows.
 
-use super::{KXBlock, XBlock, P};
+use super::{ahead_at, KXBlock, XBlock, P};
 use crate::stream::Ahead;
 use kiln_core::quant::{BlockQ8K, BlockQ8_0};
 use std::arch::x86_64::*;
@@ -47,7 +47,8 @@ unsafe fn q4_0_tile<const C: usize>(
                 std::array::from_fn(|i| _mm512_set1_epi32(xb[i].get_unchecked(b).corr));
             let mut hi_sum = [_mm512_setzero_si512(); C];
             for c in 0..4 {
-                ahead.fetch(base, 32 * nb + 256 * b + 64 * c + ahead.distance);
+                let pos = 256 * b + 64 * c + ahead.distance;
+                ahead.fetch(base, ahead_at(32 * nb, 256 * nb, 288 * nb, pos));
                 let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
                 let lo = _mm512_and_si512(v, low);
                 let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -60,7 +61,8 @@ unsafe fn q4_0_tile<const C: usize>(
                 }
             }
             if b % 2 == 0 {
-                ahead.fetch(base, 32 * b + ahead.distance / 8);
+                let pos = 32 * b + ahead.distance / 8;
+                ahead.fetch(base, ahead_at(0, 32 * nb, 288 * nb, pos));
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(32 * b) as *const __m256i));
             for i in 0..C {
@@ -183,11 +185,15 @@ pub(super) unsafe fn q4_k_panel(
             ];
             let mut isum = _mm512_setzero_si512();
             for j in 0..4 {
-                ahead.fetch(base, 256 * (b + 1) + 64 * j);
+                ahead.fetch(
+                    base,
+                    ahead_at(0, 256 * nb, 2304 * nb, 256 * (b + 1) + 64 * j),
+                );
                 let (mut lo_sum, mut hi_sum) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                 for t in 0..8 {
                     let c = 8 * j + t;
-                    ahead.fetch(base, 256 * nb + 2048 * b + 64 * c + ahead.distance);
+                    let pos = 2048 * b + 64 * c + ahead.distance;
+                    ahead.fetch(base, ahead_at(256 * nb, 2048 * nb, 2304 * nb, pos));
                     let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
                     let lo = _mm512_and_si512(v, low);
                     let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);

@@ -514,6 +514,20 @@ fn by_panels_one_row(
     });
 }
 
+/// Where a decode kernel prefetches, as an offset from its panel's start: `pos` bytes into
+/// one region of each panel (its scales, headers or quants: `len` bytes from `start`),
+/// and past that region's end the same region of the next panel (panels lie one after
+/// another, `panel` bytes each), whose first lines would otherwise be asked for only once
+/// that panel had begun: a stall at every panel's start.
+#[inline(always)]
+pub(super) fn ahead_at(start: usize, len: usize, panel: usize, pos: usize) -> usize {
+    if pos < len {
+        start + pos
+    } else {
+        panel + start + (pos - len)
+    }
+}
+
 /// Fill `out[n, m]` over the pool, one panel a task: `panel(p, o)` writes activation row
 /// `i`'s products with panel `p`'s rows into `o[i]`.
 fn by_panels(
