@@ -31,16 +31,23 @@ pub(crate) struct Plan {
     /// prefetched [`ahead`] bytes on (else four rows side by side, each prefetching the
     /// same place four rows on).
     pub one_row: bool,
+    /// Decode over panels (Q4_0, Q4_K) in two long runs of panels a thread, else in tasks
+    /// of 64 rows taken in turn. Zen 5, against 64-row tasks: tg32 Q4_0 1.14x, Q4_K_M
+    /// 1.08x (BENCHMARKS.md); not measured on an Intel CPU since the prefetch runs from
+    /// panel to panel, so Intel keeps what was measured there.
+    pub long_tasks: bool,
 }
 
 impl Plan {
     const INTEL: Plan = Plan {
         prefetch_to_l2: false,
         one_row: false,
+        long_tasks: false,
     };
     const AMD: Plan = Plan {
         prefetch_to_l2: true,
         one_row: true,
+        long_tasks: true,
     };
 
     /// This CPU's plan: by vendor, or `KILN_CPU_STREAMING=intel|amd` to run one vendor's

@@ -44,7 +44,7 @@ mod avx512;
 
 use crate::dot::{self, Isa};
 use crate::pool::Pool;
-use crate::stream::{Ahead, Stream};
+use crate::stream::{Ahead, Plan, Stream};
 use kiln_core::quant::{BlockQ4K, BlockQ4_0, BlockQ8K, BlockQ8_0, QK, QK_K};
 use kiln_core::{DType, Error, Result};
 
@@ -501,9 +501,14 @@ fn by_panels_one_row(
     panel: impl Fn(usize, Ahead) -> [f32; P] + Sync,
 ) {
     let m = w.rows();
-    // Enough rows per task to amortise scheduling, few enough to balance the pool.
-    let per_task = (m / (pool.threads() * 8)).clamp(P, 64) / P;
     let (panels, bytes) = (m.div_ceil(P), w.panel_bytes());
+    let per_task = match Plan::get().long_tasks {
+        // Two long runs of panels a thread: the prefetch follows each from end to end
+        // (see `ahead_at`), and a thread that wakes late still finds work.
+        true => panels.div_ceil(2 * pool.threads()).max(1),
+        // Enough rows per task to amortise scheduling, few enough to balance the pool.
+        false => (m / (pool.threads() * 8)).clamp(P, 64) / P,
+    };
     pool.for_chunks_mut(&mut out[..m], per_task * P, |t, o| {
         let end = ((t + 1) * per_task).min(panels);
         for (j, o) in o.chunks_mut(P).enumerate() {
