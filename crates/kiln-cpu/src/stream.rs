@@ -31,10 +31,10 @@ pub(crate) struct Plan {
     /// prefetched [`ahead`] bytes on (else four rows side by side, each prefetching the
     /// same place four rows on).
     pub one_row: bool,
-    /// Decode over panels (Q4_0, Q4_K) in two long runs of panels a thread, else in tasks
-    /// of 64 rows taken in turn. Zen 5, against 64-row tasks: tg32 Q4_0 1.14x, Q4_K_M
-    /// 1.08x (BENCHMARKS.md); not measured on an Intel CPU since the prefetch runs from
-    /// panel to panel, so Intel keeps what was measured there.
+    /// Decode over panels (Q4_0, Q4_K) and rows one at a time in two long runs a thread,
+    /// else in tasks of 64 rows taken in turn. Zen 5, against 64-row tasks: tg32 Q4_0
+    /// 1.04x, Q4_K_M 1.03x, Q8_0 1.22x, F16 1.04x (BENCHMARKS.md); not measured on an
+    /// Intel CPU, which keeps what was measured there.
     pub long_tasks: bool,
 }
 

@@ -27,6 +27,7 @@ pub(crate) mod q8_0;
 
 use crate::dot::{self, Isa};
 use crate::pool::Pool;
+use crate::stream::Plan;
 
 /// Weight rows per loop.
 const ROWS: usize = 4;
@@ -54,8 +55,14 @@ fn by_groups<const R: usize>(
     if m == 0 {
         return;
     }
-    // Enough rows per task to amortise scheduling, few enough to balance the pool.
-    let chunk = (m / (pool.threads() * 8)).clamp(R, 64) / R * R;
+    let chunk = match Plan::get().long_tasks && R == 1 {
+        // Rows one at a time on AMD: two long runs of rows a thread, one stream each that
+        // the prefetch follows from row to row (Zen 5 tg32 against 64-row tasks: Q8_0
+        // 1.22x, F16 1.04x, BENCHMARKS.md).
+        true => m.div_ceil(2 * pool.threads()).max(1),
+        // Enough rows per task to amortise scheduling, few enough to balance the pool.
+        false => (m / (pool.threads() * 8)).clamp(R, 64) / R * R,
+    };
     pool.for_chunks_mut(&mut out[..m], chunk, |c, o| {
         for (g, og) in o.chunks_mut(R).enumerate() {
             let r0 = c * chunk + g * R;
