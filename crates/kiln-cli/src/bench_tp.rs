@@ -168,21 +168,7 @@ pub fn run(b: &TpBench) -> CliResult<String> {
     let here = ranks.here();
     let barrier = Gate::new(here.len());
     let start = StartLine::new(here.len());
-    let results: Vec<CliResult<Measured>> = std::thread::scope(|s| {
-        let handles: Vec<_> = here
-            .map(|rank| {
-                let (ranks, start, barrier) = (&ranks, &start, &barrier);
-                s.spawn(move || rank_run(b, rank, ranks, start, barrier))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Failure::usage("a rank panicked")))
-            })
-            .collect()
-    });
+    let results = ranks.each(|rank| rank_run(b, rank, &ranks, &start, &barrier));
     // Ranks that failed at the start all report the same message: rank 0's says it.
     let mut measured = Vec::new();
     for r in results {

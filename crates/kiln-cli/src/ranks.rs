@@ -138,6 +138,30 @@ impl Ranks {
         self.here.clone()
     }
 
+    /// `task(rank)` for every rank here, each on a thread of its own; the results in rank
+    /// order, a rank that panicked an error.
+    pub(crate) fn each<T: Send>(
+        &self,
+        task: impl Fn(usize) -> CliResult<T> + Sync,
+    ) -> Vec<CliResult<T>> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .here()
+                .map(|rank| {
+                    let task = &task;
+                    s.spawn(move || task(rank))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Failure::usage("a rank panicked")))
+                })
+                .collect()
+        })
+    }
+
     /// Rank `rank` failed (`why`): end the collectives of every rank here, whose next
     /// or current wait would be for it.
     pub(crate) fn abort(&self, rank: usize, why: &str) {

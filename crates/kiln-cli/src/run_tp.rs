@@ -43,52 +43,38 @@ pub fn generate_split(
     let lead = here.start;
     let timeout = ranks::rank_timeout()?;
     let start = kiln_dist::start::StartLine::new(here.len());
-    let results: Vec<CliResult<Option<Generation>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = here
-            .map(|rank| {
-                let (ranks, start) = (&ranks, &start);
-                s.spawn(move || -> CliResult<Option<Generation>> {
-                    let starting = Watchdog::starting(rank, 3 * timeout);
-                    let model = ranks
-                        .take(rank)
-                        .and_then(|(b, c)| Ok((file.checkpoint.load_rank(b, c.clone())?, c)));
-                    let (mut model, c) = start.cross(rank, model).map_err(Failure::usage)?;
-                    drop(starting);
-                    if rank == lead {
-                        on_start();
-                    }
-                    let dog = Watchdog::new(rank, c, timeout);
-                    let mut sampler = Sampler::new(r.sampler.clone());
-                    let g = generate(
-                        &mut model,
-                        &file.tokenizer,
-                        r.prompt,
-                        &mut sampler,
-                        &r.opts,
-                        |piece| {
-                            dog.alive();
-                            if rank == 0 {
-                                on_piece(piece)
-                            }
-                        },
-                    );
-                    match g {
-                        Ok(g) => Ok((rank == lead).then_some(g)),
-                        Err(e) => {
-                            ranks.abort(rank, &e.to_string());
-                            Err(e.into())
-                        }
-                    }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Failure::usage("a rank panicked")))
-            })
-            .collect()
+    let results = ranks.each(|rank| -> CliResult<Option<Generation>> {
+        let starting = Watchdog::starting(rank, 3 * timeout);
+        let model = ranks
+            .take(rank)
+            .and_then(|(b, c)| Ok((file.checkpoint.load_rank(b, c.clone())?, c)));
+        let (mut model, c) = start.cross(rank, model).map_err(Failure::usage)?;
+        drop(starting);
+        if rank == lead {
+            on_start();
+        }
+        let dog = Watchdog::new(rank, c, timeout);
+        let mut sampler = Sampler::new(r.sampler.clone());
+        let g = generate(
+            &mut model,
+            &file.tokenizer,
+            r.prompt,
+            &mut sampler,
+            &r.opts,
+            |piece| {
+                dog.alive();
+                if rank == 0 {
+                    on_piece(piece)
+                }
+            },
+        );
+        match g {
+            Ok(g) => Ok((rank == lead).then_some(g)),
+            Err(e) => {
+                ranks.abort(rank, &e.to_string());
+                Err(e.into())
+            }
+        }
     });
     let mut first = None;
     for result in results {

@@ -7,7 +7,7 @@ use crate::ranks::Ranks;
 use kiln_core::{Backend, DType, Error};
 use kiln_models::chat::Message;
 use kiln_models::memory::{self, human_bytes};
-use kiln_models::{Model, ModelConfig};
+use kiln_models::ModelConfig;
 use kiln_serve::engine::blocks::{blocks_for, BLOCK_POSITIONS};
 use kiln_serve::{
     App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel, SplitRunner,
@@ -332,25 +332,11 @@ fn split_runner(
     };
     let ranks = Arc::new(Ranks::new("--tp", tp, a.device, a.threads, &nodes, "")?);
     let start = kiln_dist::start::StartLine::new(tp);
-    let loaded: Vec<CliResult<(Model, Arc<dyn Backend>)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..tp)
-            .map(|rank| {
-                let (ranks, start) = (&ranks, &start);
-                s.spawn(move || {
-                    let model = ranks
-                        .take(rank)
-                        .and_then(|(b, c)| Ok((file.checkpoint.load_rank(b.clone(), c)?, b)));
-                    start.cross(rank, model).map_err(Failure::usage)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Failure::usage("a rank panicked")))
-            })
-            .collect()
+    let loaded = ranks.each(|rank| {
+        let model = ranks
+            .take(rank)
+            .and_then(|(b, c)| Ok((file.checkpoint.load_rank(b.clone(), c)?, b)));
+        start.cross(rank, model).map_err(Failure::usage)
     });
     let mut models = Vec::new();
     let mut first: Option<Arc<dyn Backend>> = None;

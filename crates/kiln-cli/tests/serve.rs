@@ -6,30 +6,58 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[test]
-fn sigterm_finishes_the_stream_in_flight_then_exits_0() {
+/// A started `kiln serve --port 0 ARGS`: the child, its stderr (kept open: the server
+/// writes to it until it exits), its address and the line that says it.
+struct Server {
+    child: std::process::Child,
+    stderr: BufReader<std::process::ChildStderr>,
+    addr: String,
+    line: String,
+}
+
+fn start(args: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["serve", "--device", "cpu", "--port", "0", "-t", "1"])
+        .args(["serve", "--port", "0"])
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let addr = loop {
-        let mut line = String::new();
-        assert!(stderr.read_line(&mut line).unwrap() > 0, "kiln serve ended");
-        if let Some(at) = line.trim().split("listening on http://").nth(1) {
-            break at.to_string();
-        }
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut server = Server {
+        child,
+        stderr,
+        addr: String::new(),
+        line: String::new(),
     };
-    assert!(
-        addr.starts_with("127.0.0.1:"),
-        "loopback by default: {addr}"
-    );
+    loop {
+        let mut line = String::new();
+        assert!(
+            server.stderr.read_line(&mut line).unwrap() > 0,
+            "kiln serve {args:?} ended"
+        );
+        if let Some(at) = line.trim().split("listening on http://").nth(1) {
+            server.addr = at.to_string();
+            server.line = line;
+            return server;
+        }
+    }
+}
 
-    let body = r#"{"prompt": "Permission is hereby granted", "max_tokens": 200, "ignore_eos": true, "stream": true}"#;
-    let mut conn = TcpStream::connect(&addr).unwrap();
+impl Drop for Server {
+    /// A test that fails leaves no server running.
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A connection that has sent `body` to `/v1/completions`.
+fn post(addr: &str, body: &str) -> TcpStream {
+    let mut conn = TcpStream::connect(addr).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
     write!(
@@ -38,6 +66,20 @@ fn sigterm_finishes_the_stream_in_flight_then_exits_0() {
         body.len()
     )
     .unwrap();
+    conn
+}
+
+#[test]
+fn sigterm_finishes_the_stream_in_flight_then_exits_0() {
+    let mut server = start(&["--device", "cpu", "-t", "1"]);
+    let (child, addr) = (&mut server.child, server.addr.clone());
+    assert!(
+        addr.starts_with("127.0.0.1:"),
+        "loopback by default: {addr}"
+    );
+
+    let body = r#"{"prompt": "Permission is hereby granted", "max_tokens": 200, "ignore_eos": true, "stream": true}"#;
+    let mut conn = post(&addr, body);
     // The stream has begun.
     let mut first = [0u8; 256];
     let n = conn.read(&mut first).unwrap();
@@ -72,39 +114,12 @@ fn sigterm_finishes_the_stream_in_flight_then_exits_0() {
 fn a_split_server_answers_as_the_whole_one() {
     let mut texts = Vec::new();
     for tp in ["1", "2"] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args([
-                "serve", "--device", "cpu", "--port", "0", "-t", "2", "--tp", tp,
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stderr = BufReader::new(child.stderr.take().unwrap());
-        let (addr, line) = loop {
-            let mut line = String::new();
-            assert!(
-                stderr.read_line(&mut line).unwrap() > 0,
-                "kiln serve --tp {tp} ended"
-            );
-            if let Some(at) = line.trim().split("listening on http://").nth(1) {
-                break (at.to_string(), line.clone());
-            }
-        };
+        let mut server = start(&["--device", "cpu", "-t", "2", "--tp", tp]);
         if tp == "2" {
-            assert!(line.contains(" × 2"), "{line}");
+            assert!(server.line.contains(" × 2"), "{}", server.line);
         }
         let body = r#"{"prompt": "Permission is hereby granted", "max_tokens": 12, "temperature": 0, "ignore_eos": true}"#;
-        let mut conn = TcpStream::connect(&addr).unwrap();
-        conn.set_read_timeout(Some(Duration::from_secs(60)))
-            .unwrap();
-        write!(
-            conn,
-            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
+        let mut conn = post(&server.addr, body);
         let mut reply = String::new();
         conn.read_to_string(&mut reply).unwrap();
         assert!(reply.starts_with("HTTP/1.1 200"), "--tp {tp}: {reply}");
@@ -112,8 +127,11 @@ fn a_split_server_answers_as_the_whole_one() {
         let v: serde_json::Value = serde_json::from_str(json).unwrap();
         texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
         // SAFETY: kill sends a signal to the child this test started.
-        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-        assert_eq!(child.wait().unwrap().code(), Some(0));
+        assert_eq!(
+            unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) },
+            0
+        );
+        assert_eq!(server.child.wait().unwrap().code(), Some(0));
     }
     assert_eq!(texts[0], texts[1]);
 }

@@ -2,7 +2,7 @@
 //! what a model split over several devices needs of them. NCCL's communicators (kiln-cuda)
 //! and a group of threads of one process over any backend (kiln-dist) implement it.
 
-use crate::{Result, Tensor};
+use crate::{Error, Result, Tensor};
 
 pub trait Collective: Send + Sync {
     /// This rank's index, `0..world`.
@@ -31,4 +31,19 @@ pub trait Collective: Send + Sync {
     /// This rank stops for `why`: the group's collectives under way or to come end with an
     /// error on every rank instead of waiting for this one for ever.
     fn abort(&self, why: &str);
+}
+
+/// Refuse a gather or scatter (`op`) whose tensors do not fit each other: `whole` holds
+/// `world` times `part`'s values, both of one type.
+pub fn check_parts(op: &str, world: usize, part: &Tensor, whole: &Tensor) -> Result<()> {
+    let n = part.shape().numel();
+    if part.dtype() != whole.dtype() || whole.shape().numel() != n * world {
+        return Err(Error::shape(format!(
+            "{op}: {n} {} values a rank over {world} ranks, and {} {} values in all (the whole is world × a rank's part, of one type)",
+            part.dtype(),
+            whole.shape().numel(),
+            whole.dtype()
+        )));
+    }
+    Ok(())
 }

@@ -169,9 +169,7 @@ impl Collective for Communicator {
     }
 
     fn check(&self) -> Result<()> {
-        self.check_live()?;
-        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
-        self.check_live()?;
+        let _one_call = self.enter()?;
         let mut state = sys::ncclResult_t::ncclSuccess;
         // SAFETY: the communicator is live: checked under `calls`, which an abort takes
         // too; NCCL documents this call as safe beside the communicator's other use.
@@ -194,14 +192,7 @@ impl Collective for Communicator {
     /// queued on the stream like any op.
     fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
         nccl_type(t.dtype())?;
-        if t.device() != kiln_core::Device::Cuda(self.ordinal) {
-            return Err(Error::Device(format!(
-                "rank {}'s communicator is on cuda:{}, the tensor on {}",
-                self.rank,
-                self.ordinal,
-                t.device()
-            )));
-        }
+        self.on_this_gpu(t)?;
         if let Some((backend, one)) = self.one_shot.as_ref().filter(|(_, o)| o.takes(t)) {
             self.check_live()?;
             return one.all_reduce(backend, t, self.rank, self.world);
@@ -212,32 +203,17 @@ impl Collective for Communicator {
     /// Through NCCL, queued on the stream like any op.
     fn reduce_scatter_sum(&self, whole: &Tensor, part: &mut Tensor) -> Result<()> {
         let n = part.shape().numel();
-        if whole.dtype() != DType::F32
-            || part.dtype() != DType::F32
-            || whole.shape().numel() != n * self.world
-        {
-            return Err(Error::shape(format!(
-                "reduce-scatter of {} {} values over {} ranks into {n} {} values a rank (F32, world × part)",
-                whole.shape().numel(),
-                whole.dtype(),
-                self.world,
+        kiln_core::collective::check_parts("reduce-scatter", self.world, part, whole)?;
+        if part.dtype() != DType::F32 {
+            return Err(Error::unsupported(format!(
+                "reduce-scatter of {} tensors (F32)",
                 part.dtype()
             )));
         }
-        for t in [whole, &*part] {
-            if t.device() != kiln_core::Device::Cuda(self.ordinal) {
-                return Err(Error::Device(format!(
-                    "rank {}'s communicator is on cuda:{}, a tensor on {}",
-                    self.rank,
-                    self.ordinal,
-                    t.device()
-                )));
-            }
-        }
+        self.on_this_gpu(whole)?;
+        self.on_this_gpu(part)?;
         let (src, dst) = (ptr(whole)?, ptr(part)?);
-        self.check_live()?;
-        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
-        self.check_live()?;
+        let _one_call = self.enter()?;
         // SAFETY: `src` holds `world · n` F32 values and `dst` `n` on this rank's device;
         // `part` is borrowed mutably, and the stream orders the reduction after the ops
         // that wrote `whole` and before those that read `part`.
@@ -260,29 +236,11 @@ impl Collective for Communicator {
     fn all_gather(&self, part: &Tensor, whole: &mut Tensor) -> Result<()> {
         let ty = nccl_type(part.dtype())?;
         let n = part.shape().numel();
-        if whole.dtype() != part.dtype() || whole.shape().numel() != n * self.world {
-            return Err(Error::shape(format!(
-                "all-gather of {n} {} values a rank over {} ranks into {} {} values",
-                part.dtype(),
-                self.world,
-                whole.shape().numel(),
-                whole.dtype()
-            )));
-        }
-        for t in [part, &*whole] {
-            if t.device() != kiln_core::Device::Cuda(self.ordinal) {
-                return Err(Error::Device(format!(
-                    "rank {}'s communicator is on cuda:{}, a tensor on {}",
-                    self.rank,
-                    self.ordinal,
-                    t.device()
-                )));
-            }
-        }
+        kiln_core::collective::check_parts("all-gather", self.world, part, whole)?;
+        self.on_this_gpu(part)?;
+        self.on_this_gpu(whole)?;
         let (src, dst) = (ptr(part)?, ptr(whole)?);
-        self.check_live()?;
-        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
-        self.check_live()?;
+        let _one_call = self.enter()?;
         // SAFETY: `src` holds `n` elements of `ty` and `dst` `world · n` on this rank's
         // device; `whole` is borrowed mutably, and the stream orders the gather after
         // the ops that wrote `part` and before those that read `whole`.
@@ -322,12 +280,32 @@ impl Communicator {
         Ok(())
     }
 
+    /// The right to use the NCCL handle for one call: an error once the communicator is
+    /// aborted (checked before taking the lock, which an abort may hold while NCCL waits,
+    /// and again under it).
+    fn enter(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
+        self.check_live()?;
+        let guard = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_live()?;
+        Ok(guard)
+    }
+
+    fn on_this_gpu(&self, t: &Tensor) -> Result<()> {
+        if t.device() != kiln_core::Device::Cuda(self.ordinal) {
+            return Err(Error::Device(format!(
+                "rank {}'s communicator is on cuda:{}, a tensor on {}",
+                self.rank,
+                self.ordinal,
+                t.device()
+            )));
+        }
+        Ok(())
+    }
+
     fn nccl_all_reduce(&self, t: &mut Tensor) -> Result<()> {
         let ty = nccl_type(t.dtype())?;
         let p = ptr(t)? as *mut std::ffi::c_void;
-        self.check_live()?;
-        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
-        self.check_live()?;
+        let _one_call = self.enter()?;
         // SAFETY: `p` addresses the tensor's `numel` elements of `ty` on this rank's
         // device; the tensor is borrowed mutably, and the stream orders the reduction
         // after the ops that wrote it and before those that read it.

@@ -5,6 +5,7 @@
 //! where it stands in for NCCL with the same contract.
 
 use crate::gate::Gate;
+use kiln_core::collective::check_parts;
 use kiln_core::{quant, Backend, Collective, DType, Error, Result, Tensor};
 use std::sync::{Arc, Mutex};
 
@@ -12,6 +13,14 @@ struct Shared {
     /// Each rank's values for the reduction under way.
     slots: Mutex<Vec<Vec<f32>>>,
     barrier: Gate,
+}
+
+/// Refuse what the host group does not gather or scatter (F32 only).
+fn only_f32(op: &str, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 => Ok(()),
+        other => Err(Error::unsupported(format!("{op} of {other} tensors (F32)"))),
+    }
 }
 
 /// One rank of a [`group`].
@@ -85,21 +94,9 @@ impl Collective for HostCollective {
     }
 
     fn all_gather(&self, part: &Tensor, whole: &mut Tensor) -> Result<()> {
-        let dtype = part.dtype();
-        let n = part.shape().numel();
-        if dtype != DType::F32 || whole.dtype() != DType::F32 {
-            return Err(Error::unsupported(format!(
-                "all-gather of {dtype} into {} tensors (F32)",
-                whole.dtype()
-            )));
-        }
-        if whole.shape().numel() != n * self.world {
-            return Err(Error::shape(format!(
-                "all-gather of {n} values a rank over {} ranks into {} values",
-                self.world,
-                whole.shape().numel()
-            )));
-        }
+        let (dtype, n) = (part.dtype(), part.shape().numel());
+        check_parts("all-gather", self.world, part, whole)?;
+        only_f32("all-gather", dtype)?;
         let mine = quant::dequantize_to_vec(dtype, &self.backend.download(part)?, n)?;
         let slots = || self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
         slots()[self.rank] = mine;
@@ -122,18 +119,8 @@ impl Collective for HostCollective {
 
     fn reduce_scatter_sum(&self, whole: &Tensor, part: &mut Tensor) -> Result<()> {
         let n = part.shape().numel();
-        if whole.dtype() != DType::F32
-            || part.dtype() != DType::F32
-            || whole.shape().numel() != n * self.world
-        {
-            return Err(Error::shape(format!(
-                "reduce-scatter of {} {} values over {} ranks into {n} {} values a rank (F32, world × part)",
-                whole.shape().numel(),
-                whole.dtype(),
-                self.world,
-                part.dtype()
-            )));
-        }
+        check_parts("reduce-scatter", self.world, part, whole)?;
+        only_f32("reduce-scatter", part.dtype())?;
         let mine =
             quant::dequantize_to_vec(DType::F32, &self.backend.download(whole)?, n * self.world)?;
         let slots = || self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());

@@ -196,12 +196,16 @@ impl Model {
 
     /// Write a step's token ids into `s`, and where the embedding is split, each id as
     /// a row of this rank's slice (the zero row for the others' tokens).
-    pub(crate) fn write_ids(&self, s: &mut Scratch, ids: &[usize]) -> Result<()> {
+    pub(crate) fn write_ids(
+        &self,
+        s: &mut Scratch,
+        ids: impl Iterator<Item = usize> + Clone,
+    ) -> Result<()> {
         let b = self.backend.as_ref();
-        b.write(&mut s.ids, &i32_bytes(ids.iter().copied()))?;
+        b.write(&mut s.ids, &i32_bytes(ids.clone()))?;
         if let (Some((_, first)), Some(local)) = (self.split_embed(), s.local_ids.as_mut()) {
             let zero = self.weights.embed.dims()[0] - 1;
-            let rows = ids.iter().map(|&id| match id.checked_sub(first) {
+            let rows = ids.map(|id| match id.checked_sub(first) {
                 Some(r) if r < zero => r,
                 _ => zero,
             });
@@ -461,8 +465,7 @@ impl Model {
     ) -> Result<()> {
         let b = self.backend.clone();
         let n = ids.len();
-        let ids: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
-        self.write_ids(s, &ids)?;
+        self.write_ids(s, ids.iter().map(|&id| id as usize))?;
         b.write(&mut s.positions, &i32_bytes(pos0..pos0 + n))?;
         if which == Output::Logits(Logits::All) && s.all_logits.is_none() {
             s.all_logits = Some(f32_tensor(b.as_ref(), &[n, self.config.vocab_size])?);

@@ -140,8 +140,7 @@ impl Model {
                 *t = blk as i32;
             }
         }
-        let ids: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
-        self.write_ids(&mut bk.s, &ids)?;
+        self.write_ids(&mut bk.s, ids.iter().map(|&id| id as usize))?;
         b.write(&mut bk.s.positions, &i32_bytes(&positions))?;
         b.write(&mut bk.slots, &i32_bytes(&slots))?;
         let fresh = !bk.widths.contains_key(&width);

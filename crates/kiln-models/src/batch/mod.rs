@@ -284,8 +284,7 @@ impl Model {
             b.write(&mut t, &i32_bytes(v))?;
             Ok(t)
         };
-        let ids: Vec<usize> = l.ids.iter().map(|&id| id as usize).collect();
-        self.write_ids(&mut s, &ids)?;
+        self.write_ids(&mut s, l.ids.iter().map(|&id| id as usize))?;
         b.write(&mut s.positions, &i32_bytes(&l.positions))?;
         let slots = ints(&l.slots, vec![n])?;
         let seq = ints(&l.seq, vec![n])?;
