@@ -115,6 +115,9 @@ impl SplitRunner {
             let thread = std::thread::Builder::new()
                 .name(format!("kiln-rank-{}", i + 1))
                 .spawn(move || {
+                    // A rank that panics ends the others' collectives too: rank 0 would
+                    // otherwise wait in its step's first one for ever.
+                    let _on_panic = AbortOnPanic(abort.clone());
                     for owned in inbox {
                         let items = owned
                             .iter()
@@ -154,6 +157,16 @@ impl SplitRunner {
             others,
             abort,
         })
+    }
+}
+
+struct AbortOnPanic(std::sync::Arc<dyn Fn(&str) + Send + Sync>);
+
+impl Drop for AbortOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            (self.0)("a rank's thread panicked");
+        }
     }
 }
 
