@@ -107,6 +107,11 @@ pub struct TrainArgs {
     /// and updates 1/N of it; gradients are reduce-scattered, weights all-gathered.
     #[arg(long, requires = "dp")]
     pub zero1: bool,
+    /// With --dp: sum the gradients in buckets of about this many MiB, each as soon as the
+    /// backward pass has made it, beside the rest of the pass (25 unless told, as PyTorch
+    /// DDP); 0 sums them all after it. (With --zero1 they are reduce-scattered after it.)
+    #[arg(long, requires = "dp", conflicts_with = "zero1")]
+    pub bucket_mb: Option<u32>,
     #[command(flatten)]
     pub nodes: crate::ranks::NodeArgs,
     /// From scratch: llama or gpt2.
@@ -632,8 +637,9 @@ fn data_parallel(
     optimizer: StepConfig,
     export_type: DType,
 ) -> CliResult {
+    // Every host must run the same collectives: the sharding and buckets too.
     let settings = format!(
-        "{} {} {} {} {} {} {} {} {} {:?} {:?} {} {} {} {}",
+        "{} {} {} {} {} {} {} {} {} {:?} {:?} {} {} {} {} {} {:?}",
         text.fingerprint(),
         a.arch,
         a.dim,
@@ -648,7 +654,9 @@ fn data_parallel(
         a.steps,
         a.optimizer,
         a.lr,
-        a.seed
+        a.seed,
+        a.zero1,
+        a.bucket_mb
     );
     let fingerprint = crate::ranks::fingerprint(None, &settings);
     let ranks = Ranks::new("--dp", dp, a.device, a.threads, &a.nodes, &fingerprint)?;
@@ -660,7 +668,14 @@ fn data_parallel(
         let describe = backend.describe();
         let t = make_trainer(a, start_file, text.clone(), optimizer, backend)?
             .data_parallel(c.clone())?;
-        let t = if a.zero1 { t.shard_optimizer()? } else { t };
+        let t = match a.zero1 {
+            true => t.shard_optimizer()?,
+            false => {
+                t.bucket_bytes(a.bucket_mb.map_or(kiln_train::DEFAULT_BUCKET_BYTES, |mb| {
+                    mb as usize * (1 << 20)
+                }))?
+            }
+        };
         Ok((t, c, describe))
     };
     std::thread::scope(|s| {

@@ -23,6 +23,16 @@ pub trait Collective: Send + Sync {
     /// rank must call it, in the same order.
     fn reduce_scatter_sum(&self, whole: &Tensor, part: &mut Tensor) -> Result<()>;
 
+    /// Start summing values `offset..offset + len` of `t` (F32, F16 or BF16) over the
+    /// ranks: after the work this rank's device was given before, and beside the work
+    /// given after, until [`Collective::wait_started`]. Gradient buckets overlap the
+    /// backward pass this way; nothing may read or write the span until then. Every rank
+    /// must call it, in the same order, with the same spans.
+    fn start_sum(&self, t: &mut Tensor, offset: usize, len: usize) -> Result<()>;
+
+    /// The work this rank's device is given from here on runs after every started sum.
+    fn wait_started(&self) -> Result<()>;
+
     /// An error if the group can no longer be trusted: aborted (by this rank or its
     /// watchdog) or failed in the library (a peer gone). A recorded step replays its
     /// collectives without calling them, so callers check after each step.
@@ -43,6 +53,17 @@ pub fn check_parts(op: &str, world: usize, part: &Tensor, whole: &Tensor) -> Res
             part.dtype(),
             whole.shape().numel(),
             whole.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuse a span of `t` (`op`) that runs past its end or is empty.
+pub fn check_span(op: &str, t: &Tensor, offset: usize, len: usize) -> Result<()> {
+    let n = t.shape().numel();
+    if len == 0 || offset.checked_add(len).is_none_or(|end| end > n) {
+        return Err(Error::shape(format!(
+            "{op}: values {offset}..{offset}+{len} of a tensor of {n} (a span is non-empty and inside the tensor)"
         )));
     }
     Ok(())

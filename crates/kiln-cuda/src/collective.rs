@@ -1,7 +1,8 @@
 //! Collectives between GPUs through NCCL, loaded at run time like CUDA's other libraries
 //! (a machine without it gets an error saying so, not a crash). A rank's communicator
 //! runs on its backend's stream, so a collective is ordered with the kernels around it
-//! as any op is.
+//! as any op is; started sums (gradient buckets) run on a stream of its own, beside the
+//! kernels queued after them, until the backend's stream waits for them.
 //!
 //! How the ranks agree on a communicator: one of them makes an [`NcclId`] and the others
 //! receive its 128 bytes (`kiln_dist::rendezvous` between processes or hosts, a copy
@@ -13,8 +14,10 @@
 //! over peer memory where it measured faster (see `one_shot`).
 
 use crate::one_shot::{OneShot, PeerBoard, Probe};
-use crate::{ptr, CudaBackend};
+use crate::{driver_error, ptr, CudaBackend};
+use cudarc::driver::CudaStream;
 use cudarc::nccl::{result as nccl, sys};
+use kiln_core::collective::check_span;
 use kiln_core::{Collective, DType, Error, Result, Tensor};
 use std::sync::{Arc, Mutex};
 
@@ -74,6 +77,10 @@ impl NcclId {
 pub struct Communicator {
     comm: sys::ncclComm_t,
     stream: sys::cudaStream_t,
+    /// The backend's stream, and a stream of the communicator's own where started sums
+    /// run beside it (`start_sum`).
+    main: Arc<CudaStream>,
+    side: Arc<CudaStream>,
     ordinal: usize,
     rank: usize,
     world: usize,
@@ -120,6 +127,8 @@ impl CudaBackend {
         Ok(Communicator {
             comm,
             stream: self.stream.cu_stream() as sys::cudaStream_t,
+            main: self.stream.clone(),
+            side: self.stream.fork().map_err(crate::driver_error)?,
             ordinal: self.ordinal,
             rank,
             world,
@@ -198,6 +207,38 @@ impl Collective for Communicator {
             return one.all_reduce(backend, t, self.rank, self.world);
         }
         self.nccl_all_reduce(t)
+    }
+
+    /// Through NCCL on the communicator's side stream, after an event of the backend's
+    /// stream: the kernels queued after it run beside the sum.
+    fn start_sum(&self, t: &mut Tensor, offset: usize, len: usize) -> Result<()> {
+        let ty = nccl_type(t.dtype())?;
+        check_span("sum of a span", t, offset, len)?;
+        self.on_this_gpu(t)?;
+        let bytes = t.dtype().row_bytes(offset)? as u64;
+        let p = (ptr(t)? + bytes) as *mut std::ffi::c_void;
+        let _one_call = self.enter()?;
+        self.side.join(&self.main).map_err(driver_error)?;
+        // SAFETY: `p` addresses `len` elements of `ty` inside the tensor (checked above) on
+        // this rank's device; the side stream waits for what the backend's stream was
+        // given so far, and the caller leaves the span alone until `wait_started`.
+        unsafe {
+            nccl::all_reduce(
+                p,
+                p,
+                len,
+                ty,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.side.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| nccl_error(&format!("sum of a span on rank {}", self.rank), e))?;
+        Ok(())
+    }
+
+    fn wait_started(&self) -> Result<()> {
+        self.main.join(&self.side).map_err(driver_error)
     }
 
     /// Through NCCL, queued on the stream like any op.

@@ -262,3 +262,55 @@ fn gathers_and_scatters_are_exact_in_rank_order() {
         }
     });
 }
+
+/// Started sums (gradient buckets) run on the communicator's own stream: each waits for
+/// the kernels queued before it (the doubling), and the kernels queued after
+/// `wait_started` (the halving) wait for them. Spans started from the end, as a backward
+/// pass makes them; the values before the first span stay this rank's own.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn started_sums_wait_for_the_kernels_before_and_are_waited_for() {
+    let gpus = kiln_cuda::devices().unwrap().len();
+    if gpus < 2 {
+        eprintln!("SKIPPED: one GPU here; the collectives between GPUs need two or more");
+        return;
+    }
+    let id = NcclId::new().unwrap();
+    let (n, spans) = (
+        3_000_001,
+        [
+            (2_000_000, 1_000_001),
+            (1_000_000, 1_000_000),
+            (17, 999_983),
+        ],
+    );
+    std::thread::scope(|s| {
+        for rank in 0..gpus {
+            let id = &id;
+            s.spawn(move || {
+                let b = CudaBackend::new(rank).unwrap();
+                let comm = b.communicator(id, rank, gpus).unwrap();
+                let mine: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
+                let mut t = upload(&b, DType::F32, &mine);
+                let mut busy = upload(&b, DType::F32, &vec![1.0; 1 << 24]);
+                b.scale(&mut t, 2.0).unwrap();
+                for &(at, len) in &spans {
+                    comm.start_sum(&mut t, at, len).unwrap();
+                    b.scale(&mut busy, 1.5).unwrap();
+                }
+                comm.wait_started().unwrap();
+                b.scale(&mut t, 0.5).unwrap();
+                let got = download(&b, &t);
+                for (i, g) in got.iter().enumerate() {
+                    let want = match spans.iter().any(|&(at, len)| (at..at + len).contains(&i)) {
+                        true => (0..gpus).map(|r| value(r, i)).sum(),
+                        false => value(rank, i),
+                    };
+                    assert_eq!(*g, want, "rank {rank}, value {i}");
+                }
+                assert!(comm.start_sum(&mut t, n - 1, 2).is_err());
+                assert!(comm.start_sum(&mut t, 5, 0).is_err());
+            });
+        }
+    });
+}

@@ -5,7 +5,7 @@
 //! where it stands in for NCCL with the same contract.
 
 use crate::gate::Gate;
-use kiln_core::collective::check_parts;
+use kiln_core::collective::{check_parts, check_span};
 use kiln_core::{quant, Backend, Collective, DType, Error, Result, Tensor};
 use std::sync::{Arc, Mutex};
 
@@ -51,24 +51,20 @@ pub fn group(backends: Vec<Arc<dyn Backend>>) -> Vec<HostCollective> {
         .collect()
 }
 
-impl Collective for HostCollective {
-    fn rank(&self) -> usize {
-        self.rank
+/// Refuse what the host group does not sum (F32, F16, BF16).
+fn sum_type(op: &str, dtype: DType) -> Result<DType> {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(dtype),
+        other => Err(Error::unsupported(format!(
+            "{op} of {other} tensors (F32, F16, BF16)"
+        ))),
     }
+}
 
-    fn world(&self) -> usize {
-        self.world
-    }
-
-    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
-        let dtype = t.dtype();
-        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-            return Err(Error::unsupported(format!(
-                "all-reduce of {dtype} tensors (F32, F16, BF16)"
-            )));
-        }
-        let n = t.shape().numel();
-        let mine = quant::dequantize_to_vec(dtype, &self.backend.download(t)?, n)?;
+impl HostCollective {
+    /// Every rank's `mine` summed elementwise in rank order (the same bits on every rank).
+    fn sum(&self, op: &str, mine: Vec<f32>) -> Result<Vec<f32>> {
+        let n = mine.len();
         let slots = || self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
         slots()[self.rank] = mine;
         self.shared.barrier.wait()?;
@@ -78,7 +74,7 @@ impl Collective for HostCollective {
                 drop(all);
                 self.shared.barrier.wait()?;
                 return Err(Error::shape(format!(
-                    "all-reduce: the ranks' tensors differ in size (rank {} has {n} values)",
+                    "{op}: the ranks' tensors differ in size (rank {} has {n} values)",
                     self.rank
                 )));
             }
@@ -90,7 +86,42 @@ impl Collective for HostCollective {
         };
         // No rank overwrites its slot for the next reduction before all have read this one.
         self.shared.barrier.wait()?;
+        Ok(sum)
+    }
+}
+
+impl Collective for HostCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
+        let dtype = sum_type("all-reduce", t.dtype())?;
+        let n = t.shape().numel();
+        let mine = quant::dequantize_to_vec(dtype, &self.backend.download(t)?, n)?;
+        let sum = self.sum("all-reduce", mine)?;
         self.backend.write(t, &quant::quantize(dtype, &sum)?)
+    }
+
+    /// Summed at once: a CPU's ops have run by the time they return, and a GPU rank's
+    /// are synchronised by the download, so there is nothing to overlap here.
+    fn start_sum(&self, t: &mut Tensor, offset: usize, len: usize) -> Result<()> {
+        check_span("sum of a span", t, offset, len)?;
+        let dtype = sum_type("sum of a span", t.dtype())?;
+        let n = t.shape().numel();
+        let mut all = quant::dequantize_to_vec(dtype, &self.backend.download(t)?, n)?;
+        let span = offset..offset + len;
+        let sum = self.sum("sum of a span", all[span.clone()].to_vec())?;
+        all[span].copy_from_slice(&sum);
+        self.backend.write(t, &quant::quantize(dtype, &all)?)
+    }
+
+    fn wait_started(&self) -> Result<()> {
+        Ok(())
     }
 
     fn all_gather(&self, part: &Tensor, whole: &mut Tensor) -> Result<()> {
@@ -171,7 +202,11 @@ mod tests {
     use kiln_core::{HostBytes, Shape};
     use kiln_cpu::CpuBackend;
 
-    fn run(sizes: &[usize]) -> Vec<Result<Vec<f32>>> {
+    /// Rank `r` holds `10 r + i` at `i` and runs `op` on it; what each rank then holds.
+    fn run(
+        sizes: &[usize],
+        op: fn(&HostCollective, &mut Tensor) -> Result<()>,
+    ) -> Vec<Result<Vec<f32>>> {
         let backends: Vec<Arc<dyn Backend>> = sizes
             .iter()
             .map(|_| Arc::new(CpuBackend::new(Some(1)).unwrap()) as Arc<dyn Backend>)
@@ -188,7 +223,7 @@ mod tests {
                         Shape::new(vec![1, n]).unwrap(),
                         HostBytes::from_vec(quant::quantize(DType::F32, &values).unwrap()),
                     )?;
-                    c.all_reduce_sum(&mut t)?;
+                    op(&c, &mut t)?;
                     quant::dequantize_to_vec(DType::F32, &b.download(&t)?, n)
                 })
             })
@@ -198,10 +233,31 @@ mod tests {
 
     #[test]
     fn every_rank_gets_the_sum() {
-        for got in run(&[5, 5, 5]) {
+        for got in run(&[5, 5, 5], |c, t| c.all_reduce_sum(t)) {
             // Σ_r (10 r + i) = 30 + 3 i.
             let want: Vec<f32> = (0..5).map(|i| (30 + 3 * i) as f32).collect();
             assert_eq!(got.unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn a_started_sum_sums_its_span_alone() {
+        let span = |c: &HostCollective, t: &mut Tensor| {
+            c.start_sum(t, 2, 3)?;
+            c.wait_started()
+        };
+        for (rank, got) in run(&[7, 7, 7], span).into_iter().enumerate() {
+            let want: Vec<f32> = (0..7)
+                .map(|i| match i {
+                    2..5 => (30 + 3 * i) as f32,
+                    _ => (10 * rank + i) as f32,
+                })
+                .collect();
+            assert_eq!(got.unwrap(), want);
+        }
+        for bad in run(&[7, 7], |c, t| c.start_sum(t, 5, 3)) {
+            let e = bad.unwrap_err().to_string();
+            assert!(e.contains("values 5..5+3 of a tensor of 7"), "{e}");
         }
     }
 
@@ -272,7 +328,7 @@ mod tests {
 
     #[test]
     fn ranks_with_different_sizes_all_fail_and_none_hangs() {
-        for got in run(&[4, 5]) {
+        for got in run(&[4, 5], |c, t| c.all_reduce_sum(t)) {
             let e = got.unwrap_err().to_string();
             assert!(e.contains("differ in size"), "{e}");
         }

@@ -194,10 +194,29 @@ impl<'a> Backward<'a> {
         }
     }
 
-    pub fn run(mut self, nodes: Vec<Node>) -> Result<()> {
-        for node in nodes.into_iter().rev() {
+    /// Walk `nodes` from the last; `whole(i, gradient)` is called for the parameters of
+    /// `first` before the walk and for those of `whole_after[n]` once node `n` is walked.
+    pub fn run(
+        mut self,
+        nodes: Vec<Node>,
+        first: &[usize],
+        whole_after: &[Vec<usize>],
+        whole: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let mut report = |b: &Self, params: &[usize]| -> Result<()> {
+            for &i in params {
+                let g = b.param_grads[i]
+                    .as_ref()
+                    .ok_or_else(|| Error::Device("a gradient went missing".into()))?;
+                whole(i, g)?;
+            }
+            Ok(())
+        };
+        report(&self, first)?;
+        for (n, node) in nodes.into_iter().enumerate().rev() {
             self.taken.clear();
             self.node(node)?;
+            report(&self, &whole_after[n])?;
         }
         Ok(())
     }

@@ -22,4 +22,4 @@ mod trainer;
 pub use kiln_optim::{LossScaling, Rule, Schedule, StepConfig};
 pub use lora::LoraSettings;
 pub use tape::Tape;
-pub use trainer::{Settings, StepReport, Trainer};
+pub use trainer::{Settings, StepReport, Trainer, DEFAULT_BUCKET_BYTES};

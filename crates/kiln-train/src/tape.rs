@@ -53,13 +53,20 @@ pub(crate) struct State {
     param_keys: Vec<usize>,
     /// Per parameter: its gradient (F32, its shape), `None` when frozen.
     pub param_grads: Vec<Option<Tensor>>,
+    /// Per parameter: the number of nodes recorded before it was first read in this
+    /// recording. No node below that adds to its gradient, so the backward walk has its
+    /// gradient whole once it has passed that node.
+    first_read: HashMap<usize, usize>,
 }
 
 impl State {
     fn read(&mut self, t: &Tensor) -> Read {
         let k = key(t);
         let op = match self.params.get(&k) {
-            Some(&i) => Operand::Param(i),
+            Some(&i) => {
+                self.first_read.entry(i).or_insert(self.nodes.len());
+                Operand::Param(i)
+            }
             None => match self.current.get(&k) {
                 Some(&v) => Operand::Value(v),
                 None => {
@@ -234,6 +241,7 @@ impl Tape {
         st.nodes.clear();
         st.saved.clear();
         st.saved_of.clear();
+        st.first_read.clear();
     }
 
     /// Stop recording and drop what was recorded: ops run through untouched (held-out
@@ -360,6 +368,18 @@ impl Tape {
     /// gradients; `params` are the registered parameters, in order. The recording is
     /// dropped after.
     pub fn backward(&self, params: &[&Tensor]) -> Result<()> {
+        self.backward_with(params, &mut |_, _| Ok(()))
+    }
+
+    /// [`Tape::backward`], calling `whole(i, gradient)` for each trainable parameter `i`
+    /// as soon as the walk has its gradient whole (nothing left adds to it), before the
+    /// walk goes on: gradient buckets start their sums there. Parameters the recording
+    /// never reads come first; every trainable one comes once.
+    pub fn backward_with(
+        &self,
+        params: &[&Tensor],
+        whole: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<()> {
         let mut st = self.state();
         if params.len() != st.param_keys.len()
             || params.iter().zip(&st.param_keys).any(|(p, &k)| key(p) != k)
@@ -370,6 +390,15 @@ impl Tape {
         }
         let nodes = std::mem::take(&mut st.nodes);
         let mut param_grads = std::mem::take(&mut st.param_grads);
+        // Per node, the parameters whose gradients are whole once it is walked.
+        let mut whole_after: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+        let mut never_read = Vec::new();
+        for i in (0..param_grads.len()).filter(|&i| param_grads[i].is_some()) {
+            match st.first_read.get(&i) {
+                Some(&n) if n < nodes.len() => whole_after[n].push(i),
+                _ => never_read.push(i),
+            }
+        }
         let result = Backward::new(
             self.grad_ops(),
             self.inner.as_ref(),
@@ -378,7 +407,7 @@ impl Tape {
             &st.values,
             &mut param_grads,
         )
-        .run(nodes);
+        .run(nodes, &never_read, &whole_after, whole);
         st.param_grads = param_grads;
         drop(st);
         self.begin();

@@ -95,6 +95,42 @@ pub struct Trainer {
     /// ZeRO stage 1: the shard of the parameters this rank updates, `opt` being its
     /// optimizer (see [`Trainer::shard_optimizer`]).
     shard: Option<Shard>,
+    /// Data parallelism's gradient buckets, summed while the backward pass goes on (see
+    /// [`Trainer::bucket_bytes`]); `None`: one sum after it.
+    buckets: Option<Buckets>,
+    /// Per parameter of the tape: its place among the trainable tensors (the flat
+    /// buffers' entries), `None` when frozen.
+    flat_index: Vec<Option<usize>>,
+}
+
+/// The flat gradient buffer cut into spans of whole tensors, from its end: the backward
+/// pass makes the last layers' gradients first, so the first span is whole soonest.
+struct Buckets {
+    /// Per trainable tensor (entry of the flat buffers): its bucket.
+    of: Vec<usize>,
+    /// Per bucket: its first value, its length and how many tensors it holds.
+    spans: Vec<(usize, usize, usize)>,
+}
+
+impl Buckets {
+    /// Buckets of at least `bytes` of F32 gradients each (but the last), tensors whole;
+    /// the padding between two tensors goes with the later one, so the spans tile the
+    /// buffer.
+    fn new(layout: &ParamLayout, bytes: usize) -> Buckets {
+        let entries = layout.entries();
+        let mut of = vec![0; entries.len()];
+        let mut spans = Vec::new();
+        let (mut end, mut count) = (entries.last().map_or(0, |e| e.offset + e.len), 0);
+        for (j, e) in entries.iter().enumerate().rev() {
+            of[j] = spans.len();
+            count += 1;
+            if (end - e.offset) * 4 >= bytes || j == 0 {
+                spans.push((e.offset, end - e.offset, count));
+                (end, count) = (e.offset, 0);
+            }
+        }
+        Buckets { of, spans }
+    }
 }
 
 /// One rank's part of a sharded optimizer (ZeRO stage 1): its chunk of the flat buffers
@@ -106,6 +142,9 @@ struct Shard {
     params: Tensor,
     grads: Tensor,
 }
+
+/// Gradient buckets' size unless told: PyTorch DDP's default, 25 MiB.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 /// The layout of the whole flat buffers, sharded or not.
 fn layout_of<'a>(opt: &'a Optimizer, shard: &'a Option<Shard>) -> &'a ParamLayout {
@@ -214,6 +253,14 @@ impl Trainer {
         refs.extend(adapters.iter().flat_map(|ad| [&ad.a, &ad.b]));
         flags.resize(refs.len(), true);
         tape.set_parameters(&refs, &flags)?;
+        let flat_index = flags
+            .iter()
+            .scan(0, |next, &trained| {
+                let at = trained.then_some(*next);
+                *next += usize::from(trained);
+                Some(at)
+            })
+            .collect();
         let params_of = model.parameters();
         let adapted: Vec<&Tensor> = adapters
             .iter()
@@ -250,6 +297,8 @@ impl Trainer {
             broken: None,
             collective: None,
             shard: None,
+            buckets: None,
+            flat_index,
         })
     }
 
@@ -268,6 +317,21 @@ impl Trainer {
             )));
         }
         self.collective = Some(collective);
+        self.bucket_bytes(DEFAULT_BUCKET_BYTES)
+    }
+
+    /// Sum a data-parallel run's gradients in buckets of about `bytes` (whole tensors),
+    /// each started as soon as the last sequence's backward pass has made it, beside the
+    /// rest of that pass; 0: one sum of all of them after it. Every rank must give the same
+    /// size. A sharded optimizer (ZeRO-1) reduce-scatters after the backward pass instead.
+    pub fn bucket_bytes(mut self, bytes: usize) -> Result<Trainer> {
+        if self.collective.is_none() {
+            return Err(Error::format(
+                "gradient buckets are for data-parallel ranks: give --dp",
+            ));
+        }
+        self.buckets =
+            (bytes > 0 && self.shard.is_none()).then(|| Buckets::new(self.opt.layout(), bytes));
         Ok(self)
     }
 
@@ -297,17 +361,18 @@ impl Trainer {
             .sum()
     }
 
-    fn param_refs(&self) -> Vec<&Tensor> {
-        self.model
-            .parameters()
-            .into_iter()
-            .map(|(_, t)| t)
-            .collect()
-    }
-
     /// The mean loss of `ids` predicting `targets`; with `record`, its gradients (scaled
-    /// by `scale`) are added into the parameters'.
-    fn sequence(&mut self, ids: &[u32], targets: &[u32], scale: f32, record: bool) -> Result<f64> {
+    /// by `scale`) are added into the parameters'. With `last` (a step's last sequence on
+    /// a data-parallel rank with buckets), the gradients are also written into the flat
+    /// buffer and summed over the ranks, bucket by bucket, as the backward pass makes them.
+    fn sequence(
+        &mut self,
+        ids: &[u32],
+        targets: &[u32],
+        scale: f32,
+        record: bool,
+        last: bool,
+    ) -> Result<f64> {
         if record {
             self.tape.begin();
         } else {
@@ -322,9 +387,42 @@ impl Trainer {
             })?;
         if record {
             let adapters = self.tape.adapters();
-            let mut params = self.param_refs();
+            let mut params: Vec<&Tensor> = self
+                .model
+                .parameters()
+                .into_iter()
+                .map(|(_, t)| t)
+                .collect();
             params.extend(adapters.list.iter().flat_map(|ad| [&ad.a, &ad.b]));
-            self.tape.backward(&params)?;
+            match (&self.collective, &self.buckets) {
+                (Some(c), Some(b)) if last => {
+                    let entries = self.opt.layout().entries();
+                    let (grads, index) = (&mut self.grads, &self.flat_index);
+                    let grad_ops = self.tape.grad_ops();
+                    let mut left: Vec<usize> = b.spans.iter().map(|s| s.2).collect();
+                    self.tape.backward_with(&params, &mut |i, grad| {
+                        let j = index[i].ok_or_else(|| {
+                            Error::Device(format!("parameter {i} is frozen but has a gradient"))
+                        })?;
+                        let e = &entries[j];
+                        grad_ops.copy_span(grad, 0, grads, e.offset, e.len)?;
+                        let k = b.of[j];
+                        left[k] -= 1;
+                        if left[k] == 0 {
+                            c.start_sum(grads, b.spans[k].0, b.spans[k].1)?;
+                        }
+                        Ok(())
+                    })?;
+                    c.wait_started()?;
+                    if let Some(k) = left.iter().position(|&n| n > 0) {
+                        return Err(Error::Device(format!(
+                            "gradient bucket {k}: {} of its tensors never got a whole gradient",
+                            left[k]
+                        )));
+                    }
+                }
+                _ => self.tape.backward(&params)?,
+            }
         }
         Ok(losses.iter().map(|&l| l as f64).sum())
     }
@@ -365,7 +463,9 @@ impl Trainer {
                 continue;
             }
             let window = self.data.train[start..start + s.seq_len + 1].to_vec();
-            sum += self.sequence(&window[..s.seq_len], &window[1..], scale, true)?;
+            // This rank's last sequence: `seqs` is a multiple of `world`.
+            let last = i + world >= seqs;
+            sum += self.sequence(&window[..s.seq_len], &window[1..], scale, true, last)?;
         }
         if let Some(c) = &self.collective {
             sum = self.sum_over_ranks(c.as_ref(), sum)?;
@@ -382,7 +482,9 @@ impl Trainer {
             .iter()
             .map(|e| e.offset)
             .collect();
-        self.tape.write_grads(&mut self.grads, &offsets)?;
+        if self.buckets.is_none() {
+            self.tape.write_grads(&mut self.grads, &offsets)?;
+        }
         let grad_norm = match (self.collective.clone(), self.shard.take()) {
             (Some(c), Some(mut shard)) => {
                 let norm = self.sharded_update(c.as_ref(), &mut shard, number);
@@ -390,9 +492,9 @@ impl Trainer {
                 norm?
             }
             (c, _) => {
-                if let Some(c) = &c {
+                if let (Some(c), None) = (&c, &self.buckets) {
                     // Each rank's gradient is its sequences' share of the step's mean:
-                    // summed, they are the whole step's.
+                    // summed, they are the whole step's (the buckets were summed already).
                     c.all_reduce_sum(&mut self.grads)?;
                 }
                 let grad_norm = self.grad_ops().sum_squares(&self.grads)?.sqrt();
@@ -503,6 +605,7 @@ impl Trainer {
         self.opt = opt;
         self.params = params;
         self.grads = flat(padded)?;
+        self.buckets = None;
         Ok(self)
     }
 
@@ -603,7 +706,7 @@ impl Trainer {
                 .take(self.settings.eval_windows)
             {
                 let window = &held[start..start + seq + 1];
-                total.0 += self.sequence(&window[..seq], &window[1..], 1.0, false)?;
+                total.0 += self.sequence(&window[..seq], &window[1..], 1.0, false, false)?;
                 total.1 += seq;
             }
             Ok(())

@@ -415,12 +415,103 @@ fn lora_settings_that_cannot_work_are_refused() {
     assert!(msg.contains("--lora-rank 0"), "{msg}");
 }
 
+/// How a data-parallel run sums its gradients.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Sums {
+    /// All of them in one sum after the backward pass.
+    After,
+    /// In buckets of about this many bytes, as the backward pass makes them.
+    Buckets(usize),
+    /// Reduce-scattered to an optimizer sharded over the ranks (ZeRO stage 1).
+    Zero1,
+}
+
+fn dp_trainer(
+    b: Arc<dyn Backend>,
+    c: Arc<dyn kiln_core::Collective>,
+    steps: usize,
+    sums: Sums,
+) -> Trainer {
+    let t = Trainer::new(&start(), text(), settings(steps, 1e-2), b)
+        .unwrap()
+        .data_parallel(c)
+        .unwrap();
+    match sums {
+        Sums::After => t.bucket_bytes(0).unwrap(),
+        Sums::Buckets(bytes) => t.bucket_bytes(bytes).unwrap(),
+        Sums::Zero1 => t.shard_optimizer().unwrap(),
+    }
+}
+
+/// What a host collective was asked in order: a span started (`Some`), or the wait for
+/// them (`None`).
+type SpanLog = Vec<Option<(usize, usize)>>;
+
+/// A host collective that writes down the spans its rank started summing, and whether
+/// each came before the wait for them.
+struct Spans {
+    inner: kiln_dist::host::HostCollective,
+    log: std::sync::Mutex<SpanLog>,
+}
+
+/// One rank of a data-parallel run: its losses, its parameters after the run and the
+/// spans it summed.
+struct RankRun {
+    losses: Vec<f64>,
+    params: Vec<f32>,
+    spans: SpanLog,
+}
+
+impl kiln_core::Collective for Spans {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    fn all_reduce_sum(&self, t: &mut kiln_core::Tensor) -> kiln_core::Result<()> {
+        self.inner.all_reduce_sum(t)
+    }
+    fn all_gather(
+        &self,
+        p: &kiln_core::Tensor,
+        w: &mut kiln_core::Tensor,
+    ) -> kiln_core::Result<()> {
+        self.inner.all_gather(p, w)
+    }
+    fn reduce_scatter_sum(
+        &self,
+        w: &kiln_core::Tensor,
+        p: &mut kiln_core::Tensor,
+    ) -> kiln_core::Result<()> {
+        self.inner.reduce_scatter_sum(w, p)
+    }
+    fn start_sum(
+        &self,
+        t: &mut kiln_core::Tensor,
+        offset: usize,
+        len: usize,
+    ) -> kiln_core::Result<()> {
+        self.log.lock().unwrap().push(Some((offset, len)));
+        self.inner.start_sum(t, offset, len)
+    }
+    fn wait_started(&self) -> kiln_core::Result<()> {
+        self.log.lock().unwrap().push(None);
+        self.inner.wait_started()
+    }
+    fn check(&self) -> kiln_core::Result<()> {
+        self.inner.check()
+    }
+    fn abort(&self, why: &str) {
+        self.inner.abort(why)
+    }
+}
+
 /// Data parallelism: `world` replicas (threads, each its own CPU backend) running every
 /// `world`-th sequence of each step and summing gradients through host memory take the
 /// one-rank run's steps: the same losses and parameters, up to the order of the sums.
-/// With `zero1`, the optimizer sharded over the ranks (ZeRO stage 1): the same steps, up
-/// to the rounding of the gradient's norm.
-fn data_parallel(world: usize, steps: usize, zero1: bool) -> Vec<(Vec<f64>, Vec<f32>)> {
+/// Sharded (ZeRO-1), the same steps up to the rounding of the gradient's norm.
+fn data_parallel(world: usize, steps: usize, sums: Sums) -> Vec<RankRun> {
     let backends: Vec<Arc<dyn Backend>> = (0..world).map(|_| cpu()).collect();
     let group = kiln_dist::host::group(backends.clone());
     let threads: Vec<_> = group
@@ -428,15 +519,18 @@ fn data_parallel(world: usize, steps: usize, zero1: bool) -> Vec<(Vec<f64>, Vec<
         .zip(backends)
         .map(|(c, b)| {
             std::thread::spawn(move || {
-                let mut t = Trainer::new(&start(), text(), settings(steps, 1e-2), b)
-                    .unwrap()
-                    .data_parallel(Arc::new(c))
-                    .unwrap();
-                if zero1 {
-                    t = t.shard_optimizer().unwrap();
-                }
+                let c = Arc::new(Spans {
+                    inner: c,
+                    log: Default::default(),
+                });
+                let mut t = dp_trainer(b, c.clone(), steps, sums);
                 let losses: Vec<f64> = (0..steps).map(|_| t.step().unwrap().loss).collect();
-                (losses, t.parameters_flat().unwrap())
+                let spans = c.log.lock().unwrap().clone();
+                RankRun {
+                    losses,
+                    params: t.parameters_flat().unwrap(),
+                    spans,
+                }
             })
         })
         .collect();
@@ -448,30 +542,37 @@ fn data_parallel_replicas_take_the_one_rank_runs_steps() {
     let mut one = Trainer::new(&start(), text(), settings(5, 1e-2), cpu()).unwrap();
     let want: Vec<f64> = (0..5).map(|_| one.step().unwrap().loss).collect();
     let want_params = one.parameters_flat().unwrap();
-    for (world, zero1) in [(2, false), (4, false), (2, true), (4, true)] {
-        let ranks = data_parallel(world, 5, zero1);
-        for (rank, (losses, params)) in ranks.iter().enumerate() {
+    let cases = [
+        (2, Sums::After),
+        (2, Sums::Buckets(4096)),
+        (4, Sums::Buckets(kiln_train::DEFAULT_BUCKET_BYTES)),
+        (2, Sums::Zero1),
+        (4, Sums::Zero1),
+    ];
+    for (world, sums) in cases {
+        let ranks = data_parallel(world, 5, sums);
+        for (rank, r) in ranks.iter().enumerate() {
             // Every replica holds the same parameters, to the bit.
             assert!(
-                params == &ranks[0].1,
-                "--dp {world} (zero1 {zero1}): rank {rank}'s parameters differ"
+                r.params == ranks[0].params,
+                "--dp {world} ({sums:?}): rank {rank}'s parameters differ"
             );
-            for (step, (g, w)) in losses.iter().zip(&want).enumerate() {
+            for (step, (g, w)) in r.losses.iter().zip(&want).enumerate() {
                 assert!(
                     (g - w).abs() <= 1e-5 * w,
-                    "--dp {world} (zero1 {zero1}), step {}: loss {g} against {w}",
+                    "--dp {world} ({sums:?}), step {}: loss {g} against {w}",
                     step + 1
                 );
             }
         }
         let worst = ranks[0]
-            .1
+            .params
             .iter()
             .zip(&want_params)
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(
             worst < 1e-4,
-            "--dp {world} (zero1 {zero1}): parameters {worst} off the one-rank run's"
+            "--dp {world} ({sums:?}): parameters {worst} off the one-rank run's"
         );
     }
     // Four sequences a step do not divide among three ranks.
@@ -484,6 +585,46 @@ fn data_parallel_replicas_take_the_one_rank_runs_steps() {
         .expect("refused")
         .to_string();
     assert!(err.contains("do not divide among 3 ranks"), "{err}");
+}
+
+/// Buckets sum the same values as one sum after the backward pass (host sums are in
+/// rank order either way: the same bits), every gradient once: the spans of a step,
+/// started before the wait for them, tile the flat buffer from its end.
+#[test]
+fn gradient_buckets_sum_each_gradient_once_from_the_last_layer() {
+    let after = data_parallel(2, 3, Sums::After);
+    let buckets = data_parallel(2, 3, Sums::Buckets(4096));
+    assert!(after[0].spans.is_empty(), "one sum after: no spans started");
+    assert_eq!(after[0].losses, buckets[0].losses, "losses");
+    assert!(after[0].params == buckets[0].params, "parameters differ");
+    let log = &buckets[0].spans;
+    let steps: Vec<&[Option<(usize, usize)>]> = log.split(|e| e.is_none()).collect();
+    assert_eq!(steps.len(), 4, "a wait ends each of the 3 steps: {log:?}");
+    assert!(steps[3].is_empty());
+    let numel = after[0].params.len();
+    for spans in &steps[..3] {
+        assert!(
+            spans.len() >= 4,
+            "a 2-layer model in 4 KiB buckets: {spans:?}"
+        );
+        assert_eq!(spans, &steps[0], "every step sums the same spans");
+        let mut end = spans[0].unwrap().0 + spans[0].unwrap().1;
+        for &(at, len) in spans.iter().flatten() {
+            assert_eq!(
+                at + len,
+                end,
+                "spans tile the buffer from its end: {spans:?}"
+            );
+            end = at;
+        }
+        assert_eq!(end, 0, "the first span starts the buffer");
+        let (at, len) = spans[0].unwrap();
+        assert!(
+            at + len <= numel + 64,
+            "last span ends at {} of {numel}",
+            at + len
+        );
+    }
 }
 
 /// A checkpoint of a sharded run holds the whole optimizer state (gathered from the
@@ -582,11 +723,13 @@ fn cuda_follows_cpu(settings: Settings) {
     assert!((a - b).abs() <= 2e-3 * a, "held-out loss {a} vs {b}");
 }
 
-/// Data parallelism on two GPUs through NCCL, plain and with the optimizer sharded
-/// (ZeRO-1): both follow the one-rank CPU run as a one-GPU run does.
+/// Data parallelism on two GPUs through NCCL: one sum after the backward pass, buckets
+/// summed on a side stream while it goes on, and the optimizer sharded (ZeRO-1) all
+/// follow the one-rank CPU run as a one-GPU run does; buckets give the one sum's losses
+/// to the bit (two ranks' sums are a + b whatever NCCL's algorithm).
 #[test]
 #[ignore = "needs a CUDA device"]
-fn two_gpus_follow_the_cpu_run_sharded_or_not() {
+fn two_gpus_follow_the_cpu_run_in_buckets_sharded_or_not() {
     use kiln_cuda::{CudaBackend, NcclId};
     let gpus = kiln_cuda::devices().unwrap().len();
     if gpus < 2 {
@@ -595,7 +738,8 @@ fn two_gpus_follow_the_cpu_run_sharded_or_not() {
     }
     let mut one = Trainer::new(&start(), text(), settings(8, 1e-2), cpu()).unwrap();
     let want: Vec<f64> = (0..8).map(|_| one.step().unwrap().loss).collect();
-    for zero1 in [false, true] {
+    let mut after = Vec::new();
+    for sums in [Sums::After, Sums::Buckets(16 << 10), Sums::Zero1] {
         let id = NcclId::new().unwrap();
         let losses: Vec<Vec<f64>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..2)
@@ -604,30 +748,26 @@ fn two_gpus_follow_the_cpu_run_sharded_or_not() {
                     s.spawn(move || {
                         let cuda = Arc::new(CudaBackend::new(rank).unwrap());
                         let c = Arc::new(cuda.communicator(id, rank, 2).unwrap());
-                        let mut t = Trainer::new(&start(), text(), settings(8, 1e-2), cuda)
-                            .unwrap()
-                            .data_parallel(c)
-                            .unwrap();
-                        if zero1 {
-                            t = t.shard_optimizer().unwrap();
-                        }
+                        let mut t = dp_trainer(cuda, c, 8, sums);
                         (0..8).map(|_| t.step().unwrap().loss).collect()
                     })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        assert_eq!(
-            losses[0], losses[1],
-            "zero1 {zero1}: the ranks' losses differ"
-        );
+        assert_eq!(losses[0], losses[1], "{sums:?}: the ranks' losses differ");
         for (step, (g, w)) in losses[0].iter().zip(&want).enumerate() {
             let tol = if step == 0 { 1e-5 } else { 2e-3 };
             assert!(
                 (g - w).abs() <= tol * w,
-                "zero1 {zero1}, step {}: loss {g} on two GPUs, {w} on the CPU",
+                "{sums:?}, step {}: loss {g} on two GPUs, {w} on the CPU",
                 step + 1
             );
+        }
+        match sums {
+            Sums::After => after = losses[0].clone(),
+            Sums::Buckets(_) => assert_eq!(losses[0], after, "buckets against one sum"),
+            Sums::Zero1 => {}
         }
     }
 }
