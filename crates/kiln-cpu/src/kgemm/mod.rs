@@ -452,7 +452,8 @@ impl<W> KRows<'_, W> {
 }
 
 /// `out[n, m] = x · wᵀ` for `w` of `m` rows of `k / QK_K` super-blocks and `xq` the Q8_K
-/// activations (`n` rows). Requires [`qgemm::available()`].
+/// activations (`n` rows). Requires a CPU with AVX-512 VNNI (whichever kernels
+/// `KILN_CPU_ISA` chose for the rest: tests run these beside the AVX2 ones).
 pub(crate) fn matmul<W: KBlock>(
     pool: &Pool,
     w: KRows<'_, W>,
@@ -462,7 +463,10 @@ pub(crate) fn matmul<W: KBlock>(
     m: usize,
     k: usize,
 ) {
-    assert!(qgemm::available(), "batched matmul needs AVX-512 VNNI");
+    assert!(
+        crate::dot::Isa::Avx512Vnni.available(),
+        "batched matmul needs AVX-512 VNNI"
+    );
     let nb = k / QK_K;
     assert!(xq.len() >= n * nb && out.len() >= n * m);
     w.check(m, k, W::HAS_MIN);
