@@ -696,6 +696,11 @@ fn data_parallel(
                         {
                             let n = t.step()?.step;
                             dog.alive();
+                            // Every rank scores its share of the held-out windows.
+                            if evaluates_after(a, n, steps) {
+                                t.held_out_loss()?;
+                                dog.alive();
+                            }
                             // Rank 0 saves here: a sharded optimizer's state is gathered
                             // from every rank.
                             if saves_after(a, n, steps) {
@@ -754,6 +759,12 @@ fn data_parallel(
     })
 }
 
+/// Whether the held-out loss is taken after step `n` of `steps` (every data-parallel
+/// rank scores its share of it).
+fn evaluates_after(a: &TrainArgs, n: usize, steps: usize) -> bool {
+    n == steps || (a.eval_every > 0 && n.is_multiple_of(a.eval_every))
+}
+
 /// Whether a checkpoint is written after step `n` of `steps` (every rank of a sharded
 /// run must know: each takes part in gathering the optimizer's state).
 fn saves_after(a: &TrainArgs, n: usize, steps: usize) -> bool {
@@ -803,7 +814,7 @@ fn drive(
         bar.step(&report, seconds);
         log.step(&report, seconds);
         let n = report.step;
-        if n == steps || (a.eval_every > 0 && n.is_multiple_of(a.eval_every)) {
+        if evaluates_after(a, n, steps) {
             let loss = t.held_out_loss()?;
             bar.say(&format!(
                 "step {n}: held-out loss {loss:.4} (perplexity {:.2})",

@@ -695,26 +695,35 @@ impl Trainer {
     }
 
     /// The mean loss over the held-out text: consecutive windows of `seq_len` tokens, at
-    /// most `eval_windows` of them. `exp` of it is the held-out perplexity.
+    /// most `eval_windows` of them. `exp` of it is the held-out perplexity. Data-parallel
+    /// ranks score every `world`-th window each and add their sums, so every rank must
+    /// call it at the same points (and none waits on another's whole evaluation).
     pub fn held_out_loss(&mut self) -> Result<f64> {
         let seq = self.settings.seq_len;
+        let (rank, world) = self
+            .collective
+            .as_ref()
+            .map_or((0, 1), |c| (c.rank(), c.world()));
         let held = std::mem::take(&mut self.data.held_out);
-        let mut total = (0f64, 0usize);
+        let starts: Vec<usize> = (0..held.len().saturating_sub(seq))
+            .step_by(seq)
+            .take(self.settings.eval_windows)
+            .collect();
+        let mut sum = 0f64;
         let mut run = || -> Result<()> {
-            for start in (0..held.len().saturating_sub(seq))
-                .step_by(seq)
-                .take(self.settings.eval_windows)
-            {
+            for &start in starts.iter().skip(rank).step_by(world) {
                 let window = &held[start..start + seq + 1];
-                total.0 += self.sequence(&window[..seq], &window[1..], 1.0, false, false)?;
-                total.1 += seq;
+                sum += self.sequence(&window[..seq], &window[1..], 1.0, false, false)?;
             }
             Ok(())
         };
         let result = run();
         self.data.held_out = held;
         result?;
-        Ok(total.0 / total.1.max(1) as f64)
+        if let Some(c) = self.collective.clone() {
+            sum = self.sum_over_ranks(c.as_ref(), sum)?;
+        }
+        Ok(sum / (starts.len() * seq).max(1) as f64)
     }
 
     /// The model as a GGUF writer with the start file's tokenizer and name; with `merge`,

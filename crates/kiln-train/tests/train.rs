@@ -460,6 +460,7 @@ struct RankRun {
     losses: Vec<f64>,
     params: Vec<f32>,
     spans: SpanLog,
+    held_out: f64,
 }
 
 impl kiln_core::Collective for Spans {
@@ -530,6 +531,7 @@ fn data_parallel(world: usize, steps: usize, sums: Sums) -> Vec<RankRun> {
                     losses,
                     params: t.parameters_flat().unwrap(),
                     spans,
+                    held_out: t.held_out_loss().unwrap(),
                 }
             })
         })
@@ -542,6 +544,7 @@ fn data_parallel_replicas_take_the_one_rank_runs_steps() {
     let mut one = Trainer::new(&start(), text(), settings(5, 1e-2), cpu()).unwrap();
     let want: Vec<f64> = (0..5).map(|_| one.step().unwrap().loss).collect();
     let want_params = one.parameters_flat().unwrap();
+    let want_held_out = one.held_out_loss().unwrap();
     let cases = [
         (2, Sums::After),
         (2, Sums::Buckets(4096)),
@@ -556,6 +559,12 @@ fn data_parallel_replicas_take_the_one_rank_runs_steps() {
             assert!(
                 r.params == ranks[0].params,
                 "--dp {world} ({sums:?}): rank {rank}'s parameters differ"
+            );
+            // Each scored its share of the held-out windows; the sum is everyone's.
+            assert!(
+                (r.held_out - want_held_out).abs() <= 1e-5 * want_held_out,
+                "--dp {world} ({sums:?}): rank {rank}'s held-out loss {} against {want_held_out}",
+                r.held_out
             );
             for (step, (g, w)) in r.losses.iter().zip(&want).enumerate() {
                 assert!(
