@@ -36,6 +36,10 @@ pub struct BenchServeArgs {
     /// Seconds a level may take; requests still running then are dropped from the count.
     #[arg(long, default_value_t = 120)]
     pub max_seconds: u64,
+    /// The requests' temperature: 0 is greedy; above it each token is drawn (with no
+    /// top-k, as OpenAI's clients send).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
     /// The `model` field (default: the first of /v1/models).
     #[arg(long)]
     pub model: Option<String>,
@@ -84,6 +88,9 @@ pub fn run(a: BenchServeArgs) -> CliResult {
     }
     if !(0.0..=1.0).contains(&a.shared_prefix) {
         return Err(Failure::usage("--shared-prefix: a share from 0 to 1"));
+    }
+    if !(0.0..=2.0).contains(&a.temperature) {
+        return Err(Failure::usage("--temperature: from 0 to 2, as OpenAI takes it"));
     }
     if a.prompt_tokens == 0
         || a.prompt_tokens > MAX_TOKENS
@@ -185,8 +192,8 @@ async fn sweep(a: &BenchServeArgs) -> CliResult<Vec<Level>> {
             let (client, next, base, model) =
                 (client.clone(), next.clone(), base.clone(), model.clone());
             let corpus = corpus.clone();
-            let (prompt_tokens, output_tokens, key) =
-                (a.prompt_tokens, a.output_tokens, a.api_key.clone());
+            let (prompt_tokens, output_tokens, key, temperature) =
+                (a.prompt_tokens, a.output_tokens, a.api_key.clone(), a.temperature);
             let first = request_no;
             clients.push(tokio::spawn(async move {
                 let mut samples = Vec::new();
@@ -199,7 +206,7 @@ async fn sweep(a: &BenchServeArgs) -> CliResult<Vec<Level>> {
                     let prompt = prompt_ids(&corpus, prompt_tokens, shared, first + i);
                     let body = json!({
                         "model": model, "prompt": prompt, "max_tokens": output_tokens,
-                        "temperature": 0, "ignore_eos": true, "stream": true,
+                        "temperature": temperature, "ignore_eos": true, "stream": true,
                         "stream_options": {"include_usage": true},
                     });
                     let mut req = client.post(format!("{base}/v1/completions")).json(&body);

@@ -78,6 +78,7 @@ macro_rules! with_cases {
             argmax
             sampling_follows_the_host_reference
             sampling_into_a_wrong_output_is_an_error
+            a_batch_of_draws_draws_each_row_as_alone
             recorded_steps_replay_on_new_contents
             buffers_are_created_filled_copied_and_read_back
             write_overwrites_whole_tensors

@@ -323,6 +323,14 @@ pub trait Backend: Send + Sync {
         sample_on_host(self, logits, penalized, params, out)
     }
 
+    /// A token drawn from row `draws[i].row` of `logits` (F32 `[rows, vocab]`) for each
+    /// draw, as [`Backend::sample`] draws from one row (the penalty may change the rows;
+    /// they must be distinct). This default draws row by row through `sample`, a read-back
+    /// each; a device that can draws them all in one launch and reads back only the ids.
+    fn sample_rows(&self, logits: &mut Tensor, draws: &[RowDraw<'_>]) -> Result<Vec<u32>> {
+        sample_rows_one_by_one(self, logits, draws)
+    }
+
     /// The fused optimizer step's kernels ([`crate::optim`]), where this backend has them.
     fn optim(&self) -> Option<&dyn crate::OptimKernels> {
         None
@@ -358,6 +366,79 @@ pub trait Replay: Send {
 pub fn to_device(t: &Tensor, from: &dyn Backend, to: &dyn Backend) -> Result<Tensor> {
     let bytes = from.download(t)?;
     to.upload(t.dtype(), t.shape().clone(), HostBytes::from_vec(bytes))
+}
+
+/// One row of a batch's logits to draw a token from (see [`Backend::sample_rows`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RowDraw<'a> {
+    pub row: usize,
+    /// Distinct ids the repetition penalty applies to.
+    pub penalized: &'a [u32],
+    pub params: &'a SampleParams,
+}
+
+/// Refuse draws from rows that `logits` (F32 `[rows, vocab]`) lacks, or from one row twice.
+pub fn check_row_draws(logits: &Tensor, draws: &[RowDraw<'_>]) -> Result<()> {
+    let (rows, vocab) = match logits.dims() {
+        [.., vocab] if *vocab > 0 => (logits.shape().numel() / vocab, *vocab),
+        _ => (0, 0),
+    };
+    if logits.dtype() != DType::F32 || vocab == 0 {
+        return Err(Error::shape(format!(
+            "sampling from {} logits {} (F32 rows of the vocabulary)",
+            logits.dtype(),
+            logits.shape()
+        )));
+    }
+    let mut seen = vec![false; rows];
+    for d in draws {
+        match seen.get_mut(d.row) {
+            Some(s) if !*s => *s = true,
+            Some(_) => {
+                return Err(Error::shape(format!(
+                    "two draws from row {} of the logits (each row once: the penalty changes it)",
+                    d.row
+                )))
+            }
+            None => {
+                return Err(Error::shape(format!(
+                    "a draw from row {} of logits {}",
+                    d.row,
+                    logits.shape()
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`Backend::sample_rows`] one row at a time: each copied out and drawn by
+/// [`Backend::sample`], its id read back.
+pub fn sample_rows_one_by_one<B: Backend + ?Sized>(
+    b: &B,
+    logits: &Tensor,
+    draws: &[RowDraw<'_>],
+) -> Result<Vec<u32>> {
+    check_row_draws(logits, draws)?;
+    if draws.is_empty() {
+        return Ok(Vec::new());
+    }
+    let vocab = logits.shape().row_len();
+    let mut row = b.zeros(DType::F32, Shape::new(vec![1, vocab])?)?;
+    let mut which = b.zeros(DType::I32, Shape::new(vec![1])?)?;
+    let mut next = b.zeros(DType::I32, Shape::new(vec![1])?)?;
+    let mut ids = Vec::with_capacity(draws.len());
+    for d in draws {
+        b.write(&mut which, &(d.row as i32).to_le_bytes())?;
+        b.embedding(logits, &which, &mut row)?;
+        b.sample(&mut row, d.penalized, d.params, &mut next)?;
+        let bytes = b.download(&next)?;
+        let id = i32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        ids.push(
+            u32::try_from(id).map_err(|_| Error::Device(format!("the device drew token {id}")))?,
+        );
+    }
+    Ok(ids)
 }
 
 /// [`Backend::sample`] by reading the logits back and picking on the host.

@@ -19,7 +19,7 @@ pub mod shape;
 pub mod tensor;
 
 pub use backend::{
-    to_device, AttentionParams, Backend, KernelTime, Pages, Replay, RmsNorm, RopeLayout,
+    to_device, AttentionParams, Backend, KernelTime, Pages, Replay, RmsNorm, RopeLayout, RowDraw,
 };
 pub use collective::Collective;
 pub use device::Device;

@@ -532,10 +532,15 @@ impl Backend for CudaBackend {
         params: &SampleParams,
         out: &mut Tensor,
     ) -> Result<()> {
-        if sample::sample(self, logits, penalized, params, out)? {
-            return Ok(());
-        }
-        kiln_core::backend::sample_on_host(self, logits, penalized, params, out)
+        sample::sample(self, logits, penalized, params, out)
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &mut Tensor,
+        draws: &[kiln_core::RowDraw<'_>],
+    ) -> Result<Vec<u32>> {
+        sample::sample_rows(self, logits, draws)
     }
 
     fn matmul_add(

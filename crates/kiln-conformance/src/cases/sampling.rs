@@ -2,7 +2,7 @@
 //! on the same logits, penalized ids and parameters.
 
 use crate::target::{random, Target};
-use kiln_core::{sampling, DType, SampleParams};
+use kiln_core::{sampling, DType, RowDraw, SampleParams};
 use rand::Rng;
 
 /// Every parameter over rows with ties and spread-out rows, vocabularies from one token
@@ -94,4 +94,80 @@ pub fn sampling_into_a_wrong_output_is_an_error(t: &Target) {
         .backend
         .sample(&mut logits, &[], &params, &mut f32_out)
         .is_err());
+}
+
+/// A server's batch drawn at once (`sample_rows`, one launch where the device can) gives
+/// each row the token `sample` gives that row alone, with its own settings: greedy with a
+/// penalty, top-k past what a device kernel keeps (the host's), ties, penalized ids past
+/// the vocabulary. Rows drawn twice or missing are errors.
+pub fn a_batch_of_draws_draws_each_row_as_alone(t: &Target) {
+    let mut rng = t.rng(1);
+    for vocab in [7usize, 1000, 32_000] {
+        let rows = 11;
+        let mut logits = random(&mut rng, rows * vocab, 6.0);
+        // Row 3 on a coarse grid: ties, which go to the lowest id.
+        logits[3 * vocab..4 * vocab]
+            .iter_mut()
+            .for_each(|l| *l = (*l * 2.0).round() / 2.0);
+        let params: Vec<SampleParams> = (0..rows)
+            .map(|i| SampleParams {
+                temperature: [0.0, 0.7, 1.2, 0.4][i % 4],
+                top_k: [40, 1, 0, 2000, 256][i % 5],
+                top_p: [1.0, 0.9, 0.6][i % 3],
+                min_p: [0.0, 0.1][i % 2],
+                repeat_penalty: [1.0, 1.4, 1.0][i % 3],
+                draw: rng.random_range(0.0..1.0),
+            })
+            .collect();
+        let penalized: Vec<Vec<u32>> = (0..rows)
+            .map(|i| {
+                let mut p: Vec<u32> = (0..i % 4 * 3)
+                    .map(|_| rng.random_range(0..vocab as u32 + 3))
+                    .collect();
+                p.sort_unstable();
+                p.dedup();
+                p
+            })
+            .collect();
+        // Rows in another order than the draws, one row left out.
+        let order = [4usize, 0, 9, 2, 7, 3, 10, 1, 8, 5];
+        let draws: Vec<RowDraw> = order
+            .iter()
+            .map(|&r| RowDraw {
+                row: r,
+                penalized: &penalized[r],
+                params: &params[r],
+            })
+            .collect();
+        let mut lt = t.upload(DType::F32, &[rows, vocab], &logits);
+        let got = t.backend.sample_rows(&mut lt, &draws).unwrap();
+        assert_eq!(got.len(), draws.len());
+        for (&r, &id) in order.iter().zip(&got) {
+            let row = &logits[r * vocab..][..vocab];
+            let mut alone = t.upload(DType::F32, &[1, vocab], row);
+            let mut out = t.zeros(DType::I32, &[1]);
+            t.backend
+                .sample(&mut alone, &penalized[r], &params[r], &mut out)
+                .unwrap();
+            let want = t.read_ints(&out)[0] as u32;
+            assert_eq!(
+                id, want,
+                "vocab {vocab}, row {r}: {:?} penalized {:?}: drawn {id} in the batch, {want} alone",
+                params[r], penalized[r]
+            );
+        }
+        let twice = [draws[0], draws[0]];
+        let e = t
+            .backend
+            .sample_rows(&mut lt, &twice)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("two draws from row 4"), "{e}");
+        let past = [RowDraw {
+            row: rows,
+            ..draws[0]
+        }];
+        assert!(t.backend.sample_rows(&mut lt, &past).is_err());
+        assert!(t.backend.sample_rows(&mut lt, &[]).unwrap().is_empty());
+    }
 }

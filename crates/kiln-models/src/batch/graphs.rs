@@ -190,7 +190,7 @@ impl Model {
             },
         }
         let row_of: Vec<Option<usize>> = (0..items.len()).map(Some).collect();
-        let logits = s.all_logits.as_ref().expect("made with the bucket");
+        let logits = s.all_logits.as_mut().expect("made with the bucket");
         let outs = self.read_outputs(items, logits, &row_of, Some(next))?;
         Ok((outs, recorded))
     }

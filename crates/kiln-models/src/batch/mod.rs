@@ -339,7 +339,7 @@ impl Model {
                 })
             })
             .collect();
-        self.read_outputs(items, &logits, &row_of, None)
+        self.read_outputs(items, &mut logits, &row_of, None)
     }
 }
 

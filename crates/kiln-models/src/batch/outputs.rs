@@ -1,17 +1,17 @@
 //! A step's results from its logits: greedy picks, draws, or the logits themselves.
 
-use super::{i32_bytes, BatchItem, StepOutput, StepWant};
+use super::{BatchItem, StepOutput, StepWant};
 use crate::model::{download_f32, Model};
-use kiln_core::{DType, Error, Result, Shape, Tensor};
+use kiln_core::{DType, Error, Result, RowDraw, Shape, Tensor};
 
 impl Model {
     /// Each item's result: item `i`'s logits are row `row_of[i]` of `logits` (`None`: it
-    /// wants nothing). `argmax`, when given, holds every row's greedy pick, made on the
+    /// wants nothing; a draw's repetition penalty changes its row). `argmax`, when given, holds every row's greedy pick, made on the
     /// device with the logits; else the picks are made here when some item wants one.
     pub(crate) fn read_outputs(
         &self,
         items: &[&BatchItem],
-        logits: &Tensor,
+        logits: &mut Tensor,
         row_of: &[Option<usize>],
         argmax: Option<&Tensor>,
     ) -> Result<Vec<StepOutput>> {
@@ -39,30 +39,31 @@ impl Model {
         } else {
             None
         };
-        // A draw's buffers, made only when some item draws (a greedy step needs none).
-        let mut draw = None;
-        for (it, (out, r)) in items.iter().zip(outs.iter_mut().zip(row_of)) {
-            let Some(r) = *r else { continue };
-            match &it.want {
-                StepWant::Logits => {
+        // Every draw of the step at once (one launch and one read-back where the device
+        // can).
+        let mut drawn = Vec::new();
+        let mut draws = Vec::new();
+        for (i, (it, r)) in items.iter().zip(row_of).enumerate() {
+            match (&it.want, *r) {
+                (StepWant::Logits, Some(r)) => {
                     let all = all.as_ref().expect("downloaded above");
-                    *out = StepOutput::Logits(all[r * vocab..][..vocab].to_vec());
+                    outs[i] = StepOutput::Logits(all[r * vocab..][..vocab].to_vec());
                 }
-                StepWant::Sample { params, penalized } => {
-                    let (row, one, next) = match &mut draw {
-                        Some(d) => d,
-                        None => draw.insert((
-                            b.zeros(DType::F32, Shape::new(vec![1, vocab])?)?,
-                            b.zeros(DType::I32, Shape::new(vec![1])?)?,
-                            b.zeros(DType::I32, Shape::new(vec![1])?)?,
-                        )),
-                    };
-                    b.write(one, &i32_bytes(&[r as i32]))?;
-                    b.embedding(logits, one, row)?;
-                    b.sample(row, penalized, params, next)?;
-                    *out = StepOutput::Token(token(&b.download(next)?)?);
+                (StepWant::Sample { params, penalized }, Some(row)) => {
+                    drawn.push(i);
+                    draws.push(RowDraw {
+                        row,
+                        penalized,
+                        params,
+                    });
                 }
-                StepWant::Argmax | StepWant::Nothing => {}
+                _ => {}
+            }
+        }
+        if !draws.is_empty() {
+            let ids = b.sample_rows(logits, &draws)?;
+            for (i, id) in drawn.into_iter().zip(ids) {
+                outs[i] = StepOutput::Token(id);
             }
         }
         Ok(outs)
