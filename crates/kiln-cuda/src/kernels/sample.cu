@@ -247,7 +247,8 @@ __device__ float prefix_weight(const float* logits, int vocab, Prefix p, float b
         if (in_prefix_above(order_key(l), p)) sum += expf((l - best) * scale);
     }
     sum = block_sum(sum, tmp);
-    return sum + (float)p.ties * expf((key_logit(p.key) - best) * scale);
+    // (An empty prefix's key stands for no logit: a NaN, which must not reach the sum.)
+    return p.ties > 0 ? sum + (float)p.ties * expf((key_logit(p.key) - best) * scale) : sum;
 }
 
 // Where the cumulative weight exp((l - best)·scale) over prefix `in`, in the reference's
