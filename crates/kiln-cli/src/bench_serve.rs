@@ -90,7 +90,9 @@ pub fn run(a: BenchServeArgs) -> CliResult {
         return Err(Failure::usage("--shared-prefix: a share from 0 to 1"));
     }
     if !(0.0..=2.0).contains(&a.temperature) {
-        return Err(Failure::usage("--temperature: from 0 to 2, as OpenAI takes it"));
+        return Err(Failure::usage(
+            "--temperature: from 0 to 2, as OpenAI takes it",
+        ));
     }
     if a.prompt_tokens == 0
         || a.prompt_tokens > MAX_TOKENS
@@ -192,8 +194,12 @@ async fn sweep(a: &BenchServeArgs) -> CliResult<Vec<Level>> {
             let (client, next, base, model) =
                 (client.clone(), next.clone(), base.clone(), model.clone());
             let corpus = corpus.clone();
-            let (prompt_tokens, output_tokens, key, temperature) =
-                (a.prompt_tokens, a.output_tokens, a.api_key.clone(), a.temperature);
+            let (prompt_tokens, output_tokens, key, temperature) = (
+                a.prompt_tokens,
+                a.output_tokens,
+                a.api_key.clone(),
+                a.temperature,
+            );
             let first = request_no;
             clients.push(tokio::spawn(async move {
                 let mut samples = Vec::new();

@@ -429,10 +429,10 @@ enum Sums {
 fn dp_trainer(
     b: Arc<dyn Backend>,
     c: Arc<dyn kiln_core::Collective>,
-    steps: usize,
+    settings: Settings,
     sums: Sums,
 ) -> Trainer {
-    let t = Trainer::new(&start(), text(), settings(steps, 1e-2), b)
+    let t = Trainer::new(&start(), text(), settings, b)
         .unwrap()
         .data_parallel(c)
         .unwrap();
@@ -512,19 +512,21 @@ impl kiln_core::Collective for Spans {
 /// `world`-th sequence of each step and summing gradients through host memory take the
 /// one-rank run's steps: the same losses and parameters, up to the order of the sums.
 /// Sharded (ZeRO-1), the same steps up to the rounding of the gradient's norm.
-fn data_parallel(world: usize, steps: usize, sums: Sums) -> Vec<RankRun> {
+fn data_parallel(world: usize, settings: Settings, sums: Sums) -> Vec<RankRun> {
+    let steps = settings.steps;
     let backends: Vec<Arc<dyn Backend>> = (0..world).map(|_| cpu()).collect();
     let group = kiln_dist::host::group(backends.clone());
     let threads: Vec<_> = group
         .into_iter()
         .zip(backends)
         .map(|(c, b)| {
+            let settings = settings.clone();
             std::thread::spawn(move || {
                 let c = Arc::new(Spans {
                     inner: c,
                     log: Default::default(),
                 });
-                let mut t = dp_trainer(b, c.clone(), steps, sums);
+                let mut t = dp_trainer(b, c.clone(), settings, sums);
                 let losses: Vec<f64> = (0..steps).map(|_| t.step().unwrap().loss).collect();
                 let spans = c.log.lock().unwrap().clone();
                 RankRun {
@@ -553,7 +555,7 @@ fn data_parallel_replicas_take_the_one_rank_runs_steps() {
         (4, Sums::Zero1),
     ];
     for (world, sums) in cases {
-        let ranks = data_parallel(world, 5, sums);
+        let ranks = data_parallel(world, settings(5, 1e-2), sums);
         for (rank, r) in ranks.iter().enumerate() {
             // Every replica holds the same parameters, to the bit.
             assert!(
@@ -601,8 +603,8 @@ fn data_parallel_replicas_take_the_one_rank_runs_steps() {
 /// started before the wait for them, tile the flat buffer from its end.
 #[test]
 fn gradient_buckets_sum_each_gradient_once_from_the_last_layer() {
-    let after = data_parallel(2, 3, Sums::After);
-    let buckets = data_parallel(2, 3, Sums::Buckets(4096));
+    let after = data_parallel(2, settings(3, 1e-2), Sums::After);
+    let buckets = data_parallel(2, settings(3, 1e-2), Sums::Buckets(4096));
     assert!(after[0].spans.is_empty(), "one sum after: no spans started");
     assert_eq!(after[0].losses, buckets[0].losses, "losses");
     assert!(after[0].params == buckets[0].params, "parameters differ");
@@ -634,6 +636,19 @@ fn gradient_buckets_sum_each_gradient_once_from_the_last_layer() {
             at + len
         );
     }
+}
+
+/// With LoRA the flat buffers hold the adapters alone (the tape's parameters are the
+/// model's frozen weights, then the adapters): buckets sum them as one sum after the
+/// backward pass does.
+#[test]
+fn gradient_buckets_of_a_lora_run_sum_its_adapters() {
+    let after = data_parallel(2, lora_settings(3), Sums::After);
+    let buckets = data_parallel(2, lora_settings(3), Sums::Buckets(256));
+    assert_eq!(after[0].losses, buckets[0].losses, "losses");
+    assert!(after[0].params == buckets[0].params, "adapters differ");
+    let spans = buckets[0].spans.iter().take_while(|s| s.is_some()).count();
+    assert!(spans >= 4, "{spans} buckets of 256 bytes for 8 adapters");
 }
 
 /// A checkpoint of a sharded run holds the whole optimizer state (gathered from the
@@ -757,7 +772,7 @@ fn two_gpus_follow_the_cpu_run_in_buckets_sharded_or_not() {
                     s.spawn(move || {
                         let cuda = Arc::new(CudaBackend::new(rank).unwrap());
                         let c = Arc::new(cuda.communicator(id, rank, 2).unwrap());
-                        let mut t = dp_trainer(cuda, c, 8, sums);
+                        let mut t = dp_trainer(cuda, c, settings(8, 1e-2), sums);
                         (0..8).map(|_| t.step().unwrap().loss).collect()
                     })
                 })
