@@ -8,23 +8,5 @@ csv=$(mktemp)
 KILN_NO_GRAPHS=1 ncu --metrics gpu__time_duration.sum --cache-control none --clock-control none \
   --launch-skip 600 --launch-count 400 --csv \
   "$kiln" bench --synthetic "$shape" --type "$type" --device cuda -p 0 -n 8 -r 1 > "$csv" 2>/dev/null || true
-python3 - "$csv" <<'PY'
-import csv, collections, sys
-rows = list(csv.reader(open(sys.argv[1])))
-head, agg = None, collections.defaultdict(lambda: [0, 0.0])
-for r in rows:
-    if 'Kernel Name' in r:
-        head = r
-        continue
-    if head and len(r) == len(head):
-        d = dict(zip(head, r))
-        if d.get('Metric Name') == 'gpu__time_duration.sum':
-            a = agg[d['Kernel Name'][:50]]
-            a[0] += 1
-            a[1] += float(d['Metric Value'].replace(',', ''))
-total = sum(t for _, t in agg.values())
-print(f"total {total/1e3:.1f} us over {sum(n for n, _ in agg.values())} launches")
-for k, (n, t) in sorted(agg.items(), key=lambda x: -x[1][1]):
-    print(f"{t/1e3:9.1f} us {100*t/total:5.1f}% {n:4d} x {t/n/1e3:7.2f} us  {k}")
-PY
+python3 "$(dirname "$0")/ncu_sum.py" "$csv"
 rm -f "$csv"

@@ -432,13 +432,20 @@ pub fn sample_rows_one_by_one<B: Backend + ?Sized>(
         b.write(&mut which, &(d.row as i32).to_le_bytes())?;
         b.embedding(logits, &which, &mut row)?;
         b.sample(&mut row, d.penalized, d.params, &mut next)?;
-        let bytes = b.download(&next)?;
-        let id = i32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-        ids.push(
-            u32::try_from(id).map_err(|_| Error::Device(format!("the device drew token {id}")))?,
-        );
+        ids.extend(token_ids(&b.download(&next)?)?);
     }
     Ok(ids)
+}
+
+/// Token ids a device wrote as I32 (an error names one that is not an id).
+pub fn token_ids(bytes: &[u8]) -> Result<Vec<u32>> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| {
+            let id = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            u32::try_from(id).map_err(|_| Error::Device(format!("the device picked token {id}")))
+        })
+        .collect()
 }
 
 /// [`Backend::sample`] by reading the logits back and picking on the host.

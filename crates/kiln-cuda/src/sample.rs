@@ -6,7 +6,7 @@
 use crate::kernels::Arg;
 use crate::{driver_error, expect, ptr, to_i32, CudaBackend};
 use cudarc::driver::result;
-use kiln_core::backend::check_row_draws;
+use kiln_core::backend::{check_row_draws, token_ids};
 use kiln_core::{Backend, DType, Error, Result, RowDraw, SampleParams, Shape, Tensor};
 
 /// Threads of the one block of `sample_top_k` (its prefix sums and sort assume them).
@@ -149,11 +149,5 @@ pub(crate) fn sample_rows(
             Arg::Ptr(ptr(&out)?),
         ],
     )?;
-    b.download(&out)?
-        .chunks_exact(4)
-        .map(|c| {
-            let id = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            u32::try_from(id).map_err(|_| Error::Device(format!("the device drew token {id}")))
-        })
-        .collect()
+    token_ids(&b.download(&out)?)
 }

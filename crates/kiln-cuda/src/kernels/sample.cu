@@ -48,6 +48,19 @@ __device__ __forceinline__ bool before(float la, int ia, float lb, int ib) {
     return la > lb || (la == lb && ia < ib);
 }
 
+// The repetition penalty on the row, in place (the ids are distinct), by the block.
+__device__ void penalize(float* logits, int vocab, const int* penalized, int n_penalized,
+                         float penalty) {
+    for (int i = threadIdx.x; i < n_penalized; i += blockDim.x) {
+        const int t = penalized[i];
+        if (t >= 0 && t < vocab) {
+            const float l = logits[t];
+            logits[t] = l > 0.0f ? l / penalty : l * penalty;
+        }
+    }
+    __syncthreads();
+}
+
 // The k-th largest key of the row (1 <= k <= vocab) into *key, and into *ties how many
 // of the logits equal to it are among the k (the lowest ids): digit by digit from the
 // top, keep the bin where the count of larger keys reaches k.
@@ -95,16 +108,7 @@ __device__ void draw_row(float* logits, int vocab, const int* penalized,
     __shared__ int cand_i[SAMPLE_MAX_K];
     __shared__ float tmp[32];
     const int tid = threadIdx.x, threads = blockDim.x;
-
-    // Repetition penalty, in place (the ids are distinct).
-    for (int i = tid; i < n_penalized; i += threads) {
-        const int t = penalized[i];
-        if (t >= 0 && t < vocab) {
-            const float l = logits[t];
-            logits[t] = l > 0.0f ? l / penalty : l * penalty;
-        }
-    }
-    __syncthreads();
+    penalize(logits, vocab, penalized, n_penalized, penalty);
 
     u32 prefix, left;
     kth_key(logits, vocab, (u32)top_k, &prefix, &left);
@@ -325,14 +329,7 @@ __device__ void draw_full(float* logits, int vocab, const int* penalized, int n_
     __shared__ float tmp[32];
     __shared__ u32 min_kept;
     const int tid = threadIdx.x, threads = blockDim.x;
-    for (int i = tid; i < n_penalized; i += threads) {
-        const int t = penalized[i];
-        if (t >= 0 && t < vocab) {
-            const float l = logits[t];
-            logits[t] = l > 0.0f ? l / penalty : l * penalty;
-        }
-    }
-    __syncthreads();
+    penalize(logits, vocab, penalized, n_penalized, penalty);
     float best = NEG_INF;
     for (int i = tid; i < vocab; i += threads) best = fmaxf(best, logits[i]);
     best = block_max(best, tmp);

@@ -2,6 +2,7 @@
 
 use super::{BatchItem, StepOutput, StepWant};
 use crate::model::{download_f32, Model};
+use kiln_core::backend::token_ids;
 use kiln_core::{DType, Error, Result, RowDraw, Shape, Tensor};
 
 impl Model {
@@ -20,17 +21,20 @@ impl Model {
         let mut outs: Vec<StepOutput> = items.iter().map(|_| StepOutput::Nothing).collect();
         let wants = |w: &dyn Fn(&StepWant) -> bool| items.iter().any(|it| w(&it.want));
         if wants(&|w| *w == StepWant::Argmax) {
-            let ids = match argmax {
+            let ids = token_ids(&match argmax {
                 Some(ids) => b.download(ids)?,
                 None => {
                     let mut ids = b.zeros(DType::I32, Shape::new(vec![logits.dims()[0]])?)?;
                     b.argmax(logits, &mut ids)?;
                     b.download(&ids)?
                 }
-            };
+            })?;
             for (it, (out, row)) in items.iter().zip(outs.iter_mut().zip(row_of)) {
-                if let (StepWant::Argmax, Some(r)) = (&it.want, row) {
-                    *out = StepOutput::Token(token(&ids[4 * r..])?);
+                if let (StepWant::Argmax, Some(&r)) = (&it.want, row.as_ref()) {
+                    let id = ids.get(r).ok_or_else(|| {
+                        Error::Device(format!("row {r} of {} greedy picks", ids.len()))
+                    })?;
+                    *out = StepOutput::Token(*id);
                 }
             }
         }
@@ -68,14 +72,4 @@ impl Model {
         }
         Ok(outs)
     }
-}
-
-/// The token id at the start of `bytes` (an I32 the device wrote).
-fn token(bytes: &[u8]) -> Result<u32> {
-    let id = bytes
-        .get(..4)
-        .and_then(|b| <[u8; 4]>::try_from(b).ok())
-        .map(i32::from_le_bytes)
-        .ok_or_else(|| Error::Device(format!("a token read back as {} bytes", bytes.len())))?;
-    u32::try_from(id).map_err(|_| Error::Device(format!("the device picked token {id}")))
 }
