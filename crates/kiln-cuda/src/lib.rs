@@ -224,13 +224,17 @@ impl CudaBackend {
     /// scheduled as soon as they start (programmatic launch, see common.cuh), which is
     /// safe only for a successor that waits before reading; a library kernel may not.
     /// An empty kernel launched the ordinary way starts after the previous kernel has
-    /// completed and releases nothing early.
+    /// completed and releases nothing early; it is left out where no kernel of ours came
+    /// last (a training step's second and third products of a weight follow the first).
     pub(crate) fn fence_before_library_kernel(&self) -> Result<()> {
-        if !self.kernels.programmatic() {
+        // Only one of our kernels lets its successor start early: after a library call
+        // (the product before this one), a copy or a fence, the stream is ordered already.
+        let after_ours = self.follows_kernel.load(Ordering::Relaxed);
+        self.queued_other_work();
+        if !self.kernels.programmatic() || !after_ours {
             return Ok(());
         }
         self.bind()?;
-        self.queued_other_work();
         self.kernels.launch(
             self.stream.cu_stream(),
             "library_fence",
