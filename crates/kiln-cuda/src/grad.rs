@@ -737,9 +737,9 @@ fn norm_backward(
     }
     let stats = b.scratch("grad_norm_stats", rows * 2 * 4)?;
     let dim_arg = Arg::I32(to_i32(dim, "width")?);
-    let (dx_kernel, dw_kernel) = match layer {
-        true => ("grad_layer_norm_dx", "grad_layer_norm_dw"),
-        false => ("grad_rms_norm_dx", "grad_rms_norm_dw"),
+    let dx_kernel = match layer {
+        true => "grad_layer_norm_dx",
+        false => "grad_rms_norm_dx",
     };
     b.launch_rows(
         dx_kernel,
@@ -757,15 +757,34 @@ fn norm_backward(
     )?;
     if let Some(dw) = dweight {
         expect(dw, DType::F32, op)?;
-        b.launch_1d(
-            dw_kernel,
-            dim,
+        // Parts of at least 64 rows, at most 64 of them: a prompt's 1024 rows of a
+        // 768-wide model are 24 × 16 blocks.
+        let n_parts = rows.div_ceil(64).clamp(1, 64);
+        let per_part = rows.div_ceil(n_parts);
+        let parts = b.scratch("grad_norm_dw_parts", n_parts * dim * 4)?;
+        b.launch(
+            "norm_dw_parts",
+            (to_i32(dim.div_ceil(32), "width")? as u32, n_parts as u32, 1),
+            (32, 8, 1),
+            0,
             &[
                 Arg::Ptr(ptr(x)?),
                 Arg::Ptr(ptr(dy)?),
                 Arg::Ptr(stats),
-                Arg::Ptr(ptr(dw)?),
+                Arg::Ptr(parts),
                 Arg::I32(to_i32(rows, "rows")?),
+                dim_arg,
+                Arg::I32(to_i32(per_part, "rows a part")?),
+                Arg::I32(layer as i32),
+            ],
+        )?;
+        b.launch_1d(
+            "norm_dw_sum",
+            dim,
+            &[
+                Arg::Ptr(parts),
+                Arg::Ptr(ptr(dw)?),
+                Arg::I32(n_parts as i32),
                 dim_arg,
             ],
         )?;

@@ -149,11 +149,24 @@ pub fn embedding_gradient_sums_repeated_ids(t: &Target) {
     );
 }
 
+/// Every element of a few rows; 24 sampled ones of many.
+fn small_or_sampled(rows: usize, rng: &mut rand::rngs::StdRng) -> Elements<'_> {
+    match rows {
+        0..8 => Elements::All,
+        _ => Elements::Sample(24, rng),
+    }
+}
+
+/// Small rows, and a model's width over a prompt's rows (where the weight's gradient is
+/// summed over many rows: the kernels split them), the latter checked at sampled elements.
 pub fn rms_norm_gradients(t: &Target) {
     let g = t.grad();
-    for (case, eps) in [1e-5f32, 0.3].into_iter().enumerate() {
+    for (case, (eps, n, d)) in [(1e-5f32, 4, 37), (0.3, 4, 37), (1e-5, 1031, 768)]
+        .into_iter()
+        .enumerate()
+    {
         let mut rng = t.rng(case as u64);
-        let (n, d) = (4, 37);
+        let mut picks = t.rng(100 + case as u64);
         let x = random(&mut rng, n * d, 2.0);
         let w = random(&mut rng, d, 1.5);
         let r = cotangent(&mut rng, n * d);
@@ -170,23 +183,35 @@ pub fn rms_norm_gradients(t: &Target) {
         .unwrap();
         let (x64, w64, r) = (widen(&x), widen(&w), widen(&r));
         let eps = eps as f64;
-        check("rms_norm dx", &t.added(&dx, &bx), &x, Elements::All, |x| {
-            weighted(&r64::rms_norm(x, &w64, eps), &r)
-        });
+        check(
+            "rms_norm dx",
+            &t.added(&dx, &bx),
+            &x,
+            small_or_sampled(n, &mut picks),
+            |x| weighted(&r64::rms_norm(x, &w64, eps), &r),
+        );
         check(
             "rms_norm dweight",
             &t.added(&dw, &bw),
             &w,
-            Elements::All,
+            small_or_sampled(n, &mut picks),
             |w| weighted(&r64::rms_norm(&x64, w, eps), &r),
         );
     }
 }
 
+/// As [`rms_norm_gradients`]: small rows, and a model's width over many rows.
 pub fn layer_norm_gradients(t: &Target) {
+    for (case, (n, d)) in [(3usize, 29usize), (517, 640)].into_iter().enumerate() {
+        layer_norm_case(t, case as u64, n, d);
+    }
+}
+
+fn layer_norm_case(t: &Target, case: u64, n: usize, d: usize) {
     let g = t.grad();
-    let mut rng = t.rng(0);
-    let (n, d, eps) = (3, 29, 1e-5f32);
+    let mut rng = t.rng(case);
+    let mut picks = t.rng(100 + case);
+    let eps = 1e-5f32;
     // Off-centre rows, so that the mean matters.
     let x: Vec<f32> = random(&mut rng, n * d, 2.0)
         .iter()
@@ -215,21 +240,21 @@ pub fn layer_norm_gradients(t: &Target) {
         "layer_norm dx",
         &t.added(&dx, &bx),
         &x,
-        Elements::All,
+        small_or_sampled(n, &mut picks),
         |x| weighted(&r64::layer_norm(x, &w64, &b64, eps), &r),
     );
     check(
         "layer_norm dweight",
         &t.added(&dw, &bw),
         &w,
-        Elements::All,
+        small_or_sampled(n, &mut picks),
         |w| weighted(&r64::layer_norm(&x64, w, &b64, eps), &r),
     );
     check(
         "layer_norm dbias",
         &t.added(&db, &bb),
         &b,
-        Elements::All,
+        small_or_sampled(n, &mut picks),
         |b| weighted(&r64::layer_norm(&x64, &w64, b, eps), &r),
     );
 }

@@ -83,17 +83,44 @@ extern "C" __global__ void grad_rms_norm_dx(const float* x, const float* w, cons
     if (threadIdx.x == 0) rs[blockIdx.x] = r;
 }
 
-// dw[c] += sum_r dy[r,c] * x[r,c] * rs[r].   Launch: 1-D over dim.
-extern "C" __global__ void grad_rms_norm_dw(const float* x, const float* dy, const float* rs,
-                                            float* dw, int rows, int dim) {
+// A norm's weight gradient, dw[c] += sum_r dy[r,c] * xh[r,c], in two deterministic
+// steps: parts[p, c] sums the rows of part p (block (32, 8): 32 columns, 8 lanes down the
+// rows, added in a fixed order), then norm_dw_sum adds the parts in order. One thread a
+// column over every row left most of the GPU idle (3 blocks for a 768-wide model).
+// xh is x * rs[r] (RMS norm, stats 1 a row) or (x - mean[r]) * rs[r] (layer norm, stats
+// mean and rs a row). Launch: grid (ceil(dim / 32), parts), block (32, 8).
+extern "C" __global__ void norm_dw_parts(const float* x, const float* dy, const float* stats,
+                                         float* parts, int rows, int dim, int rows_per_part,
+                                         int layer) {
+    follow_previous();
+    __shared__ float sums[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const int r0 = blockIdx.y * rows_per_part, r1 = min(r0 + rows_per_part, rows);
+    float s = 0.0f;
+    if (c < dim) {
+        for (int r = r0 + threadIdx.y; r < r1; r += 8) {
+            const size_t at = (size_t)r * dim + c;
+            const float xh = layer ? (x[at] - stats[2 * r]) * stats[2 * r + 1] : x[at] * stats[r];
+            s += dy[at] * xh;
+        }
+    }
+    sums[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < dim) {
+        float t = 0.0f;
+#pragma unroll
+        for (int y = 0; y < 8; y++) t += sums[y][threadIdx.x];
+        parts[(size_t)blockIdx.y * dim + c] = t;
+    }
+}
+
+// dw[c] += the parts' sums of column c, in order. Launch: 1-D over dim.
+extern "C" __global__ void norm_dw_sum(const float* parts, float* dw, int n_parts, int dim) {
     follow_previous();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= dim) return;
     float s = 0.0f;
-    for (int r = 0; r < rows; r++) {
-        const size_t at = (size_t)r * dim + c;
-        s += dy[at] * x[at] * rs[r];
-    }
+    for (int p = 0; p < n_parts; p++) s += parts[(size_t)p * dim + c];
     dw[c] += s;
 }
 
@@ -129,20 +156,6 @@ extern "C" __global__ void grad_layer_norm_dx(const float* x, const float* w, co
         stats[2 * blockIdx.x] = mean;
         stats[2 * blockIdx.x + 1] = r;
     }
-}
-
-// dw[c] += sum_r dy[r,c] * (x[r,c] - mean_r) * r_r.   Launch: 1-D over dim.
-extern "C" __global__ void grad_layer_norm_dw(const float* x, const float* dy, const float* stats,
-                                              float* dw, int rows, int dim) {
-    follow_previous();
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= dim) return;
-    float s = 0.0f;
-    for (int r = 0; r < rows; r++) {
-        const size_t at = (size_t)r * dim + c;
-        s += dy[at] * (x[at] - stats[2 * r]) * stats[2 * r + 1];
-    }
-    dw[c] += s;
 }
 
 // Softmax from its output: dx += y * (dy - sum(dy * y)).   Launch: grid (rows), block 256.
