@@ -44,6 +44,8 @@ pub struct WgpuBackend {
     stream: Stream,
     /// The penalized ids of the last draw, kept and grown.
     penalized: std::sync::Mutex<Option<WgpuStorage>>,
+    /// A batch's draws (`sample_rows`): their records and the ids drawn, kept and grown.
+    draws: std::sync::Mutex<Option<(WgpuStorage, Tensor)>>,
     /// Decode's row of x rounded for the products (`rounded_row`), kept and grown.
     rounded_row: std::sync::Mutex<Option<WgpuStorage>>,
     _adapter: wgpu::Adapter,
@@ -82,6 +84,7 @@ impl WgpuBackend {
             kernels,
             stream,
             penalized: Default::default(),
+            draws: Default::default(),
             rounded_row: Default::default(),
             _adapter: opened.adapter,
         })
@@ -534,6 +537,14 @@ impl Backend for WgpuBackend {
             return Ok(());
         }
         kiln_core::backend::sample_on_host(self, logits, penalized, params, out)
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &mut Tensor,
+        draws: &[kiln_core::RowDraw<'_>],
+    ) -> Result<Vec<u32>> {
+        sample::sample_rows(self, logits, draws)
     }
 
     fn kernel_profile(&self) -> Option<Vec<KernelTime>> {

@@ -1,7 +1,9 @@
-// One draw of the next token from the last row of the logits, as kiln_core::sampling::pick
+// One draw of the next token from a row of the logits, as kiln_core::sampling::pick
 // does it (repetition penalty, top-k, top-p and min-p at temperature 1, then the
 // temperature and the draw), so that only the id goes back to the host. One workgroup of
-// WG lanes; top-k at most WG (one candidate a lane).
+// WG lanes a draw; top-k at most WG (one candidate a lane). `sample` draws from the last
+// row with the uniform's settings; `sample_rows` draws a server's batch, a workgroup a
+// draw with the settings of its record, through the same function.
 //
 // The k best are found without sorting the vocabulary: a radix select over order-preserving
 // 32-bit keys (4 passes of 8 bits) gives the k-th largest value, ties at it going to the
@@ -26,6 +28,25 @@ struct SParams {
 @group(0) @binding(0) var<storage, read_write> logits: array<f32>;
 @group(0) @binding(1) var<storage, read> penalized: array<i32>;
 @group(0) @binding(2) var<storage, read_write> out: array<i32>;
+// sample_rows: DRAW_WORDS words a draw, as `Draw` (floats as their bits).
+@group(0) @binding(3) var<storage, read> draws: array<u32>;
+
+const DRAW_WORDS: u32 = 10u;
+
+// One draw: its row's first element, its penalized ids penalized[pen0 .. pen0 + n_pen],
+// its settings (top_k 1 ..= WG) and where its id goes.
+struct Draw {
+    row0: u32,
+    pen0: u32,
+    n_pen: u32,
+    penalty: f32,
+    top_k: u32,
+    top_p: f32,
+    min_p: f32,
+    temperature: f32,
+    draw: f32,
+    out_at: u32,
+}
 
 var<workgroup> hist: array<atomic<u32>, 256>;
 var<workgroup> chosen: vec2<u32>; // (prefix, left)
@@ -40,8 +61,8 @@ fn order_key(f: f32) -> u32 {
     return select(u | 0x80000000u, ~u, (u & 0x80000000u) != 0u);
 }
 
-fn logit(i: u32) -> f32 {
-    return logits[sp.row0 + i];
+fn logit(row0: u32, i: u32) -> f32 {
+    return logits[row0 + i];
 }
 
 // Inclusive prefix sum over the workgroup's lanes.
@@ -68,16 +89,30 @@ fn before(la: f32, ia: u32, lb: f32, ib: u32) -> bool {
 
 @compute @workgroup_size(WG)
 fn sample(lane: Lane) {
+    draw_one(lane, Draw(sp.row0, 0u, sp.n_penalized, sp.penalty, sp.top_k, sp.top_p, sp.min_p,
+                        sp.temperature, sp.draw, 0u));
+}
+
+@compute @workgroup_size(WG)
+fn sample_rows(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
+    let b = DRAW_WORDS * wg.x;
+    draw_one(lane, Draw(draws[b], draws[b + 1u], draws[b + 2u], bitcast<f32>(draws[b + 3u]),
+                        draws[b + 4u], bitcast<f32>(draws[b + 5u]), bitcast<f32>(draws[b + 6u]),
+                        bitcast<f32>(draws[b + 7u]), bitcast<f32>(draws[b + 8u]), wg.x));
+}
+
+fn draw_one(lane: Lane, d: Draw) {
     let tid = lane.idx;
     let vocab = sp.vocab;
-    let k = sp.top_k;
+    let k = d.top_k;
+    let row0 = d.row0;
     // Repetition penalty, in place (the ids are distinct).
-    if sp.penalty != 1.0 {
-        for (var i = tid; i < sp.n_penalized; i += WG) {
-            let t = penalized[i];
+    if d.penalty != 1.0 {
+        for (var i = tid; i < d.n_pen; i += WG) {
+            let t = penalized[d.pen0 + i];
             if t >= 0 && u32(t) < vocab {
-                let l = logit(u32(t));
-                logits[sp.row0 + u32(t)] = select(l * sp.penalty, l / sp.penalty, l > 0.0);
+                let l = logit(row0, u32(t));
+                logits[row0 + u32(t)] = select(l * d.penalty, l / d.penalty, l > 0.0);
             }
         }
     }
@@ -92,7 +127,7 @@ fn sample(lane: Lane) {
         atomicStore(&hist[tid], 0u);
         workgroupBarrier();
         for (var i = tid; i < vocab; i += WG) {
-            let key = order_key(logit(i));
+            let key = order_key(logit(row0, i));
             if (key & mask) == prefix {
                 atomicAdd(&hist[(key >> u32(shift)) & 255u], 1u);
             }
@@ -123,7 +158,7 @@ fn sample(lane: Lane) {
     let hi = min(lo + span, vocab);
     var ties = 0u;
     for (var i = lo; i < hi; i++) {
-        ties += u32(order_key(logit(i)) == prefix);
+        ties += u32(order_key(logit(row0, i)) == prefix);
     }
     var rank = u32(scan(f32(ties), tid)) - ties;
     if tid == 0u {
@@ -131,7 +166,7 @@ fn sample(lane: Lane) {
     }
     workgroupBarrier();
     for (var i = lo; i < hi; i++) {
-        let key = order_key(logit(i));
+        let key = order_key(logit(row0, i));
         var take = key > prefix;
         if key == prefix {
             take = rank < left;
@@ -140,7 +175,7 @@ fn sample(lane: Lane) {
         if take {
             let slot = atomicAdd(&taken, 1u);
             if slot < WG {
-                cand_l[slot] = logit(i);
+                cand_l[slot] = logit(row0, i);
                 cand_i[slot] = i;
             }
         }
@@ -187,24 +222,24 @@ fn sample(lane: Lane) {
     let cum = scan(e, tid);
     let total = scan_buf[k - 1u];
     var keep = k;
-    if sp.top_p < 1.0 {
+    if d.top_p < 1.0 {
         // The first candidate whose cumulative probability reaches top_p ends the set.
-        let below = u32(wg_sum(select(0.0, 1.0, mine && cum < sp.top_p * total), lane));
+        let below = u32(wg_sum(select(0.0, 1.0, mine && cum < d.top_p * total), lane));
         keep = min(below + 1u, k);
     }
-    if sp.min_p > 0.0 {
-        let above = u32(wg_sum(select(0.0, 1.0, tid < keep && e >= sp.min_p), lane));
+    if d.min_p > 0.0 {
+        let above = u32(wg_sum(select(0.0, 1.0, tid < keep && e >= d.min_p), lane));
         keep = max(min(above, keep), 1u);
     }
     // The draw at the temperature: the first candidate whose cumulative weight passes it.
     var t = 0.0;
     if tid < keep {
-        t = exp((cand_l[tid] - best) / sp.temperature);
+        t = exp((cand_l[tid] - best) / d.temperature);
     }
     let tcum = scan(t, tid);
     let ttotal = scan_buf[keep - 1u];
-    let passed = u32(wg_sum(select(0.0, 1.0, tid < keep && tcum <= sp.draw * ttotal), lane));
+    let passed = u32(wg_sum(select(0.0, 1.0, tid < keep && tcum <= d.draw * ttotal), lane));
     if tid == 0u {
-        out[0] = i32(cand_i[min(passed, keep - 1u)]);
+        out[d.out_at] = i32(cand_i[min(passed, keep - 1u)]);
     }
 }
