@@ -19,6 +19,28 @@ pub struct SampleParams {
     pub draw: f64,
 }
 
+impl SampleParams {
+    /// What a device's draw kernel takes for these settings: its top-k (0: off) and the
+    /// penalty, top-p, min-p, temperature and draw. Greedy (with a penalty, or the caller
+    /// would have used argmax) is a top-1 draw at temperature 1.
+    pub fn device_draw(&self, vocab: usize) -> (usize, [f32; 5]) {
+        let draw = self.draw as f32;
+        match self.temperature <= 0.0 {
+            true => (1, [self.repeat_penalty, 1.0, 0.0, 1.0, draw]),
+            false => (
+                self.top_k.min(vocab),
+                [
+                    self.repeat_penalty,
+                    self.top_p,
+                    self.min_p,
+                    self.temperature,
+                    draw,
+                ],
+            ),
+        }
+    }
+}
+
 /// Apply the repetition penalty to `logits` at `penalized` (each id once; ids outside
 /// the vocabulary are ignored).
 pub fn penalize(logits: &mut [f32], penalized: &[u32], penalty: f32) {

@@ -86,7 +86,7 @@ fn launch_need(name: &str) -> LaunchNeed {
     }
     match name {
         "rms_norm" | "layer_norm" => threads(crate::norm::MAX_THREADS),
-        "sample_top_k" | "sample_rows" => threads(crate::sample::THREADS),
+        "sample_rows" => threads(crate::sample::THREADS),
         // Elementwise and reduction kernels: blocks of 256 threads or fewer, which every
         // kernel can run (256 threads of 255 registers fill one SM's 64k registers).
         _ => threads(256),

@@ -9,10 +9,11 @@ use cudarc::driver::result;
 use kiln_core::backend::{check_row_draws, token_ids};
 use kiln_core::{Backend, DType, Error, Result, RowDraw, SampleParams, Shape, Tensor};
 
-/// Threads of the one block of `sample_top_k` (its prefix sums and sort assume them).
+/// Threads of a block of `sample_rows` (its prefix sums and sort assume them).
 pub(crate) const THREADS: u32 = 1024;
 
-/// Draw on the device from the last row of `logits`.
+/// Draw on the device from the last row of `logits` into `out` (I32 `[1]`): the batch's
+/// kernel with one draw.
 pub(crate) fn sample(
     b: &CudaBackend,
     logits: &mut Tensor,
@@ -20,7 +21,6 @@ pub(crate) fn sample(
     params: &SampleParams,
     out: &mut Tensor,
 ) -> Result<()> {
-    expect(logits, DType::F32, "sampling logits")?;
     expect(out, DType::I32, "sampled token")?;
     let vocab = logits.shape().row_len();
     if out.shape().numel() != 1 || vocab == 0 {
@@ -30,86 +30,48 @@ pub(crate) fn sample(
             out.shape()
         )));
     }
-    let top_k = device_top_k(params, vocab)?;
-    let last_row = ptr(logits)? + 4 * (logits.shape().numel() - vocab) as u64;
-    let pen: Vec<i32> = penalized
-        .iter()
-        .filter(|&&t| (t as usize) < vocab)
-        .map(|&t| t as i32)
-        .collect();
-    let pen_ptr = b.scratch("sample_penalized", 4 * pen.len().max(1))?;
-    if !pen.is_empty() {
-        let bytes: Vec<u8> = pen.iter().flat_map(|t| t.to_le_bytes()).collect();
-        // From pageable memory the driver stages the bytes before returning.
-        b.queued_other_work();
-        unsafe { result::memcpy_htod_async(pen_ptr, &bytes[..], b.stream.cu_stream()) }
-            .map_err(driver_error)?;
-    }
-    let [penalty, top_p, min_p, temperature, draw] = settings(params);
-    b.launch(
-        "sample_top_k",
-        (1, 1, 1),
-        (THREADS, 1, 1),
-        0,
-        &[
-            Arg::Ptr(last_row),
-            Arg::I32(to_i32(vocab, "vocabulary")?),
-            Arg::Ptr(pen_ptr),
-            Arg::I32(pen.len() as i32),
-            Arg::F32(penalty),
-            Arg::I32(top_k),
-            Arg::F32(top_p),
-            Arg::F32(min_p),
-            Arg::F32(temperature),
-            Arg::F32(draw),
-            Arg::Ptr(ptr(out)?),
-        ],
-    )
+    let draw = RowDraw {
+        row: logits.shape().numel() / vocab - 1,
+        penalized,
+        params,
+    };
+    launch_draws(b, logits, &[draw], ptr(out)?)
 }
 
-/// The kernel's top-k for `params`: greedy (with a penalty, or the caller would have used
-/// argmax) is top-1; 0 is off (the whole vocabulary).
-fn device_top_k(params: &SampleParams, vocab: usize) -> Result<i32> {
-    match params.temperature <= 0.0 {
-        true => Ok(1),
-        false => to_i32(params.top_k.min(vocab), "top-k"),
-    }
-}
-
-/// The kernel's penalty, top-p, min-p, temperature and draw (a greedy draw at
-/// temperature 1 from its top-1).
-fn settings(params: &SampleParams) -> [f32; 5] {
-    match params.temperature <= 0.0 {
-        true => [params.repeat_penalty, 1.0, 0.0, 1.0, params.draw as f32],
-        false => [
-            params.repeat_penalty,
-            params.top_p,
-            params.min_p,
-            params.temperature,
-            params.draw as f32,
-        ],
-    }
-}
-
-/// Every draw of a batch in one launch of `sample_rows` and one read-back of the ids.
+/// Every draw of a batch in one launch and one read-back of the ids.
 pub(crate) fn sample_rows(
     b: &CudaBackend,
     logits: &mut Tensor,
     draws: &[RowDraw<'_>],
 ) -> Result<Vec<u32>> {
-    check_row_draws(logits, draws)?;
     if draws.is_empty() {
-        return Ok(Vec::new());
+        return check_row_draws(logits, draws).map(|_| Vec::new());
     }
+    let out = b.zeros(DType::I32, Shape::new(vec![draws.len()])?)?;
+    launch_draws(b, logits, draws, ptr(&out)?)?;
+    token_ids(&b.download(&out)?)
+}
+
+/// Launch `sample_rows` for `draws` (at least one), draw `i`'s token into I32 `out[i]`.
+fn launch_draws(
+    b: &CudaBackend,
+    logits: &mut Tensor,
+    draws: &[RowDraw<'_>],
+    out: u64,
+) -> Result<()> {
+    check_row_draws(logits, draws)?;
     let vocab = logits.shape().row_len();
     // One upload: rows, top-k, penalized spans, penalized ids (i32), then settings.
     let n = draws.len();
     let mut ints: Vec<i32> = Vec::with_capacity(3 * n + 1);
+    let mut top_ks: Vec<i32> = Vec::with_capacity(n);
     let mut pen: Vec<i32> = Vec::new();
     let mut at = vec![0i32];
     let mut floats: Vec<f32> = Vec::with_capacity(5 * n);
     for d in draws {
+        let (top_k, settings) = d.params.device_draw(vocab);
         ints.push(to_i32(d.row, "logits row")?);
+        top_ks.push(to_i32(top_k, "top-k")?);
         pen.extend(
             d.penalized
                 .iter()
@@ -117,11 +79,9 @@ pub(crate) fn sample_rows(
                 .map(|&t| t as i32),
         );
         at.push(to_i32(pen.len(), "penalized ids")?);
-        floats.extend(settings(d.params));
+        floats.extend(settings);
     }
-    for d in draws {
-        ints.push(device_top_k(d.params, vocab)?);
-    }
+    ints.extend(&top_ks);
     ints.extend(&at);
     ints.extend(&pen);
     let mut bytes: Vec<u8> = ints.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -132,7 +92,6 @@ pub(crate) fn sample_rows(
     unsafe { result::memcpy_htod_async(base, &bytes[..], b.stream.cu_stream()) }
         .map_err(driver_error)?;
     let word = |k: usize| base + 4 * k as u64;
-    let out = b.zeros(DType::I32, Shape::new(vec![n])?)?;
     b.launch(
         "sample_rows",
         (to_i32(n, "draws")? as u32, 1, 1),
@@ -146,8 +105,7 @@ pub(crate) fn sample_rows(
             Arg::Ptr(word(2 * n)),
             Arg::Ptr(word(3 * n + 1)),
             Arg::Ptr(word(3 * n + 1 + pen.len())),
-            Arg::Ptr(ptr(&out)?),
+            Arg::Ptr(out),
         ],
-    )?;
-    token_ids(&b.download(&out)?)
+    )
 }

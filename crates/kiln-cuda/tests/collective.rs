@@ -27,6 +27,16 @@ fn value(r: usize, i: usize) -> f32 {
     ((r * 7 + i * 3) % 13) as f32 - 6.0
 }
 
+/// This machine's GPUs when there are several; else `None`, saying the test is skipped.
+fn several_gpus() -> Option<usize> {
+    let gpus = kiln_cuda::devices().unwrap().len();
+    if gpus < 2 {
+        eprintln!("SKIPPED: one GPU here; collectives between GPUs need two or more");
+        return None;
+    }
+    Some(gpus)
+}
+
 #[test]
 fn an_id_is_128_bytes() {
     assert!(NcclId::from_bytes(&[0u8; 128]).is_ok());
@@ -60,11 +70,9 @@ fn one_rank_all_reduce_is_the_identity() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_rank_on_every_gpu_sums_its_tensors() {
-    let gpus = kiln_cuda::devices().unwrap().len();
-    if gpus < 2 {
-        eprintln!("SKIPPED: one GPU here; the all-reduce between GPUs needs two or more");
+    let Some(gpus) = several_gpus() else {
         return;
-    }
+    };
     let id = NcclId::new().unwrap();
     let barrier = Arc::new(Barrier::new(gpus));
     let threads: Vec<_> = (0..gpus)
@@ -127,11 +135,9 @@ fn a_rank_on_every_gpu_sums_its_tensors() {
 #[ignore = "needs a CUDA device"]
 fn one_shot_sums_match_on_every_rank() {
     use kiln_cuda::PeerBoard;
-    let gpus = kiln_cuda::devices().unwrap().len();
-    if gpus < 2 {
-        eprintln!("SKIPPED: one GPU here; the all-reduce between GPUs needs two or more");
+    let Some(gpus) = several_gpus() else {
         return;
-    }
+    };
     for world in (2..=gpus).filter(|w| *w == 2 || *w == gpus) {
         let (id, id2) = (NcclId::new().unwrap(), NcclId::new().unwrap());
         let forced = PeerBoard::with_max_bytes(world, Some(1 << 20));
@@ -221,11 +227,9 @@ fn one_shot_sums_match_on_every_rank() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gathers_and_scatters_are_exact_in_rank_order() {
-    let gpus = kiln_cuda::devices().unwrap().len();
-    if gpus < 2 {
-        eprintln!("SKIPPED: one GPU here; the collectives between GPUs need two or more");
+    let Some(gpus) = several_gpus() else {
         return;
-    }
+    };
     let id = NcclId::new().unwrap();
     std::thread::scope(|s| {
         for rank in 0..gpus {
@@ -270,11 +274,9 @@ fn gathers_and_scatters_are_exact_in_rank_order() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn started_sums_wait_for_the_kernels_before_and_are_waited_for() {
-    let gpus = kiln_cuda::devices().unwrap().len();
-    if gpus < 2 {
-        eprintln!("SKIPPED: one GPU here; the collectives between GPUs need two or more");
+    let Some(gpus) = several_gpus() else {
         return;
-    }
+    };
     let id = NcclId::new().unwrap();
     let (n, spans) = (
         3_000_001,

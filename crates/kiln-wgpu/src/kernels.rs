@@ -67,7 +67,6 @@ pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
 );
 pub(crate) const GEMM: KernelSpec = spec("gemm", "gemm", &[Read, Read, Read, Write]);
 pub(crate) const GEMM_COOP: KernelSpec = spec("gemm_coop", "gemm_coop", &[Read, Read, Read, Write]);
-pub(crate) const SAMPLE: KernelSpec = spec("sample", "sample", &[Write, Read, Write]);
 /// logits, penalized ids, ids drawn, the draws' records.
 pub(crate) const SAMPLE_ROWS: KernelSpec =
     spec("sample", "sample_rows", &[Write, Read, Write, Read]);

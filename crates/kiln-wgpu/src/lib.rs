@@ -44,8 +44,10 @@ pub struct WgpuBackend {
     stream: Stream,
     /// The penalized ids of the last draw, kept and grown.
     penalized: std::sync::Mutex<Option<WgpuStorage>>,
-    /// A batch's draws (`sample_rows`): their records and the ids drawn, kept and grown.
-    draws: std::sync::Mutex<Option<(WgpuStorage, Tensor)>>,
+    /// The records of the last draws, kept and grown.
+    draw_records: std::sync::Mutex<Option<WgpuStorage>>,
+    /// A batch's ids drawn (`sample_rows`), kept and grown.
+    drawn: std::sync::Mutex<Option<Tensor>>,
     /// Decode's row of x rounded for the products (`rounded_row`), kept and grown.
     rounded_row: std::sync::Mutex<Option<WgpuStorage>>,
     _adapter: wgpu::Adapter,
@@ -84,7 +86,8 @@ impl WgpuBackend {
             kernels,
             stream,
             penalized: Default::default(),
-            draws: Default::default(),
+            draw_records: Default::default(),
+            drawn: Default::default(),
             rounded_row: Default::default(),
             _adapter: opened.adapter,
         })

@@ -1,8 +1,8 @@
 // One draw of the next token from a row of logits, as kiln_core::sampling::pick does it
 // (repetition penalty, top-k, top-p, min-p, temperature, draw), so that only the token
-// goes back to the host. One block of 1024 threads a row; top-k at most SAMPLE_MAX_K.
-// `sample_rows` draws for a server's whole batch in one launch, a block a row, each with
-// its own settings: the same code as one row alone, so a draw does not depend on the batch.
+// goes back to the host. `sample_rows` draws for one row or a server's whole batch in one
+// launch, a block of 1024 threads a draw, each with its own settings: a draw does not
+// depend on the batch it is in.
 //
 // The k best are found without sorting the vocabulary: a radix select over the logits'
 // order-preserving 32-bit keys (4 passes of 8 bits) gives the k-th largest value, ties
@@ -392,18 +392,7 @@ __device__ void draw_any(float* logits, int vocab, const int* penalized, int n_p
                   temperature, draw, out);
 }
 
-// Launch: grid 1, block 1024. top_k <= 0: off.
-extern "C" __global__ void __launch_bounds__(1024)
-    sample_top_k(float* logits, int vocab, const int* penalized,
-                 int n_penalized, float penalty, int top_k,
-                 float top_p, float min_p, float temperature,
-                 float draw, int* out) {
-    follow_previous();
-    draw_any(logits, vocab, penalized, n_penalized, penalty, top_k, top_p, min_p,
-             temperature, draw, out);
-}
-
-// Launch: grid = draws, block 1024. Draw b takes row rows[b] of `logits`, top_k[b], the
+// Launch: grid = draws, block 1024. top_k <= 0: off. Draw b takes row rows[b] of `logits`, top_k[b], the
 // penalized ids penalized[pen_at[b] .. pen_at[b + 1]], and settings[5 b ..] = penalty,
 // top-p, min-p, temperature, draw; its token goes to out[b]. Rows are distinct.
 extern "C" __global__ void __launch_bounds__(1024)

@@ -1,9 +1,8 @@
 // One draw of the next token from a row of the logits, as kiln_core::sampling::pick
 // does it (repetition penalty, top-k, top-p and min-p at temperature 1, then the
 // temperature and the draw), so that only the id goes back to the host. One workgroup of
-// WG lanes a draw; top-k at most WG (one candidate a lane). `sample` draws from the last
-// row with the uniform's settings; `sample_rows` draws a server's batch, a workgroup a
-// draw with the settings of its record, through the same function.
+// WG lanes a draw; top-k at most WG (one candidate a lane). `sample_rows` draws one row or
+// a server's batch, a workgroup a draw with the settings of its record.
 //
 // The k best are found without sorting the vocabulary: a radix select over order-preserving
 // 32-bit keys (4 passes of 8 bits) gives the k-th largest value, ties at it going to the
@@ -13,28 +12,21 @@
 
 struct SParams {
     vocab: u32,
-    row0: u32,        // first element of the last row
-    n_penalized: u32,
-    penalty: f32,
-    top_k: u32,       // 1 ..= WG
-    top_p: f32,
-    min_p: f32,
-    temperature: f32,
-    draw: f32,
-    p9: u32, p10: u32, p11: u32, p12: u32, p13: u32, p14: u32, p15: u32,
+    p1: u32, p2: u32, p3: u32, p4: u32, p5: u32, p6: u32, p7: u32,
+    p8: u32, p9: u32, p10: u32, p11: u32, p12: u32, p13: u32, p14: u32, p15: u32,
 }
 @group(1) @binding(0) var<uniform> sp: SParams;
 
 @group(0) @binding(0) var<storage, read_write> logits: array<f32>;
 @group(0) @binding(1) var<storage, read> penalized: array<i32>;
 @group(0) @binding(2) var<storage, read_write> out: array<i32>;
-// sample_rows: DRAW_WORDS words a draw, as `Draw` (floats as their bits).
+// DRAW_WORDS words a draw, as `Draw` (floats as their bits).
 @group(0) @binding(3) var<storage, read> draws: array<u32>;
 
-const DRAW_WORDS: u32 = 10u;
+const DRAW_WORDS: u32 = 9u;
 
 // One draw: its row's first element, its penalized ids penalized[pen0 .. pen0 + n_pen],
-// its settings (top_k 1 ..= WG) and where its id goes.
+// its settings (top_k 1 ..= WG) and where its id goes (its workgroup's index).
 struct Draw {
     row0: u32,
     pen0: u32,
@@ -85,12 +77,6 @@ fn scan(v: f32, lid: u32) -> f32 {
 // Does (la, ia) come before (lb, ib)? Larger logit first, then lower id.
 fn before(la: f32, ia: u32, lb: f32, ib: u32) -> bool {
     return la > lb || (la == lb && ia < ib);
-}
-
-@compute @workgroup_size(WG)
-fn sample(lane: Lane) {
-    draw_one(lane, Draw(sp.row0, 0u, sp.n_penalized, sp.penalty, sp.top_k, sp.top_p, sp.min_p,
-                        sp.temperature, sp.draw, 0u));
 }
 
 @compute @workgroup_size(WG)
