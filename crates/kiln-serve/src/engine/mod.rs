@@ -83,6 +83,7 @@ impl Engine {
         let alive = Arc::new(AtomicBool::new(true));
         let state = EngineLoop {
             scheduler: Scheduler::new(BlockPool::new(config.kv_blocks), config.limits),
+            last_step_end: None,
             runner,
             eos: tokenizer.eos_ids(),
             tokenizer,
@@ -168,6 +169,9 @@ impl Drop for AliveFlag {
 
 struct EngineLoop {
     scheduler: Scheduler,
+    /// When the last step's results were handled: the host's time between steps is
+    /// measured from here.
+    last_step_end: Option<Instant>,
     runner: Box<dyn StepRunner>,
     tokenizer: Arc<Tokenizer>,
     eos: Vec<u32>,
@@ -190,7 +194,9 @@ impl EngineLoop {
                 if stopping {
                     break;
                 }
-                // Nothing to do: sleep until a request comes.
+                // Nothing to do: sleep until a request comes (an idle wait is not a gap
+                // between steps).
+                self.last_step_end = None;
                 match commands.recv() {
                     Ok(c) => self.apply(c, &mut stopping),
                     Err(_) => break,
@@ -326,8 +332,29 @@ impl EngineLoop {
                 }
             })
             .collect();
+        let started = Instant::now();
         let outputs = self.runner.run(items);
         let now = Instant::now();
+        // What a step was and what it took, for finding where a server's time goes
+        // (`RUST_LOG=kiln_serve::engine=debug`; scripts/gpu/serve_steps.py sums them).
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let decodes = plan.work.iter().filter(|w| w.range.len() == 1).count();
+            let prompt_tokens: usize = plan
+                .work
+                .iter()
+                .filter(|w| w.range.len() > 1)
+                .map(|w| w.range.len())
+                .sum();
+            let between = self.last_step_end.map(|t| started - t);
+            tracing::debug!(
+                decodes,
+                prompt_chunks = plan.work.len() - decodes,
+                prompt_tokens,
+                run_us = (now - started).as_micros() as u64,
+                before_us = between.map_or(0, |d| d.as_micros() as u64),
+                "step"
+            );
+        }
         let mut ended = Vec::new();
         for (w, out) in plan.work.iter().zip(outputs) {
             let i = index_of(running, w.seq);
@@ -364,6 +391,7 @@ impl EngineLoop {
         for (id, how) in ended {
             self.end(id, how);
         }
+        self.last_step_end = Some(Instant::now());
         true
     }
 
