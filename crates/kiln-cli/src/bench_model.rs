@@ -19,6 +19,8 @@ pub struct ModelBench {
     pub ty: String,
     pub prompt: usize,
     pub gen: usize,
+    /// Positions in the KV cache before the tg test's first token.
+    pub depth: usize,
     /// Sequences decoded together in the tg test.
     pub batch: usize,
     pub reps: usize,
@@ -52,15 +54,23 @@ fn mean_std(v: &[f64]) -> (f64, f64) {
 const BLOCK: usize = 16;
 
 pub fn run(b: &ModelBench) -> CliResult<String> {
-    let ctx = b.prompt.max(b.gen).saturating_add(1);
+    let ctx = b
+        .prompt
+        .max(b.depth.saturating_add(b.gen))
+        .saturating_add(1);
     if ctx > model_file::MAX_CONTEXT {
         return Err(Failure::usage(format!(
-            "-p {} -n {}: at most {} tokens each",
+            "-p {} -n {} -d {}: at most {} positions for the prompt and for depth + generated",
             b.prompt,
             b.gen,
+            b.depth,
             model_file::MAX_CONTEXT - 1
         )));
     }
+    let at_depth = match b.depth {
+        0 => String::new(),
+        d => format!(" @ d{d}"),
+    };
     let backend = model_file::backend(b.device, b.threads)?;
     let profiled = backend.clone();
     let device = backend.describe();
@@ -155,7 +165,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             let mut next = token();
             let before = (rep == 0).then(|| profiled.kernel_profile()).flatten();
             let t = Instant::now();
-            for pos in 0..b.gen {
+            for pos in b.depth..b.depth + b.gen {
                 next = model.forward_argmax(&[next], pos, &mut cache)?;
             }
             if rep == 0 {
@@ -171,14 +181,14 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             ty: ty.clone(),
             kv,
             device: device.clone(),
-            test: format!("tg{}", b.gen),
+            test: format!("tg{}{at_depth}", b.gen),
             mean,
             stddev,
         });
     }
     if b.gen > 0 && b.batch > 1 {
         drop(cache);
-        let per_seq = b.gen.div_ceil(BLOCK);
+        let per_seq = (b.depth + b.gen).div_ceil(BLOCK);
         let mut pool = model.new_paged_cache(b.batch * per_seq, BLOCK, kv)?;
         let tables: Vec<Vec<u32>> = (0..b.batch)
             .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
@@ -188,7 +198,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             let mut next: Vec<u32> = (0..b.batch).map(|_| token()).collect();
             let before = (rep == 0).then(|| profiled.kernel_profile()).flatten();
             let t = Instant::now();
-            for pos in 0..b.gen {
+            for pos in b.depth..b.depth + b.gen {
                 let items: Vec<BatchItem> = next
                     .iter()
                     .zip(&tables)
@@ -220,7 +230,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             ty,
             kv,
             device,
-            test: format!("tg{} x{}", b.gen, b.batch),
+            test: format!("tg{} x{}{at_depth}", b.gen, b.batch),
             mean,
             stddev,
         });

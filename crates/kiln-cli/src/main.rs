@@ -97,6 +97,12 @@ struct BenchArgs {
     /// Generated tokens (the tg test); 0 skips it.
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
     gen: usize,
+    /// Positions already in each sequence's KV cache when the tg test starts (llama-bench's
+    /// -d): decode then attends over them. Their keys and values are not computed (the
+    /// cache's zeros are read), which times the same.
+    #[arg(short = 'd', long, default_value_t = 0,
+          conflicts_with_all = ["kernels", "optimizer", "train", "tp"])]
+    depth: usize,
     /// Timed repetitions after a warm-up (1 to 1000: a run must end).
     #[arg(short = 'r', long, default_value_t = 3,
           value_parser = clap::value_parser!(u16).range(1..=1000))]
@@ -206,6 +212,7 @@ fn bench(a: BenchArgs) -> CliResult {
             ty: a.ty,
             prompt: a.prompt,
             gen: a.gen,
+            depth: a.depth,
             batch: usize::from(a.batch),
             reps: usize::from(a.reps),
             threads: a.threads,

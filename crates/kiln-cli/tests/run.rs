@@ -172,6 +172,58 @@ fn bench_prints_llama_bench_rows() {
     }
 }
 
+/// `-d` starts the tg tests that many positions in (llama-bench's depth), single and
+/// batched; a depth past what kiln addresses or what memory holds is refused in one line.
+#[test]
+fn bench_decodes_at_a_depth() {
+    let o = kiln(&[
+        "bench",
+        "-m",
+        "tests/data/tiny-llama.gguf",
+        "-p",
+        "0",
+        "-n",
+        "3",
+        "-d",
+        "40",
+        "-r",
+        "1",
+        "-o",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(rows[0]["test"].as_str(), Some("tg3 @ d40"), "{rows}");
+    let o = kiln(&[
+        "bench",
+        "-m",
+        "tests/data/tiny-llama.gguf",
+        "-p",
+        "0",
+        "-n",
+        "3",
+        "-d",
+        "40",
+        "-b",
+        "3",
+        "-r",
+        "1",
+        "-o",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(rows[0]["test"].as_str(), Some("tg3 x3 @ d40"), "{rows}");
+    // Past the positions kiln addresses, or past memory: one line, before anything runs.
+    let model = "tests/data/tiny-llama.gguf";
+    let o = kiln(&["bench", "-m", model, "-d", "3000000000"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("-d 3000000000"), "{}", stderr(&o));
+    let o = kiln(&["bench", "-m", model, "-d", "100000000"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("does not fit"), "{}", stderr(&o));
+}
+
 #[test]
 fn bench_times_training_steps() {
     let o = kiln(&[
