@@ -69,6 +69,39 @@ macro_rules! kernels_of {
     };
 }
 
+/// The decode kernels (kernels/attention.cu, `attention_decode_body`) by KV type and head
+/// size: [`DECODE_HEAD_DIMS`].
+const DECODE_KERNELS: [[&str; 3]; 4] = [
+    [
+        "attention_decode_f32_64",
+        "attention_decode_f32_128",
+        "attention_decode_f32_256",
+    ],
+    [
+        "attention_decode_f16_64",
+        "attention_decode_f16_128",
+        "attention_decode_f16_256",
+    ],
+    [
+        "attention_decode_bf16_64",
+        "attention_decode_bf16_128",
+        "attention_decode_bf16_256",
+    ],
+    [
+        "attention_decode_q8_0_64",
+        "attention_decode_q8_0_128",
+        "attention_decode_q8_0_256",
+    ],
+];
+const DECODE_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Heads of a group a decode warp scores.
+const DECODE_HEADS_PER_WARP: usize = 4;
+/// Warps of a decode block, at least (key slots times head sets).
+const DECODE_WARPS: usize = 4;
+/// Blocks a decode launch aims at, splitting the keys until it has them: two waves of
+/// the ~4 blocks an SM holds on a 132-SM GPU.
+const DECODE_TARGET_BLOCKS: usize = 1024;
+
 /// By KV type (in the order of [`DType::KV_CACHE`]), output dimensions per lane and
 /// queries per warp.
 const KERNELS: [[[&str; 2]; 8]; 4] = [
@@ -122,6 +155,24 @@ fn shared_bytes(d: usize, queries: usize) -> usize {
 /// group their blocks cannot hold goes to the 1-query kernel); both, shared memory for
 /// heads of their largest size and the most queries a block takes (32 either way).
 pub(crate) fn launch_need(name: &str) -> Option<LaunchNeed> {
+    if name == "attention_combine" {
+        // A thread a dimension of heads up to 256; a weight a split.
+        return Some(LaunchNeed {
+            threads: 256,
+            dynamic_shared: (MAX_SPLITS * 4) as u32,
+        });
+    }
+    if let Some(d) = DECODE_KERNELS
+        .iter()
+        .find_map(|by_d| by_d.iter().position(|&k| k == name))
+    {
+        // Blocks of a whole group of MAX_GROUP heads in sets of four.
+        let (threads, shared) = decode_block(DECODE_HEAD_DIMS[d], MAX_GROUP);
+        return Some(LaunchNeed {
+            threads,
+            dynamic_shared: shared,
+        });
+    }
     let (dv, per_warp) = KERNELS
         .iter()
         .flat_map(|by_dv| by_dv.iter().enumerate())
@@ -138,6 +189,19 @@ pub(crate) fn launch_need(name: &str) -> Option<LaunchNeed> {
         },
         dynamic_shared: shared_bytes(32 * dv, MAX_GROUP) as u32,
     })
+}
+
+/// Threads and dynamic shared memory of a decode block for heads of `d` dimensions and
+/// `group` query heads a KV head: head sets of four, each with enough key slots that the
+/// block has [`DECODE_WARPS`] warps; each warp's (max, sum, output) of four heads in
+/// shared memory.
+fn decode_block(d: usize, group: usize) -> (u32, u32) {
+    let sets = group.div_ceil(DECODE_HEADS_PER_WARP);
+    let warps = sets * (DECODE_WARPS / sets).max(1);
+    (
+        (32 * warps) as u32,
+        (warps * DECODE_HEADS_PER_WARP * (d + 2) * 4) as u32,
+    )
 }
 
 pub(crate) fn attention(
@@ -257,6 +321,23 @@ fn run(
             "attention with {group} query heads per KV head (at most {MAX_GROUP})"
         )));
     }
+    // Queries on their own (a server's batch, a few tokens of decode) go to the decode
+    // kernel where it has their head size; a prompt's tiles share their key reads.
+    if paged.is_some() || n <= SPLIT_MAX_QUERIES {
+        if let Some(i) = DECODE_HEAD_DIMS.iter().position(|&x| x == d) {
+            let reach = paged.map_or(cap, |p| p.max_blocks * p.block);
+            let launch = DecodeLaunch {
+                name: DECODE_KERNELS[kv][i],
+                n,
+                heads,
+                kv_heads,
+                d,
+                cap,
+                reach,
+            };
+            return decode(b, &launch, q, k_cache, v_cache, pos, paged, params, out);
+        }
+    }
     let dv = d.div_ceil(32);
     if dv == 0 || dv > kernels.len() {
         return Err(Error::unsupported(format!(
@@ -338,8 +419,8 @@ fn run(
         b.launch(
             "attention_combine",
             (to_i32(n * heads, "rows")? as u32, 1, 1),
-            (32, 1, 1),
-            0,
+            (32 * d.div_ceil(32) as u32, 1, 1),
+            (splits * 4) as u32,
             &[
                 Arg::Ptr(part),
                 Arg::Ptr(out_ptr),
@@ -348,6 +429,115 @@ fn run(
                 Arg::I32(n as i32),
                 Arg::I32(heads as i32),
                 Arg::I32(d as i32),
+                Arg::I32(splits as i32),
+            ],
+        )?;
+    }
+    if let Some(int8) = int8 {
+        b.note_int8_copy(out, int8)?;
+    }
+    Ok(())
+}
+
+/// The sizes of a decode launch.
+struct DecodeLaunch {
+    name: &'static str,
+    n: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    /// Rows of the cache (or the pool).
+    cap: usize,
+    /// Positions a query may see: the cache's, or the longest block table's.
+    reach: usize,
+}
+
+/// Key range pieces and their length for a decode launch of `pairs` (query, KV head)
+/// blocks over `reach` positions: split until the launch has [`DECODE_TARGET_BLOCKS`],
+/// pieces of at least [`SPAN`] keys, at most [`MAX_SPLITS`].
+fn decode_splits(pairs: usize, reach: usize) -> (usize, usize) {
+    let splits = DECODE_TARGET_BLOCKS
+        .div_ceil(pairs.max(1))
+        .min(reach.div_ceil(SPAN))
+        .clamp(1, MAX_SPLITS);
+    let span = reach.div_ceil(splits).next_multiple_of(32).max(1);
+    (reach.div_ceil(span).max(1), span)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode(
+    b: &CudaBackend,
+    l: &DecodeLaunch,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: &Tensor,
+    paged: Option<&Paged>,
+    params: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
+    let group = l.heads / l.kv_heads;
+    let (threads, shared) = decode_block(l.d, group);
+    let (splits, span) = decode_splits(l.n * l.kv_heads, l.reach);
+    let part = if splits > 1 {
+        b.scratch("attention_partials", splits * l.n * l.heads * (l.d + 2) * 4)?
+    } else {
+        0
+    };
+    let out_ptr = ptr(out)?;
+    let int8 = (crate::matmul::reads_int8(l.n, l.heads * l.d) && l.d.is_multiple_of(32))
+        .then(|| crate::matmul::quantized_x(b, l.n * l.heads * l.d))
+        .transpose()?;
+    let [xq, xd] = int8.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
+    b.launch(
+        l.name,
+        (
+            to_i32(l.n, "queries")? as u32,
+            l.kv_heads as u32,
+            splits as u32,
+        ),
+        (32, threads / 32, 1),
+        shared,
+        &[
+            Arg::Ptr(ptr(q)?),
+            Arg::Ptr(ptr(k_cache)?),
+            Arg::Ptr(ptr(v_cache)?),
+            Arg::Ptr(ptr(pos)?),
+            Arg::Ptr(out_ptr),
+            Arg::Ptr(part),
+            xq,
+            xd,
+            Arg::Ptr(paged.map_or(0, |p| p.seq)),
+            Arg::Ptr(paged.map_or(0, |p| p.tables)),
+            Arg::I32(to_i32(
+                paged.map_or(0, |p| p.max_blocks),
+                "blocks a table holds",
+            )?),
+            Arg::I32(to_i32(paged.map_or(1, |p| p.block), "block positions")?),
+            Arg::I32(to_i32(l.cap, "KV rows")?),
+            Arg::I32(l.n as i32),
+            Arg::I32(l.heads as i32),
+            Arg::I32(l.kv_heads as i32),
+            Arg::F32(params.scale),
+            Arg::F32(params.softcap.unwrap_or(0.0)),
+            Arg::I32(params.window.map_or(0, |w| w.min(i32::MAX as usize) as i32)),
+            Arg::I32(to_i32(span, "capacity")?),
+        ],
+    )?;
+    if splits > 1 {
+        b.launch(
+            "attention_combine",
+            (to_i32(l.n * l.heads, "rows")? as u32, 1, 1),
+            (32 * l.d.div_ceil(32) as u32, 1, 1),
+            (splits * 4) as u32,
+            &[
+                Arg::Ptr(part),
+                Arg::Ptr(out_ptr),
+                xq,
+                xd,
+                Arg::I32(l.n as i32),
+                Arg::I32(l.heads as i32),
+                Arg::I32(l.d as i32),
                 Arg::I32(splits as i32),
             ],
         )?;
@@ -389,6 +579,40 @@ mod tests {
         assert_eq!(block_shape(100, 8, [32, 5]), (1, 2));
     }
 
+    /// Decode blocks stay within the kernels' 256-thread bound for every group, and the
+    /// pieces of a split key range cover it, each at least SPAN keys unless there is one.
+    #[test]
+    fn decode_launches_fit_and_cover_the_keys() {
+        for group in 1..=MAX_GROUP {
+            for d in DECODE_HEAD_DIMS {
+                let (threads, shared) = decode_block(d, group);
+                let need = launch_need(
+                    DECODE_KERNELS[1][DECODE_HEAD_DIMS.iter().position(|&x| x == d).unwrap()],
+                )
+                .unwrap();
+                assert!(
+                    threads <= 256 && threads <= need.threads,
+                    "group {group}: {threads}"
+                );
+                assert!(shared <= need.dynamic_shared);
+                assert!(threads >= 32 * group.div_ceil(DECODE_HEADS_PER_WARP) as u32);
+            }
+        }
+        for pairs in [1, 8, 100, 512, 4096, 100_000] {
+            for reach in [1, 31, 64, 65, 512, 700, 8192, 131_072] {
+                let (splits, span) = decode_splits(pairs, reach);
+                assert!((1..=MAX_SPLITS).contains(&splits) && span % 32 == 0);
+                assert!(
+                    splits * span >= reach && (splits - 1) * span < reach,
+                    "{pairs} {reach}"
+                );
+                assert!(splits == 1 || span >= SPAN);
+            }
+        }
+        // A server's 64 decodes of 8 KV heads over 512 positions: two pieces of 256.
+        assert_eq!(decode_splits(512, 512), (2, 256));
+    }
+
     #[test]
     fn every_attention_kernel_has_a_need() {
         for (kv, by_dv) in KERNELS.iter().enumerate() {
@@ -406,7 +630,8 @@ mod tests {
                 }
             }
         }
-        assert_eq!(launch_need("attention_combine"), None);
+        assert_eq!(launch_need("attention_combine").unwrap().threads, 256);
+        assert_eq!(launch_need("matvec_f16_8"), None);
     }
 
     /// Every kernel the tables name is in the source, once per KV type.

@@ -144,13 +144,18 @@ pub fn attention_at_model_shapes(t: &Target) {
         Option<usize>,
         Option<f32>,
     );
-    let cases: [Case; 6] = [
+    let cases: [Case; 9] = [
         (1, 4, 2, 16, 64, 20, None, None),
         (1, 32, 4, 64, 700, 517, None, None),
         (3, 8, 1, 128, 600, 300, None, None),
         (40, 6, 6, 96, 64, 0, None, None),
         (33, 8, 2, 256, 80, 5, Some(7), Some(30.0)),
         (1, 16, 8, 128, 2048, 2000, Some(512), None),
+        // Groups of 32 and 12 heads (several sets of heads a block), 256-wide heads
+        // decoding with a window.
+        (2, 32, 1, 64, 300, 250, None, None),
+        (1, 12, 1, 256, 100, 90, None, Some(50.0)),
+        (1, 8, 4, 256, 300, 299, Some(100), None),
     ];
     for (c, (n, heads, kvh, hd, cap, p0, window, softcap)) in cases.into_iter().enumerate() {
         let shape = AttentionShape {

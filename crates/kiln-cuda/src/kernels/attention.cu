@@ -271,27 +271,249 @@ ATTENTION_KV(KV_BF16, bf16)
 ATTENTION_KV(KV_Q8_0, q8_0)
 
 // Merge the splits' partial results of each (query, head); with xq non-null also the
-// int8 copy, as attention_body writes it. Launch: grid (n * heads), block 32.
+// int8 copy, as attention_body writes it. The splits' weights (their sums scaled to the
+// common max) are found by the warp together, a lane a split, then each thread sums its
+// dimensions over the splits with independent reads. Launch: grid (n * heads), block
+// 32 * ceil(D / 32), dynamic shared memory splits floats.
 extern "C" __global__ void attention_combine(const float* part, float* out, i8* xq, float* xd,
                                              int n, int heads, int D, int splits) {
     follow_previous();
+    extern __shared__ float weight[];  // [splits]
+    __shared__ float total;
     const size_t row = blockIdx.x;  // qi * heads + h
     const size_t stride = (size_t)n * heads * (D + 2);
-    float M = NEG_INF;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, part[s * stride + row * (D + 2)]);
-    float L = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        const float* pp = part + s * stride + row * (D + 2);
-        if (pp[0] != NEG_INF) L += pp[1] * expf(pp[0] - M);
+    const float* base = part + row * (D + 2);
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        float M = NEG_INF;
+        for (int s = lane; s < splits; s += 32) M = fmaxf(M, base[s * stride]);
+        M = warp_max(M);
+        float L = 0.0f;
+        for (int s = lane; s < splits; s += 32) {
+            const float m = base[s * stride];
+            const float w = m != NEG_INF ? expf(m - M) : 0.0f;
+            weight[s] = w;
+            L += base[s * stride + 1] * w;
+        }
+        L = warp_sum(L);
+        if (lane == 0) total = L;
     }
-    const float inv = 1.0f / L;
+    __syncthreads();
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float o = 0.0f;
         for (int s = 0; s < splits; s++) {
-            const float* pp = part + s * stride + row * (D + 2);
-            if (pp[0] != NEG_INF) o += pp[2 + d] * expf(pp[0] - M);
+            const float w = weight[s];
+            if (w != 0.0f) o += base[s * stride + 2 + d] * w;
         }
         out[row * D + d] = o * inv;
         if (xq != nullptr) quantize_warp_unit(o * inv, xq + row * D + (d & ~31), xd + row * (D / 32) + d / 32);
     }
 }
+
+// Decode-shaped attention: every query on its own (a server's decodes, a paged batch's
+// rows, a few tokens of one sequence), keys read straight from the cache into registers
+// (no shared-memory staging, so nothing waits on a block-wide barrier between reads).
+//
+// A block serves one query, one KV head and one split of the key range. Its warps are
+// (head set, key slot) pairs: a warp scores up to HPW = 4 heads of the KV head's group,
+// the block's sets cover the group, and the key slots take turns through the keys. A key
+// row spans LK = D / 8 lanes, 8 values a lane (one 16-byte read of an f16 cache), so a
+// warp reads 32 / LK keys at once and U such reads back to back: 4 rows of K and 4 of V
+// in flight a lane. Each lane sums its 8 products per head, the LK lanes of a key add
+// theirs (shuffles), and the softmax runs online per head with one running max for the
+// warp; a lane keeps the sum and output (its 8 dimensions) of its own keys, merged
+// across the warp's key groups at the end and across key slots through shared memory.
+//
+// Split-K and paged tables as attention_body (the same `part` layout, attention_combine
+// merges the splits). Launch: grid (n, kv_heads, splits), block (32, sets * slots) with
+// sets = ceil(group / 4), dynamic shared memory sets * slots * 4 * (D + 2) floats.
+template <int KV, int D>
+__device__ void attention_decode_body(const float* __restrict__ q, const u8* __restrict__ kc,
+                                      const u8* __restrict__ vc, const int* __restrict__ pos,
+                                      float* __restrict__ out, float* __restrict__ part,
+                                      i8* __restrict__ xq, float* __restrict__ xd,
+                                      const int* __restrict__ seq, const int* __restrict__ tables,
+                                      int max_blocks, int block, int pool_rows, int n, int heads,
+                                      int kv_heads, float scale, float cap, int window, int span) {
+    constexpr int LK = D / 8, KPL = 32 / LK, U = 4, HPW = 4;
+    follow_previous();
+    extern __shared__ float smem[];
+    const int group = heads / kv_heads, sets = (group + HPW - 1) / HPW;
+    const int slots = blockDim.y / sets;
+    const int lane = threadIdx.x, warp = threadIdx.y;
+    const int set = warp % sets, slot = warp / sets;
+    const int qi = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int sub = lane / LK, piece = lane % LK;  // which key of a read, which 8 values
+    const int qpos = pos[qi];
+    const int lo = max(window > 0 ? max(0, qpos - window + 1) : 0, split * span);
+    const int hi = min(qpos, (split + 1) * span - 1);
+    const size_t elements = (size_t)pool_rows * kv_heads * D;
+    const int* table = tables != nullptr ? tables + (size_t)seq[qi] * max_blocks : nullptr;
+    const size_t NO_ROW = ~(size_t)0;
+    // Blocks are a power of two long in practice (a server's 16): shifts, not divisions,
+    // for every key's table entry.
+    const bool pow2 = (block & (block - 1)) == 0;
+    const int shift = __ffs(block) - 1;
+    auto kv_row = [&](int kp) -> size_t {
+        if (table == nullptr) return (size_t)kp;
+        const int tb = pow2 ? kp >> shift : kp / block;
+        if (tb >= max_blocks) return NO_ROW;
+        const int b = table[tb];
+        const size_t row = (size_t)b * block + (kp - tb * block);
+        return b < 0 || row >= (size_t)pool_rows ? NO_ROW : row;
+    };
+
+    // This warp's heads: kvh * group + set * HPW + g, for g < HPW within the group.
+    float qv[HPW][8];
+#pragma unroll
+    for (int g = 0; g < HPW; g++) {
+        const int gh = set * HPW + g;
+        const float* qr = q + ((size_t)qi * heads + kvh * group + min(gh, group - 1)) * D + 8 * piece;
+        const float4 a = *(const float4*)qr, b = *(const float4*)(qr + 4);
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) qv[g][i] = gh < group ? v[i] : 0.0f;
+    }
+
+    float m[HPW], l[HPW], acc[HPW][8];
+#pragma unroll
+    for (int g = 0; g < HPW; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[g][i] = 0.0f;
+    }
+
+    const int stride = slots * KPL * U;
+    for (int c0 = lo + slot * KPL * U; c0 <= hi; c0 += stride) {
+        Kv8<KV> kr[U], vr[U];
+        bool seen[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int kp = c0 + u * KPL + sub;
+            const size_t row = kp <= hi ? kv_row(kp) : NO_ROW;
+            seen[u] = row != NO_ROW;
+            if (seen[u]) {
+                const size_t e = (row * kv_heads + kvh) * D + 8 * piece;
+                kr[u].load(kc, e, elements);
+                vr[u].load(vc, e, elements);
+            } else {
+                kr[u].zero();
+                vr[u].zero();
+            }
+        }
+        float s[U][HPW];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int g = 0; g < HPW; g++) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) dot += qv[g][i] * kr[u].at(i);
+#pragma unroll
+                for (int o = LK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                float sc = dot * scale;
+                if (cap > 0.0f) sc = cap * tanhf(sc / cap);
+                s[u][g] = seen[u] ? sc : NEG_INF;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < HPW; g++) {
+            float mx = s[0][g];
+#pragma unroll
+            for (int u = 1; u < U; u++) mx = fmaxf(mx, s[u][g]);
+#pragma unroll
+            for (int o = LK; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_new = fmaxf(m[g], mx);
+            if (m_new == NEG_INF) continue;  // no key of this read visible yet
+            const float corr = expf(m[g] - m_new);
+            m[g] = m_new;
+            l[g] *= corr;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] *= corr;
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const float p = expf(s[u][g] - m_new);
+                l[g] += p;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[g][i] += p * vr[u].at(i);
+            }
+        }
+    }
+
+    // The warp's key groups merged (they share the warp's running max), then each warp's
+    // (max, sum, output) into shared memory: [warp][g][max, sum, D values].
+#pragma unroll
+    for (int g = 0; g < HPW; g++) {
+#pragma unroll
+        for (int o = LK; o < 32; o <<= 1) {
+            l[g] += __shfl_xor_sync(0xffffffffu, l[g], o);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+        }
+        float* w = smem + ((size_t)warp * HPW + g) * (D + 2);
+        if (sub == 0) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) w[2 + 8 * piece + i] = acc[g][i];
+        }
+        if (lane == 0) {
+            w[0] = m[g];
+            w[1] = l[g];
+        }
+    }
+    __syncthreads();
+
+    // Each (head of the group, dimension) merged over the key slots; a warp's 32 threads
+    // take 32 consecutive dimensions of one head (D is a multiple of 32), as the int8
+    // copy's rounding wants.
+    const int tid = warp * 32 + lane, nthreads = blockDim.y * 32;
+    for (int idx = tid; idx < group * D; idx += nthreads) {
+        const int gh = idx / D, d = idx - gh * D;
+        const int hs = gh / HPW, g = gh % HPW;
+        float M = NEG_INF;
+        for (int k = 0; k < slots; k++) M = fmaxf(M, smem[((size_t)(k * sets + hs) * HPW + g) * (D + 2)]);
+        float L = 0.0f, o = 0.0f;
+        if (M != NEG_INF) {
+            for (int k = 0; k < slots; k++) {
+                const float* w = smem + ((size_t)(k * sets + hs) * HPW + g) * (D + 2);
+                const float f = expf(w[0] - M);
+                L += w[1] * f;
+                o += w[2 + d] * f;
+            }
+        }
+        const size_t row = (size_t)qi * heads + kvh * group + gh;
+        if (splits == 1) {
+            const float v = L > 0.0f ? o / L : 0.0f;
+            out[row * D + d] = v;
+            if (xq != nullptr) quantize_warp_unit(v, xq + row * D + (d & ~31), xd + row * (D / 32) + d / 32);
+        } else {
+            float* pp = part + (((size_t)split * n + qi) * heads + kvh * group + gh) * (D + 2);
+            if (d == 0) {
+                pp[0] = M;
+                pp[1] = L;
+            }
+            pp[2 + d] = o;
+        }
+    }
+}
+
+// Named attention_decode_<KV type>_<head dimensions>; blocks of up to 8 warps (a group of
+// 32 heads), two such blocks an SM at least: 128 registers a thread, which leaves four
+// blocks of a 4-head group an SM.
+#define ATTENTION_DECODE(KV, NAME, D)                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 2) attention_decode_##NAME##_##D(          \
+        const float* q, const u8* kc, const u8* vc, const int* pos, float* out, float* part,  \
+        i8* xq, float* xd, const int* seq, const int* tables, int max_blocks, int block,      \
+        int pool_rows, int n, int heads, int kv_heads, float scale, float cap, int window,    \
+        int span) {                                                                           \
+        attention_decode_body<KV, D>(q, kc, vc, pos, out, part, xq, xd, seq, tables,          \
+                                     max_blocks, block, pool_rows, n, heads, kv_heads, scale, \
+                                     cap, window, span);                                      \
+    }
+#define ATTENTION_DECODE_KV(KV, NAME) \
+    ATTENTION_DECODE(KV, NAME, 64) ATTENTION_DECODE(KV, NAME, 128) ATTENTION_DECODE(KV, NAME, 256)
+ATTENTION_DECODE_KV(KV_F32, f32)
+ATTENTION_DECODE_KV(KV_F16, f16)
+ATTENTION_DECODE_KV(KV_BF16, bf16)
+ATTENTION_DECODE_KV(KV_Q8_0, q8_0)

@@ -28,6 +28,50 @@ __device__ __forceinline__ float4 kv_load4(const u8* __restrict__ c, size_t e, s
     return make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// Eight values from element e (a multiple of 8) of a cache, as stored: one 16-byte read
+// (two for F32, 8 bytes and a scale for Q8_0), held until `at` decodes them, so that a
+// thread keeps several reads in flight in few registers.
+template <int KV>
+struct Kv8 {
+    uint4 w[KV == KV_F32 ? 2 : 1];
+    float d;  // Q8_0's block scale
+
+    __device__ __forceinline__ void load(const u8* __restrict__ c, size_t e, size_t elements) {
+        if (KV == KV_F32) {
+            w[0] = *(const uint4*)((const float*)c + e);
+            w[KV == KV_F32 ? 1 : 0] = *(const uint4*)((const float*)c + e + 4);
+        } else if (KV == KV_Q8_0) {
+            const uint2 q = *(const uint2*)(c + e);
+            w[0] = make_uint4(q.x, q.y, 0u, 0u);
+            d = f16_to_f32(load_u16(c + elements + 2 * (e / 32)));
+        } else {
+            w[0] = *(const uint4*)((const u16*)c + e);
+        }
+    }
+
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < (KV == KV_F32 ? 2 : 1); i++) w[i] = make_uint4(0u, 0u, 0u, 0u);
+        d = 0.0f;
+    }
+
+    // Value i (0..8, known at compile time where it is called unrolled).
+    __device__ __forceinline__ float at(int i) const {
+        if (KV == KV_F32) {
+            const uint4 v = w[i >> 2];
+            const u32 x = (i & 3) == 0 ? v.x : (i & 3) == 1 ? v.y : (i & 3) == 2 ? v.z : v.w;
+            return __uint_as_float(x);
+        }
+        const u32 word = (i >> 1) == 0 ? w[0].x : (i >> 1) == 1 ? w[0].y : (i >> 1) == 2 ? w[0].z : w[0].w;
+        if (KV == KV_Q8_0) {
+            const u32 q = i < 4 ? w[0].x : w[0].y;
+            return (float)(i8)(q >> (8 * (i & 3))) * d;
+        }
+        const u16 h = (u16)(word >> (16 * (i & 1)));
+        return KV == KV_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+    }
+};
+
 // Element e of a cache.
 template <int KV>
 __device__ __forceinline__ float kv_load1(const u8* __restrict__ c, size_t e, size_t elements) {
