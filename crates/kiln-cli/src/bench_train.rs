@@ -22,6 +22,7 @@ pub struct TrainBench {
     /// Sequences a step.
     pub batch: usize,
     pub seq_len: usize,
+    pub products: kiln_core::Products,
     pub json: bool,
 }
 
@@ -81,6 +82,7 @@ pub fn run(opts: &TrainBench) -> CliResult<String> {
         seed: 0,
         eval_windows: 1,
         lora: None,
+        products: opts.products,
     };
     let mut t = Trainer::new(&start, data, settings, backend.clone())?;
     t.step()?;
@@ -106,6 +108,7 @@ pub fn run(opts: &TrainBench) -> CliResult<String> {
                 "params": params,
                 "batch": opts.batch,
                 "seq_len": opts.seq_len,
+                "precision": opts.products.name(),
                 "median_s": s,
                 "tokens_per_s": tps,
                 "reps": opts.reps,
@@ -113,11 +116,14 @@ pub fn run(opts: &TrainBench) -> CliResult<String> {
         )
     } else {
         format!(
-            "# Training steps (F32, AdamW, clipping), {device}\n\n\
+            "# Training steps (F32 weights, {} products, AdamW, clipping), {device}\n\n\
              | shape | params | batch × seq | median s/step | tokens/s |\n\
              |---|---:|---:|---:|---:|\n\
              | {} | {params} | {} × {} | {s:.3} | {tps:.0} |\n",
-            opts.shape, opts.batch, opts.seq_len
+            opts.products.name(),
+            opts.shape,
+            opts.batch,
+            opts.seq_len
         )
     })
 }

@@ -153,6 +153,10 @@ struct BenchArgs {
     /// With --train: tokens a sequence.
     #[arg(long, default_value_t = 1024, requires = "train")]
     seq_len: usize,
+    /// With --train: the products' arithmetic, f32, tf32 or bf16 (F32 weights either way;
+    /// tf32 and bf16 on CUDA).
+    #[arg(long, default_value = "f32", value_parser = model_file::products_arg, requires = "train")]
+    precision: kiln_core::Products,
 }
 
 fn bench(a: BenchArgs) -> CliResult {
@@ -184,6 +188,7 @@ fn bench(a: BenchArgs) -> CliResult {
             reps: usize::from(a.reps),
             batch: usize::from(a.batch),
             seq_len: a.seq_len,
+            products: a.precision,
             json: a.output == "json",
         })?
     } else if a.optimizer {

@@ -221,6 +221,12 @@ to the fixtures kiln is checked against (a batch gives each request the same tok
 alone with either)";
 
 /// Parses `--kv-type`: one of the KV cache types.
+/// `--precision`: how training computes its products.
+pub fn products_arg(s: &str) -> std::result::Result<kiln_core::Products, String> {
+    kiln_core::Products::parse(&s.trim().to_ascii_lowercase())
+        .ok_or_else(|| format!("{s:?}: the precisions are f32, tf32 and bf16"))
+}
+
 pub fn kv_type_arg(s: &str) -> std::result::Result<DType, String> {
     DType::KV_CACHE
         .into_iter()

@@ -57,6 +57,7 @@ const RUN_FLAGS: &[&str] = &[
     "centered",
     "clip",
     "seed",
+    "precision",
     "eval_windows",
     "lora_rank",
     "lora_alpha",
@@ -209,6 +210,11 @@ pub struct TrainArgs {
     pub clip: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// The products' arithmetic: f32, or tf32 / bf16 (inputs rounded, on a CUDA GPU's
+    /// tensor cores; weights, gradients and the optimizer stay F32: BF16 compute with F32
+    /// master weights).
+    #[arg(long, default_value = "f32", value_parser = crate::model_file::products_arg)]
+    pub precision: kiln_core::Products,
     /// Score the held-out text every N steps (and at the end); 0: only at the end.
     #[arg(long, default_value_t = 100)]
     pub eval_every: usize,
@@ -611,6 +617,7 @@ fn make_trainer(
                 alpha: a.lora_alpha.unwrap_or(2.0 * rank as f32),
                 targets: a.lora_targets.clone(),
             }),
+            products: a.precision,
         };
         Trainer::new(start_file, text, settings, backend)
     }

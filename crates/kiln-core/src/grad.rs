@@ -9,7 +9,52 @@
 
 use crate::{AttentionParams, Result, RopeLayout, Tensor};
 
+/// How the products of training (the forward pass's matmuls over F32 weights and the
+/// backward pass's) are computed. The weights, gradients and every sum stay F32: the
+/// lower precisions round the products' inputs only (PyTorch's `allow_tf32`, and its
+/// BF16 autocast with F32 master weights).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Products {
+    /// F32 inputs, F32 arithmetic.
+    #[default]
+    F32,
+    /// Inputs rounded to TF32 (10-bit mantissas), on tensor cores.
+    Tf32,
+    /// Inputs rounded to BF16 (8-bit mantissas), on tensor cores.
+    Bf16,
+}
+
+impl Products {
+    pub fn name(self) -> &'static str {
+        match self {
+            Products::F32 => "f32",
+            Products::Tf32 => "tf32",
+            Products::Bf16 => "bf16",
+        }
+    }
+
+    /// The setting named `s` (f32, tf32, bf16).
+    pub fn parse(s: &str) -> Option<Products> {
+        [Products::F32, Products::Tf32, Products::Bf16]
+            .into_iter()
+            .find(|p| p.name() == s)
+    }
+}
+
 pub trait GradOps: Send + Sync {
+    /// Compute F32-weight products as `how` says from now on; an error where this
+    /// backend has no such arithmetic (F32 it always has).
+    fn set_products(&self, how: Products) -> Result<()> {
+        match how {
+            Products::F32 => Ok(()),
+            other => Err(crate::Error::unsupported(format!(
+                "{} products on this device (they are for CUDA GPUs; use f32)",
+                other.name()
+            ))),
+        }
+    }
+
     /// `dst = src`, of one dtype and element count (F32 activations, I32 ids and
     /// positions): keeps a value the forward pass is about to overwrite.
     fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()>;

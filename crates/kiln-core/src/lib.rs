@@ -25,7 +25,7 @@ pub use collective::Collective;
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use grad::GradOps;
+pub use grad::{GradOps, Products};
 pub use optim::OptimKernels;
 pub use sampling::SampleParams;
 pub use shape::Shape;

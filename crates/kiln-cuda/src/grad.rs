@@ -8,7 +8,7 @@ use crate::kernels::Arg;
 use crate::matmul::sgemm;
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{
-    AttentionParams, Backend, DType, Error, GradOps, Result, RopeLayout, Shape, Tensor,
+    AttentionParams, Backend, DType, Error, GradOps, Products, Result, RopeLayout, Shape, Tensor,
 };
 
 /// Logits a block of the fused loss holds at once (16 MiB of f32).
@@ -48,6 +48,11 @@ impl CudaBackend {
 }
 
 impl GradOps for CudaBackend {
+    fn set_products(&self, how: Products) -> Result<()> {
+        self.blas.set_f32_products(how);
+        Ok(())
+    }
+
     fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
         if src.dtype() != dst.dtype()
             || src.shape().numel() != dst.shape().numel()

@@ -11,7 +11,7 @@ use crate::kernels::Arg;
 use crate::{expect, ptr, to_i32, CudaBackend};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::CudaStream;
-use kiln_core::{DType, Error, Result, RmsNorm, Tensor};
+use kiln_core::{DType, Error, Products, Result, RmsNorm, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// Rows of x up to which the matvec kernels are used.
@@ -19,6 +19,33 @@ const MATVEC_MAX_ROWS: usize = 8;
 
 pub(crate) struct Blas {
     handle: Mutex<BlasHandle>,
+    /// How F32 products are computed (`GradOps::set_products`): an index into
+    /// [`F32_COMPUTE`].
+    f32_products: std::sync::atomic::AtomicU8,
+}
+
+/// cuBLAS's compute type for F32 products, by [`Products`] (in its order): F32
+/// arithmetic, or the inputs rounded to TF32 or BF16 on tensor cores with F32 sums.
+const F32_COMPUTE: [blas_sys::cublasComputeType_t; 3] = [
+    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+];
+
+impl Blas {
+    pub(crate) fn set_f32_products(&self, how: Products) {
+        let i = match how {
+            Products::F32 => 0,
+            Products::Tf32 => 1,
+            Products::Bf16 => 2,
+        };
+        self.f32_products
+            .store(i, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn f32_compute(&self) -> blas_sys::cublasComputeType_t {
+        F32_COMPUTE[self.f32_products.load(std::sync::atomic::Ordering::Relaxed) as usize]
+    }
 }
 
 struct BlasHandle(blas_sys::cublasHandle_t);
@@ -42,17 +69,16 @@ impl Blas {
         let handle = blas::create_handle().map_err(|e| Error::Device(format!("cuBLAS: {e:?}")))?;
         unsafe { blas::set_stream(handle, stream.cu_stream() as _) }
             .map_err(|e| Error::Device(format!("cuBLAS: {e:?}")))?;
+        let blas = Blas {
+            handle: Mutex::new(BlasHandle(handle)),
+            f32_products: std::sync::atomic::AtomicU8::new(0),
+        };
         // Opt-in, as PyTorch's `allow_tf32`: F32 products (F32 weights, and every product
         // of training) on tensor cores with TF32 inputs (10-bit mantissas), F32 sums.
         if std::env::var("KILN_CUDA_TF32").is_ok_and(|v| v.trim() == "1") {
-            let mode = blas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH;
-            unsafe { blas_sys::cublasSetMathMode(handle, mode) }
-                .result()
-                .map_err(|e| Error::Device(format!("cuBLAS TF32 math: {e:?}")))?;
+            blas.set_f32_products(Products::Tf32);
         }
-        Ok(Blas {
-            handle: Mutex::new(BlasHandle(handle)),
-        })
+        Ok(blas)
     }
 }
 
@@ -527,29 +553,58 @@ pub(crate) fn sgemm(
         }
     };
     let i = |v: usize| to_i32(v, "a product's size");
+    f32_gemm(
+        b,
+        (op(ta), op(tb)),
+        (i(m)?, i(n)?, i(k)?),
+        (a, i(lda)?),
+        (bm, i(ldb)?),
+        beta,
+        (c, i(ldc)?),
+    )
+}
+
+/// An F32 product through cuBLAS (column-major terms, as [`sgemm`]), in the arithmetic
+/// `GradOps::set_products` chose.
+fn f32_gemm(
+    b: &CudaBackend,
+    (ta, tb): (blas_sys::cublasOperation_t, blas_sys::cublasOperation_t),
+    (m, n, k): (i32, i32, i32),
+    (a, lda): (u64, i32),
+    (bm, ldb): (u64, i32),
+    beta: f32,
+    (c, ldc): (u64, i32),
+) -> Result<()> {
     let alpha = 1.0f32;
+    let compute = b.blas.f32_compute();
     let handle = b.blas.handle.lock().expect("cuBLAS lock");
     b.fence_before_library_kernel()?;
     b.queued_other_work();
+    let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
     unsafe {
-        blas::sgemm(
+        blas::gemm_ex(
             handle.0,
-            op(ta),
-            op(tb),
-            i(m)?,
-            i(n)?,
-            i(k)?,
-            &alpha,
-            a as *const f32,
-            i(lda)?,
-            bm as *const f32,
-            i(ldb)?,
-            &beta,
-            c as *mut f32,
-            i(ldc)?,
+            ta,
+            tb,
+            m,
+            n,
+            k,
+            &alpha as *const f32 as *const _,
+            a as *const _,
+            f32_type,
+            lda,
+            bm as *const _,
+            f32_type,
+            ldb,
+            &beta as *const f32 as *const _,
+            c as *mut _,
+            f32_type,
+            ldc,
+            compute,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
-    .map_err(|e| Error::Device(format!("cuBLAS GEMM {m}x{n}x{k}: {e:?}")))
+    .map_err(|e| Error::Device(format!("cuBLAS F32 GEMM {m}x{n}x{k}: {e:?}")))
 }
 
 fn gemm(
@@ -574,27 +629,19 @@ fn gemm(
     // Column-major view: out[n, m] row-major is outᵀ (m × n) column-major, which is
     // w (stored k × m column-major, transposed) times x (k × n column-major).
     if w.dtype() == DType::F32 {
-        b.fence_before_library_kernel()?;
-        b.queued_other_work();
-        return unsafe {
-            blas::sgemm(
-                handle.0,
+        drop(handle);
+        return f32_gemm(
+            b,
+            (
                 blas_sys::cublasOperation_t::CUBLAS_OP_T,
                 blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                mi,
-                ni,
-                ki,
-                &alpha,
-                ptr(w)? as *const f32,
-                ki,
-                ptr(x)? as *const f32,
-                ki,
-                &beta,
-                out_ptr as *mut f32,
-                mi,
-            )
-        }
-        .map_err(blas_err);
+            ),
+            (mi, ni, ki),
+            (ptr(w)?, ki),
+            (ptr(x)?, ki),
+            beta,
+            (out_ptr, mi),
+        );
     }
     // Half-precision inputs: bf16 weights pair with bf16 activations, all else with f16.
     let bf16 = w.dtype() == DType::BF16;

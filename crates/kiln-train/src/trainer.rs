@@ -23,7 +23,7 @@ use crate::data::TextData;
 use crate::lora::{self, Adapter, LoraSettings};
 use crate::rng::Rng;
 use crate::tape::Tape;
-use kiln_core::{Backend, Collective, DType, Error, GradOps, Result, Shape, Tensor};
+use kiln_core::{Backend, Collective, DType, Error, GradOps, Products, Result, Shape, Tensor};
 use kiln_io::gguf::{GgufFile, GgufWriter, Value};
 use kiln_models::{KvCache, Model};
 use kiln_optim::{Optimizer, ParamLayout, StepConfig};
@@ -54,6 +54,10 @@ pub struct Settings {
     /// own weights frozen); `None`: every weight is trained.
     #[serde(default)]
     pub lora: Option<LoraSettings>,
+    /// How the products are computed (F32 weights and gradients either way): `Bf16` is
+    /// BF16 compute with F32 master weights.
+    #[serde(default)]
+    pub products: Products,
 }
 
 /// What one step did.
@@ -205,6 +209,9 @@ impl Trainer {
         backend: Arc<dyn Backend>,
         rng: Rng,
     ) -> Result<Trainer> {
+        if let Some(grad) = backend.grad() {
+            grad.set_products(settings.products)?;
+        }
         let tape = Arc::new(Tape::new(backend)?);
         let model = Model::from_gguf(start, tape.clone(), None)?;
         check_settings(&settings, &model, &data)?;

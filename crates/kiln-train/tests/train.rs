@@ -3,7 +3,7 @@
 //! naming its step and keeps the parameters; checkpoints and exports load as models. On
 //! the GPU machine, a CUDA run follows the CPU run from the same start.
 
-use kiln_core::{Backend, DType, RopeLayout};
+use kiln_core::{Backend, DType, Products, RopeLayout};
 use kiln_cpu::CpuBackend;
 use kiln_io::gguf::GgufFile;
 use kiln_models::{Arch, Ffn, Logits, Model, ModelConfig, Norm, Rope};
@@ -89,6 +89,7 @@ fn settings(steps: usize, lr: f64) -> Settings {
         seed: 7,
         eval_windows: 8,
         lora: None,
+        products: Products::F32,
     }
 }
 
@@ -704,6 +705,61 @@ fn a_cuda_run_follows_the_cpu_run() {
 #[ignore = "needs a CUDA device"]
 fn a_cuda_lora_run_follows_the_cpu_run() {
     cuda_follows_cpu(lora_settings(12));
+}
+
+/// BF16 products with F32 master weights (and TF32 ones) on CUDA: the run follows the
+/// F32 one within what rounding the products' inputs to 8 (10) mantissa bits moves the
+/// loss, its loss falls as the F32 run's does, and the rounding is really there (the
+/// first step's loss is not the F32 one to f32 precision). On the CPU the setting is an
+/// error that names it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bf16_products_follow_the_f32_run_on_cuda() {
+    let cuda: Arc<dyn Backend> =
+        Arc::new(kiln_cuda::CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA: {e}")));
+    let steps = 12;
+    let run = |products: Products| -> Vec<f64> {
+        let s = Settings {
+            products,
+            ..settings(steps, 1e-2)
+        };
+        let mut t = Trainer::new(&start(), text(), s, cuda.clone()).unwrap();
+        (0..steps).map(|_| t.step().unwrap().loss).collect()
+    };
+    let f32_losses = run(Products::F32);
+    for (products, tol) in [(Products::Bf16, 3e-2), (Products::Tf32, 5e-3)] {
+        let losses = run(products);
+        eprintln!("{products:?}: {losses:?}\nf32: {f32_losses:?}");
+        for (step, (a, b)) in f32_losses.iter().zip(&losses).enumerate() {
+            assert!(
+                (a - b).abs() <= tol * a,
+                "{products:?} step {}: loss {b} against F32's {a}",
+                step + 1
+            );
+        }
+        assert!(
+            losses[steps - 1] < 0.9 * losses[0],
+            "{products:?}: {losses:?}"
+        );
+        assert!(
+            (losses[0] - f32_losses[0]).abs() > 1e-7 * f32_losses[0],
+            "{products:?}: the first loss is F32's to the bit: the setting did nothing"
+        );
+    }
+    // Back to F32 for whatever runs on this backend next.
+    cuda.grad().unwrap().set_products(Products::F32).unwrap();
+}
+
+#[test]
+fn bf16_products_are_refused_on_the_cpu() {
+    let s = Settings {
+        products: Products::Bf16,
+        ..settings(2, 1e-2)
+    };
+    let err = Trainer::new(&start(), text(), s, cpu())
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("bf16 products"), "{err}");
 }
 
 fn cuda_follows_cpu(settings: Settings) {
