@@ -321,21 +321,23 @@ fn run(
             "attention with {group} query heads per KV head (at most {MAX_GROUP})"
         )));
     }
+    let operands = Operands {
+        q,
+        k_cache,
+        v_cache,
+        pos,
+        paged,
+        cap,
+        heads,
+        kv_heads,
+        d,
+    };
     // Queries on their own (a server's batch, a few tokens of decode) go to the decode
     // kernel where it has their head size; a prompt's tiles share their key reads.
     if paged.is_some() || n <= SPLIT_MAX_QUERIES {
         if let Some(i) = DECODE_HEAD_DIMS.iter().position(|&x| x == d) {
             let reach = paged.map_or(cap, |p| p.max_blocks * p.block);
-            let launch = DecodeLaunch {
-                name: DECODE_KERNELS[kv][i],
-                n,
-                heads,
-                kv_heads,
-                d,
-                cap,
-                reach,
-            };
-            return decode(b, &launch, q, k_cache, v_cache, pos, paged, params, out);
+            return decode(b, DECODE_KERNELS[kv][i], reach, &operands, params, out);
         }
     }
     let dv = d.div_ceil(32);
@@ -366,47 +368,17 @@ fn run(
     } else {
         (1, reach.max(1))
     };
-    let part = if splits > 1 {
-        b.scratch("attention_partials", splits * n * heads * (d + 2) * 4)?
-    } else {
-        0
-    };
-    let out_ptr = ptr(out)?;
-    // For a few queries the output also goes out as int8 rows, which the quantized
-    // output projection reads next instead of rounding it in a launch of its own.
-    let int8 = (crate::matmul::reads_int8(n, heads * d) && d.is_multiple_of(32))
-        .then(|| crate::matmul::quantized_x(b, n * heads * d))
-        .transpose()?;
-    let [xq, xd] = int8.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
-    b.launch(
+    launch_split(
+        b,
         kernels[dv - 1][per_warp - 1],
         (
             to_i32(n.div_ceil(qt), "query tiles")? as u32,
-            kv_heads as u32,
-            splits as u32,
+            rows as u32,
+            shared as u32,
         ),
-        (32, rows as u32, 1),
-        shared as u32,
+        &operands,
+        splits,
         &[
-            Arg::Ptr(ptr(q)?),
-            Arg::Ptr(ptr(k_cache)?),
-            Arg::Ptr(ptr(v_cache)?),
-            Arg::Ptr(ptr(pos)?),
-            Arg::Ptr(out_ptr),
-            Arg::Ptr(part),
-            xq,
-            xd,
-            Arg::Ptr(paged.map_or(0, |p| p.seq)),
-            Arg::Ptr(paged.map_or(0, |p| p.tables)),
-            Arg::I32(to_i32(
-                paged.map_or(0, |p| p.max_blocks),
-                "blocks a table holds",
-            )?),
-            Arg::I32(to_i32(paged.map_or(1, |p| p.block), "block positions")?),
-            Arg::I32(to_i32(cap, "KV rows")?),
-            Arg::I32(n as i32),
-            Arg::I32(heads as i32),
-            Arg::I32(kv_heads as i32),
             Arg::I32(d as i32),
             Arg::F32(params.scale),
             Arg::F32(params.softcap.unwrap_or(0.0)),
@@ -414,6 +386,80 @@ fn run(
             Arg::I32(qt as i32),
             Arg::I32(to_i32(span, "capacity")?),
         ],
+        out,
+    )
+}
+
+/// What both attention kernels read and where their keys are.
+struct Operands<'a> {
+    q: &'a Tensor,
+    k_cache: &'a Tensor,
+    v_cache: &'a Tensor,
+    pos: &'a Tensor,
+    paged: Option<&'a Paged>,
+    /// Rows of the cache (or the pool).
+    cap: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+}
+
+/// Launch an attention kernel as (`name`, (blocks along the queries, warps a block,
+/// dynamic shared memory)) over `splits` pieces of the key range, then merge the
+/// pieces (`attention_combine`). Both kernels take the same arguments up to the KV heads
+/// (queries, caches, positions, output, partials, int8 copy, tables, sizes); `tail` are
+/// the kernel's own after them. For a few queries the output also goes out as int8 rows,
+/// which the quantized output projection reads next instead of rounding it in a launch
+/// of its own.
+#[allow(clippy::too_many_arguments)]
+fn launch_split(
+    b: &CudaBackend,
+    name: &'static str,
+    (blocks, warps, shared): (u32, u32, u32),
+    o: &Operands,
+    splits: usize,
+    tail: &[Arg],
+    out: &mut Tensor,
+) -> Result<()> {
+    let (n, heads, d) = (o.q.dims()[0], o.heads, o.d);
+    let part = if splits > 1 {
+        b.scratch("attention_partials", splits * n * heads * (d + 2) * 4)?
+    } else {
+        0
+    };
+    let out_ptr = ptr(out)?;
+    let int8 = (crate::matmul::reads_int8(n, heads * d) && d.is_multiple_of(32))
+        .then(|| crate::matmul::quantized_x(b, n * heads * d))
+        .transpose()?;
+    let [xq, xd] = int8.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
+    let mut args = vec![
+        Arg::Ptr(ptr(o.q)?),
+        Arg::Ptr(ptr(o.k_cache)?),
+        Arg::Ptr(ptr(o.v_cache)?),
+        Arg::Ptr(ptr(o.pos)?),
+        Arg::Ptr(out_ptr),
+        Arg::Ptr(part),
+        xq,
+        xd,
+        Arg::Ptr(o.paged.map_or(0, |p| p.seq)),
+        Arg::Ptr(o.paged.map_or(0, |p| p.tables)),
+        Arg::I32(to_i32(
+            o.paged.map_or(0, |p| p.max_blocks),
+            "blocks a table holds",
+        )?),
+        Arg::I32(to_i32(o.paged.map_or(1, |p| p.block), "block positions")?),
+        Arg::I32(to_i32(o.cap, "KV rows")?),
+        Arg::I32(n as i32),
+        Arg::I32(heads as i32),
+        Arg::I32(o.kv_heads as i32),
+    ];
+    args.extend_from_slice(tail);
+    b.launch(
+        name,
+        (blocks, o.kv_heads as u32, splits as u32),
+        (32, warps, 1),
+        shared,
+        &args,
     )?;
     if splits > 1 {
         b.launch(
@@ -439,19 +485,6 @@ fn run(
     Ok(())
 }
 
-/// The sizes of a decode launch.
-struct DecodeLaunch {
-    name: &'static str,
-    n: usize,
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
-    /// Rows of the cache (or the pool).
-    cap: usize,
-    /// Positions a query may see: the cache's, or the longest block table's.
-    reach: usize,
-}
-
 /// Key range pieces and their length for a decode launch of `pairs` (query, KV head)
 /// blocks over `reach` positions: split until the launch has [`DECODE_TARGET_BLOCKS`],
 /// pieces of at least [`SPAN`] keys, at most [`MAX_SPLITS`].
@@ -464,88 +497,33 @@ fn decode_splits(pairs: usize, reach: usize) -> (usize, usize) {
     (reach.div_ceil(span).max(1), span)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// A decode launch of `name` over keys up to `reach` positions (the cache's, or the
+/// longest block table's).
 fn decode(
     b: &CudaBackend,
-    l: &DecodeLaunch,
-    q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    pos: &Tensor,
-    paged: Option<&Paged>,
+    name: &'static str,
+    reach: usize,
+    o: &Operands,
     params: &AttentionParams,
     out: &mut Tensor,
 ) -> Result<()> {
-    let group = l.heads / l.kv_heads;
-    let (threads, shared) = decode_block(l.d, group);
-    let (splits, span) = decode_splits(l.n * l.kv_heads, l.reach);
-    let part = if splits > 1 {
-        b.scratch("attention_partials", splits * l.n * l.heads * (l.d + 2) * 4)?
-    } else {
-        0
-    };
-    let out_ptr = ptr(out)?;
-    let int8 = (crate::matmul::reads_int8(l.n, l.heads * l.d) && l.d.is_multiple_of(32))
-        .then(|| crate::matmul::quantized_x(b, l.n * l.heads * l.d))
-        .transpose()?;
-    let [xq, xd] = int8.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
-    b.launch(
-        l.name,
-        (
-            to_i32(l.n, "queries")? as u32,
-            l.kv_heads as u32,
-            splits as u32,
-        ),
-        (32, threads / 32, 1),
-        shared,
+    let n = o.q.dims()[0];
+    let (threads, shared) = decode_block(o.d, o.heads / o.kv_heads);
+    let (splits, span) = decode_splits(n * o.kv_heads, reach);
+    launch_split(
+        b,
+        name,
+        (to_i32(n, "queries")? as u32, threads / 32, shared),
+        o,
+        splits,
         &[
-            Arg::Ptr(ptr(q)?),
-            Arg::Ptr(ptr(k_cache)?),
-            Arg::Ptr(ptr(v_cache)?),
-            Arg::Ptr(ptr(pos)?),
-            Arg::Ptr(out_ptr),
-            Arg::Ptr(part),
-            xq,
-            xd,
-            Arg::Ptr(paged.map_or(0, |p| p.seq)),
-            Arg::Ptr(paged.map_or(0, |p| p.tables)),
-            Arg::I32(to_i32(
-                paged.map_or(0, |p| p.max_blocks),
-                "blocks a table holds",
-            )?),
-            Arg::I32(to_i32(paged.map_or(1, |p| p.block), "block positions")?),
-            Arg::I32(to_i32(l.cap, "KV rows")?),
-            Arg::I32(l.n as i32),
-            Arg::I32(l.heads as i32),
-            Arg::I32(l.kv_heads as i32),
             Arg::F32(params.scale),
             Arg::F32(params.softcap.unwrap_or(0.0)),
             Arg::I32(params.window.map_or(0, |w| w.min(i32::MAX as usize) as i32)),
             Arg::I32(to_i32(span, "capacity")?),
         ],
-    )?;
-    if splits > 1 {
-        b.launch(
-            "attention_combine",
-            (to_i32(l.n * l.heads, "rows")? as u32, 1, 1),
-            (32 * l.d.div_ceil(32) as u32, 1, 1),
-            (splits * 4) as u32,
-            &[
-                Arg::Ptr(part),
-                Arg::Ptr(out_ptr),
-                xq,
-                xd,
-                Arg::I32(l.n as i32),
-                Arg::I32(l.heads as i32),
-                Arg::I32(l.d as i32),
-                Arg::I32(splits as i32),
-            ],
-        )?;
-    }
-    if let Some(int8) = int8 {
-        b.note_int8_copy(out, int8)?;
-    }
-    Ok(())
+        out,
+    )
 }
 
 #[cfg(test)]
