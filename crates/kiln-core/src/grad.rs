@@ -10,9 +10,8 @@
 use crate::{AttentionParams, Result, RopeLayout, Tensor};
 
 /// How the products of training (the forward pass's matmuls over F32 weights and the
-/// backward pass's) are computed. The weights, gradients and every sum stay F32: the
-/// lower precisions round the products' inputs only (PyTorch's `allow_tf32`, and its
-/// BF16 autocast with F32 master weights).
+/// backward pass's) are computed. The weights, gradients and every sum stay F32: TF32
+/// rounds the products' inputs only (PyTorch's `allow_tf32`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Products {
@@ -21,8 +20,6 @@ pub enum Products {
     F32,
     /// Inputs rounded to TF32 (10-bit mantissas), on tensor cores.
     Tf32,
-    /// Inputs rounded to BF16 (8-bit mantissas), on tensor cores.
-    Bf16,
 }
 
 impl Products {
@@ -30,13 +27,12 @@ impl Products {
         match self {
             Products::F32 => "f32",
             Products::Tf32 => "tf32",
-            Products::Bf16 => "bf16",
         }
     }
 
-    /// The setting named `s` (f32, tf32, bf16).
+    /// The setting named `s` (f32, tf32).
     pub fn parse(s: &str) -> Option<Products> {
-        [Products::F32, Products::Tf32, Products::Bf16]
+        [Products::F32, Products::Tf32]
             .into_iter()
             .find(|p| p.name() == s)
     }

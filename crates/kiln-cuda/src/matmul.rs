@@ -25,11 +25,12 @@ pub(crate) struct Blas {
 }
 
 /// cuBLAS's compute type for F32 products, by [`Products`] (in its order): F32
-/// arithmetic, or the inputs rounded to TF32 or BF16 on tensor cores with F32 sums.
-const F32_COMPUTE: [blas_sys::cublasComputeType_t; 3] = [
+/// arithmetic, or the inputs rounded to TF32 on tensor cores with F32 sums. (The
+/// FAST_16BF and FAST_16F types gave TF32's results to the bit on an H200: with F32
+/// operands cuBLAS ran its TF32 kernels; BF16 products need BF16 operands.)
+const F32_COMPUTE: [blas_sys::cublasComputeType_t; 2] = [
     blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
     blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
 ];
 
 impl Blas {
@@ -37,7 +38,6 @@ impl Blas {
         let i = match how {
             Products::F32 => 0,
             Products::Tf32 => 1,
-            Products::Bf16 => 2,
         };
         self.f32_products
             .store(i, std::sync::atomic::Ordering::Relaxed);

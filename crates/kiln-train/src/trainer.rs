@@ -54,8 +54,7 @@ pub struct Settings {
     /// own weights frozen); `None`: every weight is trained.
     #[serde(default)]
     pub lora: Option<LoraSettings>,
-    /// How the products are computed (F32 weights and gradients either way): `Bf16` is
-    /// BF16 compute with F32 master weights.
+    /// How the products are computed (F32 weights and gradients either way).
     #[serde(default)]
     pub products: Products,
 }
