@@ -170,6 +170,32 @@ impl BlockPool {
         table.registered * BLOCK_POSITIONS
     }
 
+    /// The hashes the blocks of `table` that positions up to `end` of `tokens` fill will be
+    /// registered under (those not registered yet): what a step computing them makes.
+    pub fn hashes_filled(&self, table: &BlockTable, tokens: &[u32], end: usize) -> Vec<u64> {
+        let full = end.min(tokens.len()) / BLOCK_POSITIONS;
+        let mut chain = table.chain;
+        (table.registered..full)
+            .map(|i| {
+                chain = block_hash(chain, &tokens[i * BLOCK_POSITIONS..][..BLOCK_POSITIONS]);
+                chain
+            })
+            .collect()
+    }
+
+    /// The hash of the first block of `tokens` past `table`'s registered ones that a new
+    /// sequence could take from the cache (a whole block before the last token), if any.
+    pub fn next_prefix_hash(&self, table: &BlockTable, tokens: &[u32]) -> Option<u64> {
+        let i = table.registered;
+        let most = tokens.len().saturating_sub(1) / BLOCK_POSITIONS;
+        (i < most).then(|| {
+            block_hash(
+                table.chain,
+                &tokens[i * BLOCK_POSITIONS..][..BLOCK_POSITIONS],
+            )
+        })
+    }
+
     /// Register the blocks of `table` that `computed` positions of `tokens` have filled,
     /// so that later sequences can take them. A block whose content another block already
     /// holds stays unregistered (it is freed with its sequence).

@@ -18,7 +18,7 @@
 
 use super::blocks::BlockPool;
 use super::sequence::{SeqId, Sequence};
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
 
 #[derive(Clone, Copy, Debug)]
@@ -128,6 +128,19 @@ impl Scheduler {
             i += 1;
         }
 
+        // The prompt blocks this step fills: a new sequence whose prompt goes on with one
+        // of them waits a step and takes it from the cache instead of computing it again
+        // (requests sharing a system prompt that arrive together).
+        let mut filling: HashSet<u64> = HashSet::new();
+        for w in plan.work.iter().filter(|w| w.range.len() > 1) {
+            if let Some(seq) = self.running.iter().find(|s| s.id == w.seq) {
+                filling.extend(
+                    self.pool
+                        .hashes_filled(&seq.blocks, &seq.tokens, w.range.end),
+                );
+            }
+        }
+
         // Then new sequences, first come first served, while there is room.
         while self.running.len() < self.limits.max_seqs {
             let Some(seq) = self.waiting.front_mut() else {
@@ -137,6 +150,13 @@ impl Scheduler {
             if seq.blocks.is_empty() {
                 seq.computed = self.pool.take_prefix(&mut seq.blocks, &seq.tokens);
                 plan.prefix_hits += seq.computed;
+            }
+            if self
+                .pool
+                .next_prefix_hash(&seq.blocks, &seq.tokens)
+                .is_some_and(|h| filling.contains(&h))
+            {
+                break;
             }
             let range = next_chunk(seq, self.limits.prefill_chunk);
             if range.len() > budget && chunks > 0 {
@@ -150,6 +170,7 @@ impl Scheduler {
             seq.admitted_once = true;
             budget = budget.saturating_sub(range.len());
             chunks += 1;
+            filling.extend(self.pool.hashes_filled(&seq.blocks, &seq.tokens, range.end));
             plan.work.push(Work { seq: seq.id, range });
             self.running.push(seq);
         }
@@ -342,6 +363,56 @@ mod tests {
             ]
         );
         assert_eq!(s.pool.used(), 1 + 5 + 1);
+    }
+
+    /// Requests sharing a prompt's first blocks that arrive together: the second waits one
+    /// step and takes those blocks from the cache instead of computing them beside the
+    /// first; one with another prompt goes in at once.
+    #[test]
+    fn a_prompt_block_being_computed_is_waited_for_not_computed_twice() {
+        let mut s = scheduler(100);
+        let prompt: Vec<u32> = (0..40).collect();
+        for id in 0..2 {
+            add(&mut s, id, 40);
+            s.waiting[id as usize].tokens = prompt.clone();
+        }
+        let plan = s.schedule();
+        assert_eq!(
+            plan.work,
+            [Work {
+                seq: 0,
+                range: 0..32
+            }]
+        );
+        assert_eq!(s.waiting.len(), 1);
+        // The step ran: its full blocks become the prefix cache's.
+        run(&mut s, &plan);
+        let seq = &mut s.running[0];
+        s.pool.register(&mut seq.blocks, &seq.tokens, seq.computed);
+        let plan = s.schedule();
+        assert_eq!(plan.prefix_hits, 32);
+        assert_eq!(
+            plan.work,
+            [
+                Work {
+                    seq: 0,
+                    range: 32..40
+                },
+                Work {
+                    seq: 1,
+                    range: 32..40
+                }
+            ]
+        );
+
+        // Prompts that share no block go in together.
+        let mut s = scheduler(100);
+        for id in 0..2 {
+            add(&mut s, id, 17);
+            s.waiting[id as usize].tokens = (0..17).map(|t| t + 100 * id as u32).collect();
+        }
+        let plan = s.schedule();
+        assert_eq!(plan.work.len(), 2, "{:?}", plan.work);
     }
 
     #[test]
