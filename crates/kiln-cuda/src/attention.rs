@@ -1,11 +1,13 @@
 //! Causal grouped-query attention over the KV cache (kernels/attention.cu): one sequence's
 //! contiguous cache, or a pool of blocks shared by a server's sequences.
 //!
-//! Prompts: one block per (tile of queries, KV head), whole key range. Decode (a few
-//! queries): the key range is split in pieces of `SPAN` positions over the whole cache
-//! capacity (not the current length, so a recorded step's launch shape stays valid as
-//! the sequence grows; pieces past the current position end at once), and a second
-//! kernel merges the pieces.
+//! Prompts: one block per (tile of queries, KV head), whole key range. Queries on their own
+//! (decode, a server's paged rows) with heads of 64, 128 or 256: one block per (query,
+//! KV head, piece of the key range), keys read into registers (`attention_decode_*`);
+//! other head sizes take the prompt kernel with one query a tile. The key range is split
+//! over the whole cache capacity or the longest block table (not the current length, so
+//! a recorded step's launch shape stays valid as the sequence grows; pieces past the
+//! current position end at once), and `attention_combine` merges the pieces.
 
 use crate::kernels::{Arg, LaunchNeed};
 use crate::{expect, ptr, to_i32, CudaBackend};

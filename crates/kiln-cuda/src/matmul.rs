@@ -624,12 +624,10 @@ fn gemm(
     );
     let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
     let out_ptr = ptr(out)?;
-    let handle = b.blas.handle.lock().expect("cuBLAS lock");
     let blas_err = |e: blas::CublasError| Error::Device(format!("cuBLAS GEMM {n}x{m}x{k}: {e:?}"));
     // Column-major view: out[n, m] row-major is outᵀ (m × n) column-major, which is
     // w (stored k × m column-major, transposed) times x (k × n column-major).
     if w.dtype() == DType::F32 {
-        drop(handle);
         return f32_gemm(
             b,
             (
@@ -663,6 +661,7 @@ fn gemm(
             buf
         }
     };
+    let handle = b.blas.handle.lock().expect("cuBLAS lock");
     b.fence_before_library_kernel()?;
     b.queued_other_work();
     unsafe {

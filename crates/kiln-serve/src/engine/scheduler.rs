@@ -132,7 +132,8 @@ impl Scheduler {
         // of them waits a step and takes it from the cache instead of computing it again
         // (requests sharing a system prompt that arrive together).
         let mut filling: HashSet<u64> = HashSet::new();
-        for w in plan.work.iter().filter(|w| w.range.len() > 1) {
+        let admitting = !self.waiting.is_empty() && self.running.len() < self.limits.max_seqs;
+        for w in plan.work.iter().filter(|w| admitting && w.range.len() > 1) {
             if let Some(seq) = self.running.iter().find(|s| s.id == w.seq) {
                 filling.extend(
                     self.pool
