@@ -12,12 +12,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// Every kernel file, in the order they are joined (the shared header first).
-const SOURCES: [(&str, &str); 14] = [
+const SOURCES: [(&str, &str); 15] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dot_float.cu", include_str!("kernels/dot_float.cu")),
     ("dot_q8.cu", include_str!("kernels/dot_q8.cu")),
     ("matvec.cu", include_str!("kernels/matvec.cu")),
     ("convert.cu", include_str!("kernels/convert.cu")),
+    ("gemm_tc.cu", include_str!("kernels/gemm_tc.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("kv_cache.cu", include_str!("kernels/kv_cache.cu")),

@@ -12,6 +12,7 @@ mod collective;
 mod compile;
 mod device;
 mod elementwise;
+mod gemm_tc;
 mod grad;
 mod kernels;
 mod matmul;
@@ -53,6 +54,8 @@ pub struct CudaBackend {
     ordinal: usize,
     name: String,
     arch: (i32, i32),
+    /// Streaming multiprocessors: launches that split work size it by them.
+    sms: usize,
     kernels: Kernels,
     pool: Arc<Pool>,
     blas: matmul::Blas,
@@ -112,6 +115,9 @@ impl CudaBackend {
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(driver_error)?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver_error)? as usize;
         let (cubin, cache_outcome) = compile::kernels_for(arch, driver)?;
         // Programmatic dependent launch from Hopper on; KILN_NO_PDL=1 turns it off (to
         // measure what it brings).
@@ -140,6 +146,7 @@ impl CudaBackend {
             ordinal,
             name,
             arch,
+            sms,
             kernels,
             blas,
             scratch: Mutex::new(HashMap::new()),

@@ -2,10 +2,12 @@
 //! lookup (the other op that decodes weights).
 //!
 //! Up to 8 rows of x (decode, small batches) run the matvec kernels, which read each
-//! weight once for all rows and are bound by memory bandwidth. Prompts go to cuBLAS on
-//! tensor cores: F16/BF16 weights as stored, with x rounded to the same type; quantized
-//! weights decoded to an f16 matrix first (the decode costs one pass over the weights,
-//! small next to a prompt's arithmetic); F32 weights through SGEMM.
+//! weight once for all rows and are bound by memory bandwidth. Up to 256 rows (a
+//! server's step) over quantized weights run `gemm_tc`, which decodes each weight once
+//! in shared memory for tensor cores. The rest go to cuBLAS on tensor cores: F16/BF16
+//! weights as stored, with x rounded to the same type; quantized weights of prompts
+//! decoded to an f16 matrix first (one pass over the weights, small next to a prompt's
+//! arithmetic); F32 weights through SGEMM.
 
 use crate::kernels::Arg;
 use crate::{expect, ptr, to_i32, CudaBackend};
@@ -649,6 +651,9 @@ fn gemm(
         blas_sys::cudaDataType::CUDA_R_16F
     };
     let x_half = half_x.get(b, x, bf16)?;
+    if crate::gemm_tc::takes(b, t, n, k) {
+        return crate::gemm_tc::gemm_tc(b, t, x_half, w, out, accumulate);
+    }
     let w_half = match DEQUANT_F16[t] {
         None => ptr(w)?,
         Some(kernel) => {

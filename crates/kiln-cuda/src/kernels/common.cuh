@@ -92,6 +92,22 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 
 __device__ __forceinline__ u16 load_u16(const u8* p) { return *(const u16*)p; }
 
+// float(q) for 0 <= q < 2^23, exactly, without the conversion unit (a quarter of the
+// arithmetic rate): q's bits under the exponent of 2^23, less 2^23. Decoding quants
+// does one per value.
+__device__ __forceinline__ float exact_float(u32 q) { return __int_as_float(0x4B000000u | q) - 8388608.0f; }
+
+// Two floats rounded to f16, `lo` in the low half (one instruction on sm_80 and later).
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
+#endif
+}
+
 // ---- ggml block formats (byte layouts as in ggml-common.h) ----
 
 // Q8_0: f16 d, 32 x i8.  Q4_0: f16 d, 16 bytes (low nibbles: values 0..15, high: 16..31).
@@ -126,17 +142,6 @@ template <int T> __device__ __forceinline__ WRow weight_row(const u8* w, int row
     constexpr int META = Fmt<T>::BYTES - Fmt<T>::QBYTES;
     return WRow{w + (size_t)r * blocks * Fmt<T>::QBYTES,
                 w + (size_t)rows * blocks * Fmt<T>::QBYTES + (size_t)r * blocks * META};
-}
-
-// Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
-__device__ __forceinline__ void q4k_scale_min(int j, const u8* s, float* sc, float* mn) {
-    if (j < 4) {
-        *sc = (float)(s[j] & 63);
-        *mn = (float)(s[j + 4] & 63);
-    } else {
-        *sc = (float)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
-        *mn = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
 }
 
 // Decode unit `u` (values 32u .. 32u+31) of a row.
@@ -193,58 +198,119 @@ __device__ __forceinline__ void load_words8(const u8* p, u32 words[8]) {
     words[4] = b.x; words[5] = b.y; words[6] = b.z; words[7] = b.w;
 }
 
-template <> __device__ __forceinline__ void load_unit<W_Q8_0>(WRow row, int u, float w[32]) {
-    const float d = f16_to_f32(load_u16(row.meta + 2 * (size_t)u));
-    u32 words[8];
-    load_words8(row.q + (size_t)u * 32, words);
-#pragma unroll
-    for (int i = 0; i < 32; i++) w[i] = d * (float)(i8)(words[i / 4] >> (8 * (i % 4)));
+// A quantized unit's bytes as loaded, before decoding: a kernel can issue the loads of
+// the next unit and decode them only after other work, while they are in flight.
+template <int T> struct Unit;
+template <int T> __device__ __forceinline__ Unit<T> fetch_unit(WRow row, int u);
+template <int T> __device__ __forceinline__ void decode_unit(const Unit<T>& raw, float w[32]);
+
+// Quantized types: fetch, then decode.
+template <int T> __device__ __forceinline__ void load_unit(WRow row, int u, float w[32]) {
+    decode_unit<T>(fetch_unit<T>(row, u), w);
 }
 
-template <> __device__ __forceinline__ void load_unit<W_Q4_0>(WRow row, int u, float w[32]) {
-    const float d = f16_to_f32(load_u16(row.meta + 2 * (size_t)u));
+template <> struct Unit<W_Q8_0> { u32 q[8]; u16 d; };
+
+template <> __device__ __forceinline__ Unit<W_Q8_0> fetch_unit<W_Q8_0>(WRow row, int u) {
+    Unit<W_Q8_0> raw;
+    raw.d = load_u16(row.meta + 2 * (size_t)u);
+    load_words8(row.q + (size_t)u * 32, raw.q);
+    return raw;
+}
+
+template <> __device__ __forceinline__ void decode_unit<W_Q8_0>(const Unit<W_Q8_0>& raw, float w[32]) {
+    const float d = f16_to_f32(raw.d);
+    // Bytes flipped to offset binary: q + 128, exact.
+#pragma unroll
+    for (int i = 0; i < 32; i++) w[i] = d * (exact_float((raw.q[i / 4] >> (8 * (i % 4)) & 0xFF) ^ 0x80) - 128.0f);
+}
+
+template <> struct Unit<W_Q4_0> { u32 q[4]; u16 d; };
+
+template <> __device__ __forceinline__ Unit<W_Q4_0> fetch_unit<W_Q4_0>(WRow row, int u) {
+    Unit<W_Q4_0> raw;
+    raw.d = load_u16(row.meta + 2 * (size_t)u);
     const uint4 v = ((const uint4*)row.q)[u];
-    const u32 words[4] = {v.x, v.y, v.z, v.w};
+    raw.q[0] = v.x; raw.q[1] = v.y; raw.q[2] = v.z; raw.q[3] = v.w;
+    return raw;
+}
+
+template <> __device__ __forceinline__ void decode_unit<W_Q4_0>(const Unit<W_Q4_0>& raw, float w[32]) {
+    const float d = f16_to_f32(raw.d);
 #pragma unroll
     for (int i = 0; i < 16; i++) {
-        const u32 q = (words[i / 4] >> (8 * (i % 4))) & 0xFF;
-        w[i] = d * ((float)(q & 0xF) - 8.0f);
-        w[i + 16] = d * ((float)(q >> 4) - 8.0f);
+        const u32 q = (raw.q[i / 4] >> (8 * (i % 4))) & 0xFF;
+        w[i] = d * (exact_float(q & 0xF) - 8.0f);
+        w[i + 16] = d * (exact_float(q >> 4) - 8.0f);
     }
 }
 
-template <> __device__ __forceinline__ void load_unit<W_Q4_K>(WRow row, int u, float w[32]) {
-    const int blk = u >> 3, j = u & 7;
-    const u8* m = row.meta + (size_t)blk * 16;
-    const float d = f16_to_f32(load_u16(m)), dmin = f16_to_f32(load_u16(m + 2));
-    float sc, mn;
-    q4k_scale_min(j, m + 4, &sc, &mn);
-    const float scale = d * sc, offset = dmin * mn;
+// Q4_K: `meta` is the block's 16 bytes (f16 d, f16 dmin, 12 bytes of 6-bit scales and
+// mins; 16-byte aligned in the split layout); `j` the sub-block.
+template <> struct Unit<W_Q4_K> { u32 q[8]; uint4 meta; int j; };
+
+template <> __device__ __forceinline__ Unit<W_Q4_K> fetch_unit<W_Q4_K>(WRow row, int u) {
+    Unit<W_Q4_K> raw;
+    const int blk = u >> 3;
+    raw.j = u & 7;
+    raw.meta = *(const uint4*)(row.meta + (size_t)blk * 16);
     // Sub-blocks 2c and 2c + 1 share the 32 bytes of chunk c: low and high nibbles.
-    u32 words[8];
-    load_words8(row.q + (size_t)blk * 128 + (j >> 1) * 32, words);
+    load_words8(row.q + (size_t)blk * 128 + (raw.j >> 1) * 32, raw.q);
+    return raw;
+}
+
+// Byte i (0..11) of the three words after a Q4_K block's d and dmin.
+__device__ __forceinline__ u32 q4k_scale_byte(const uint4& meta, int i) {
+    const u32 word = i < 4 ? meta.y : (i < 8 ? meta.z : meta.w);
+    return (word >> (8 * (i & 3))) & 0xFF;
+}
+
+template <> __device__ __forceinline__ void decode_unit<W_Q4_K>(const Unit<W_Q4_K>& raw, float w[32]) {
+    const int j = raw.j;
+    const float d = f16_to_f32(raw.meta.x & 0xFFFF), dmin = f16_to_f32(raw.meta.x >> 16);
+    // ggml's get_scale_min_k4.
+    float sc, mn;
+    if (j < 4) {
+        sc = (float)(q4k_scale_byte(raw.meta, j) & 63);
+        mn = (float)(q4k_scale_byte(raw.meta, j + 4) & 63);
+    } else {
+        const u32 b = q4k_scale_byte(raw.meta, j + 4);
+        sc = (float)((b & 0xF) | ((q4k_scale_byte(raw.meta, j - 4) >> 6) << 4));
+        mn = (float)((b >> 4) | ((q4k_scale_byte(raw.meta, j) >> 6) << 4));
+    }
+    const float scale = d * sc, offset = dmin * mn;
     const int shift = (j & 1) * 4;
 #pragma unroll
     for (int i = 0; i < 32; i++)
-        w[i] = scale * (float)((words[i / 4] >> (8 * (i % 4) + shift)) & 0xF) - offset;
+        w[i] = scale * exact_float((raw.q[i / 4] >> (8 * (i % 4) + shift)) & 0xF) - offset;
 }
 
-template <> __device__ __forceinline__ void load_unit<W_Q6_K>(WRow row, int u, float w[32]) {
-    const int blk = u >> 3, j = u & 7, half = j >> 2, t = j & 3;
+// Q6_K: the low-nibble and high-pair bytes of the unit, its two i8 scales (one per 16
+// values) and the block's d; `t` the unit's place within its half block.
+template <> struct Unit<W_Q6_K> { u32 lo[8], hi[8]; u16 scales, d; int t; };
+
+template <> __device__ __forceinline__ Unit<W_Q6_K> fetch_unit<W_Q6_K>(WRow row, int u) {
+    Unit<W_Q6_K> raw;
+    const int blk = u >> 3, j = u & 7, half = j >> 2;
+    raw.t = j & 3;
     const u8* b = row.q + (size_t)blk * 192;
     const u8* m = row.meta + (size_t)blk * 18;
-    u32 lo[8], hi[8];
-    load_words8(b + 64 * half + 32 * (t & 1), lo);
-    load_words8(b + 128 + 32 * half, hi);
-    const i8* sc = (const i8*)m + 8 * half + 2 * t;
-    const float d = f16_to_f32(load_u16(m + 16));
-    const int lshift = 4 * (t >> 1), hshift = 2 * t;
-    const float s0 = d * (float)sc[0], s1 = d * (float)sc[1];
+    load_words8(b + 64 * half + 32 * (raw.t & 1), raw.lo);
+    load_words8(b + 128 + 32 * half, raw.hi);
+    raw.scales = load_u16(m + 8 * half + 2 * raw.t);
+    raw.d = load_u16(m + 16);
+    return raw;
+}
+
+template <> __device__ __forceinline__ void decode_unit<W_Q6_K>(const Unit<W_Q6_K>& raw, float w[32]) {
+    const float d = f16_to_f32(raw.d);
+    const int lshift = 4 * (raw.t >> 1), hshift = 2 * raw.t;
+    const float s0 = d * (float)(i8)(raw.scales & 0xFF), s1 = d * (float)(i8)(raw.scales >> 8);
 #pragma unroll
     for (int l = 0; l < 32; l++) {
         const int sh = 8 * (l % 4);
-        const int q = ((lo[l / 4] >> (sh + lshift)) & 0xF) | (((hi[l / 4] >> (sh + hshift)) & 3) << 4);
-        w[l] = (l < 16 ? s0 : s1) * (float)(q - 32);
+        const int q = ((raw.lo[l / 4] >> (sh + lshift)) & 0xF) | (((raw.hi[l / 4] >> (sh + hshift)) & 3) << 4);
+        w[l] = (l < 16 ? s0 : s1) * (exact_float(q) - 32.0f);
     }
 }
 

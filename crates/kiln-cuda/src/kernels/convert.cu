@@ -19,7 +19,7 @@ __device__ void dequant_f16(const u8* __restrict__ w, u16* __restrict__ out, int
         u32 words[4];
 #pragma unroll
         for (int j = 0; j < 4; j++)
-            words[j] = (u32)f32_to_f16(v[8 * i + 2 * j]) | ((u32)f32_to_f16(v[8 * i + 2 * j + 1]) << 16);
+            words[j] = pack_f16x2(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
         o[i] = make_uint4(words[0], words[1], words[2], words[3]);
     }
 }
