@@ -1,13 +1,13 @@
-// Products of a batch's rows (9-256 of them: a server's decode step) with quantized or
-// half-precision weights on tensor cores: out[n, m] = x[n, k] · w[m, k]ᵀ.
+// Products of a batch's rows (9-256 of them: a server's decode step) with quantized
+// weights on tensor cores: out[n, m] = x[n, k] · w[m, k]ᵀ.
 //
 // Each weight is read from memory once a step: a block decodes a tile of weight rows,
-// one unit of 32 values a row at a time, into f16 in shared memory (bf16 for bf16
-// weights), and multiplies it with the same unit of every activation row (x, already
-// rounded to f16/bf16) by mma.m16n8k16 with f32 accumulators. The rounding is that of
-// the decoded-copy-and-cuBLAS path it replaces: weights decoded to f32, then rounded to
-// f16, products summed in f32. Two units' loads are in flight while one is multiplied
-// from shared memory; a unit is decoded as it is stored there.
+// one unit of 32 values a row at a time, into f16 in shared memory, and multiplies it
+// with the same unit of every activation row (x, already rounded to f16) by
+// mma.m16n8k16 with f32 accumulators. The rounding is that of the decoded-copy-and-cuBLAS
+// path it replaces: weights decoded to f32, then rounded to f16, products summed in f32.
+// Two units' loads are in flight while one is multiplied from shared memory; a unit is
+// decoded as it is stored there.
 //
 // Launch: grid (ceil(m / TC_BM), ceil(n / TC_BN), parts), block TC_THREADS; k a multiple
 // of 32. Part z takes units [z · units_per_part, ...) of every row; with more than one
@@ -36,28 +36,18 @@ __device__ __forceinline__ void ldmatrix_x4(u32 r[4], const u16* p) {
 #endif
 }
 
-template <bool BF16>
 __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
-    if (BF16)
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 }
 
-// One thread's unit of a weight row, as loaded (quantized: decoded on store).
-template <int T, bool HALF = (T == W_F16 || T == W_BF16)> struct TcUnit;
-
-template <int T> struct TcUnit<T, false> {
+// One thread's unit of a weight row, as loaded; decoded to f16 as it is stored.
+template <int T> struct TcUnit {
     Unit<T> raw;
     __device__ __forceinline__ void fetch(WRow row, int u) { raw = fetch_unit<T>(row, u); }
     __device__ __forceinline__ void store(u16* dst) const {
@@ -71,20 +61,6 @@ template <int T> struct TcUnit<T, false> {
                 h[j] = pack_f16x2(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
             ((uint4*)dst)[i] = make_uint4(h[0], h[1], h[2], h[3]);
         }
-    }
-};
-
-// Half weights are copied as stored (rows of k halfs, 64-byte aligned as k % 32 == 0).
-template <int T> struct TcUnit<T, true> {
-    uint4 raw[4];
-    __device__ __forceinline__ void fetch(WRow row, int u) {
-        const uint4* p = (const uint4*)(row.q + (size_t)u * 64);
-#pragma unroll
-        for (int i = 0; i < 4; i++) raw[i] = p[i];
-    }
-    __device__ __forceinline__ void store(u16* dst) const {
-#pragma unroll
-        for (int i = 0; i < 4; i++) ((uint4*)dst)[i] = raw[i];
     }
 };
 
@@ -109,7 +85,6 @@ template <int T> struct TcStage {
 
 // The block's products of one unit from shared memory: warp w's 32 weight rows times
 // the `pairs` pairs of 8-row activation tiles that hold rows.
-template <bool BF16>
 __device__ __forceinline__ void tc_multiply(const u16* wb, const u16* xb, int pairs, float acc[2][8][4]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -126,8 +101,8 @@ __device__ __forceinline__ void tc_multiply(const u16* wb, const u16* xb, int pa
                                    ((lane >> 3) & 1) * 8);
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
-                    mma_16816<BF16>(acc[mt][2 * p], a[mt], b[0], b[1]);
-                    mma_16816<BF16>(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
+                    mma_16816(acc[mt][2 * p], a[mt], b[0], b[1]);
+                    mma_16816(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
                 }
             }
         }
@@ -179,12 +154,12 @@ __device__ void gemm_tc(const u8* __restrict__ w, const u16* __restrict__ x,
     const int pairs = (xrows + 15) / 16;  // pairs of 8-row tiles that hold rows of x
 
     for (int u = u0; u < u1; u += 2) {
-        tc_multiply<T == W_BF16>(wsrc[0], xs[0], pairs, acc);
+        tc_multiply(wsrc[0], xs[0], pairs, acc);
         if (u + 1 < u1) odd.store(wdst[1], xs[1], xdst, xrows);
         if (u + 3 < u1) odd.fetch(row, xsrc, xrows, u + 3);
         __syncthreads();
         if (u + 1 >= u1) break;
-        tc_multiply<T == W_BF16>(wsrc[1], xs[1], pairs, acc);
+        tc_multiply(wsrc[1], xs[1], pairs, acc);
         if (u + 2 < u1) even.store(wdst[0], xs[0], xdst, xrows);
         if (u + 4 < u1) even.fetch(row, xsrc, xrows, u + 4);
         __syncthreads();
@@ -218,8 +193,6 @@ __device__ void gemm_tc(const u8* __restrict__ w, const u16* __restrict__ x,
              int units_per_part, int accumulate) {                                            \
         gemm_tc<T>(w, x, out, parts, m, k, n, units_per_part, accumulate);                    \
     }
-GEMM_TC(W_F16, gemm_tc_f16)
-GEMM_TC(W_BF16, gemm_tc_bf16)
 GEMM_TC(W_Q8_0, gemm_tc_q8_0)
 GEMM_TC(W_Q4_0, gemm_tc_q4_0)
 GEMM_TC(W_Q4_K, gemm_tc_q4_k)
