@@ -536,10 +536,7 @@ impl Backend for WgpuBackend {
         params: &SampleParams,
         out: &mut Tensor,
     ) -> Result<()> {
-        if sample::sample(self, logits, penalized, params, out)? {
-            return Ok(());
-        }
-        kiln_core::backend::sample_on_host(self, logits, penalized, params, out)
+        sample::sample(self, logits, penalized, params, out)
     }
 
     fn sample_rows(

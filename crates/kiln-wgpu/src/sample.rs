@@ -1,26 +1,22 @@
 //! Drawing the next token on the GPU (shaders/sample.wgsl), so that only its id is read
-//! back. Top-k up to [`MAX_TOP_K`] (llama.cpp's default is 40) runs on the device, one
-//! row or a server's batch in one dispatch; top-k off or larger falls back to the host
-//! reference, reading the logits back (row by row).
+//! back: every setting (top-k up to 256 by a sort of the candidates, top-k off or larger
+//! by a search over the whole vocabulary), one row or a server's batch in one dispatch.
 
 use crate::elementwise::count;
 use crate::kernels::SAMPLE_ROWS;
 use crate::{f32_tensor, memory, storage, WgpuBackend, WgpuStorage};
-use kiln_core::backend::{check_row_draws, sample_rows_one_by_one, token_ids};
+use kiln_core::backend::{check_row_draws, token_ids};
 use kiln_core::{Backend, DType, Error, Result, RowDraw, SampleParams, Shape, Tensor};
 
-/// The most candidates the shader keeps: one a lane of its workgroup.
-pub(crate) const MAX_TOP_K: usize = 256;
-
 /// Draw on the device from the last row of `logits` into `out` (I32 `[1]`): the batch's
-/// shader with one draw; `Ok(false)` when these parameters are the host's to handle.
+/// shader with one draw.
 pub(crate) fn sample(
     b: &WgpuBackend,
     logits: &mut Tensor,
     penalized: &[u32],
     params: &SampleParams,
     out: &mut Tensor,
-) -> Result<bool> {
+) -> Result<()> {
     let vocab = logits.shape().row_len();
     if logits.dtype() != DType::F32
         || out.dtype() != DType::I32
@@ -35,58 +31,35 @@ pub(crate) fn sample(
             out.shape()
         )));
     }
-    if !on_shader(params, vocab) {
-        return Ok(false);
-    }
     let draw = RowDraw {
         row: logits.shape().numel() / vocab - 1,
         penalized,
         params,
     };
-    dispatch_draws(b, logits, &[draw], out)?;
-    Ok(true)
+    dispatch_draws(b, logits, &[draw], out)
 }
 
-/// Every draw of a batch the shader can make in one dispatch (a workgroup a draw) and one
-/// read-back of the ids; the others row by row through the host reference.
+/// Every draw of a batch in one dispatch (a workgroup a draw) and one read-back of the ids.
 pub(crate) fn sample_rows(
     b: &WgpuBackend,
     logits: &mut Tensor,
     draws: &[RowDraw<'_>],
 ) -> Result<Vec<u32>> {
     check_row_draws(logits, draws)?;
-    let vocab = logits.shape().row_len();
-    let (on_device, on_host): (Vec<RowDraw<'_>>, Vec<RowDraw<'_>>) =
-        draws.iter().partition(|d| on_shader(d.params, vocab));
-    let mut device_ids = Vec::new().into_iter();
-    if !on_device.is_empty() {
-        let n = on_device.len();
-        let mut slot = b.drawn.lock().unwrap();
-        if slot.as_ref().is_none_or(|out| out.shape().numel() < n) {
-            *slot = Some(b.zeros(DType::I32, Shape::new(vec![2 * n])?)?);
-        }
-        let out = slot.as_ref().expect("made above");
-        dispatch_draws(b, logits, &on_device, out)?;
-        device_ids = token_ids(&b.download(out)?[..4 * n])?.into_iter();
+    if draws.is_empty() {
+        return Ok(Vec::new());
     }
-    let mut host_ids = sample_rows_one_by_one(b, logits, &on_host)?.into_iter();
-    // Back in the draws' order.
-    draws
-        .iter()
-        .map(|d| match on_shader(d.params, vocab) {
-            true => device_ids.next(),
-            false => host_ids.next(),
-        })
-        .collect::<Option<Vec<u32>>>()
-        .ok_or_else(|| Error::Device("a draw's token went missing".into()))
+    let n = draws.len();
+    let mut slot = b.drawn.lock().unwrap();
+    if slot.as_ref().is_none_or(|out| out.shape().numel() < n) {
+        *slot = Some(b.zeros(DType::I32, Shape::new(vec![2 * n])?)?);
+    }
+    let out = slot.as_ref().expect("made above");
+    dispatch_draws(b, logits, draws, out)?;
+    token_ids(&b.download(out)?[..4 * n])
 }
 
-/// Whether the shader draws with `params`: top-k (greedy: 1) from 1 to [`MAX_TOP_K`].
-fn on_shader(params: &SampleParams, vocab: usize) -> bool {
-    (1..=MAX_TOP_K).contains(&params.device_draw(vocab).0)
-}
-
-/// One dispatch of `sample_rows` for `draws` (each [`on_shader`]), draw `i`'s token into
+/// One dispatch of `sample_rows` for `draws`, draw `i`'s token into
 /// I32 `out[i]`. The draws' records (`Draw` in the shader) and penalized ids go to buffers
 /// kept and grown on the backend, so that a step's bindings, and their bind group, repeat.
 fn dispatch_draws(
