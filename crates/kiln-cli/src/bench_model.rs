@@ -53,6 +53,10 @@ fn mean_std(v: &[f64]) -> (f64, f64) {
 /// Positions a block of the batched test's paged cache holds (as `kiln serve`'s).
 const BLOCK: usize = 16;
 
+/// What sets the tests' context, for a message that it does not fit: the larger of the
+/// prompt and depth + generated tokens.
+const CONTEXT_SETTING: &str = "-p, or -d with -n, sets it";
+
 pub fn run(b: &ModelBench) -> CliResult<String> {
     let ctx = b
         .prompt
@@ -79,7 +83,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             let file = model_file::open(Some(path))?;
             let kv = model_file::kv_type(b.kv_type, backend.as_ref(), file.config(), &file.name)?;
             let plan = file.plan(backend.as_ref(), b.prompt, false, kv);
-            let m = file.load(backend, &plan, ctx)?;
+            let m = file.load(backend, &plan, ctx, CONTEXT_SETTING)?;
             let name = path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
@@ -103,7 +107,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             let plan = MemoryPlan::new(&s.config(), 0, backend.device(), b.prompt, false, kv);
             if let Some(free) = memory::free_memory(backend.as_ref())? {
                 plan.check(ctx, &free)
-                    .map_err(|no_room| Failure::usage(format!("-p/-n: {no_room}")))?;
+                    .map_err(|no_room| Failure::usage(format!("{no_room} ({CONTEXT_SETTING})")))?;
             }
             eprintln!(
                 "building a random {} model with {} weights...",

@@ -167,17 +167,19 @@ impl ModelFile {
     }
 
     /// Refuse, before anything is allocated, a context whose buffers `plan` says do not
-    /// fit on `backend`'s device; then load the weights.
+    /// fit on `backend`'s device; then load the weights. `setting` names the options that
+    /// set the context, for the message when it does not fit.
     pub fn load(
         &self,
         backend: Arc<dyn Backend>,
         plan: &MemoryPlan,
         context: usize,
+        setting: &str,
     ) -> CliResult<Model> {
         if let Some(free) = memory::free_memory(backend.as_ref())? {
             plan.check(context, &free).map_err(|no_room| {
-                let msg = format!("{}: {no_room}", self.name);
-                // A smaller --ctx-size helps only when some context fits.
+                let msg = format!("{}: {no_room} ({setting})", self.name);
+                // A smaller context helps only when some context fits.
                 if no_room.largest > 0 {
                     Failure::Usage(msg)
                 } else {

@@ -134,7 +134,7 @@ pub fn run(a: PerplexityArgs, quiet: bool) -> CliResult {
         )));
     }
     let plan = file.plan(backend.as_ref(), ctx, true, kv_type);
-    let mut model = file.load(backend, &plan, ctx)?;
+    let mut model = file.load(backend, &plan, ctx, "--ctx-size")?;
     let bos = file
         .tokenizer
         .add_bos()

@@ -191,7 +191,7 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
         run_tp::generate_split(&file, &split, &echo, &show)?
     } else {
         let plan = file.plan(backend.as_ref(), prompt.len(), false, kv_type);
-        let mut model = file.load(backend, &plan, context)?;
+        let mut model = file.load(backend, &plan, context, "--ctx-size")?;
         echo();
         let mut sampler = Sampler::new(sampler);
         generate(&mut model, tokenizer, &prompt, &mut sampler, &opts, show)?

@@ -161,7 +161,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
             kv_type,
         )?;
         // The pool was checked against free memory above; the weights are checked here.
-        let model = file.load(backend.clone(), &plan, 0)?;
+        let model = file.load(backend.clone(), &plan, 0, "--ctx-size")?;
         let runner = Box::new(PagedRunner::new(model, kv_blocks, kv_type)?);
         (runner, kv_blocks, kv_type, backend.describe())
     };

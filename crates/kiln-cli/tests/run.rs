@@ -221,7 +221,11 @@ fn bench_decodes_at_a_depth() {
     assert!(stderr(&o).contains("-d 3000000000"), "{}", stderr(&o));
     let o = kiln(&["bench", "-m", model, "-d", "100000000"]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("does not fit"), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("does not fit"), "{err}");
+    // bench has no --ctx-size: the message names what sets its context.
+    assert!(err.contains("(-p, or -d with -n, sets it)"), "{err}");
+    assert!(!err.contains("--ctx-size"), "{err}");
 }
 
 #[test]
@@ -270,6 +274,7 @@ fn a_context_the_machine_cannot_hold_is_refused_with_what_fits() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no largest context in {err}"));
     assert!(largest > 512 && largest < 2_000_000_000, "{largest}");
+    assert!(err.contains("(--ctx-size)"), "names the setting: {err}");
     assert!(err.contains("as f32"), "the CPU's default KV type: {err}");
     assert_eq!(stdout(&o), "");
 

@@ -83,7 +83,7 @@ impl fmt::Display for NoRoom {
         }
         write!(
             f,
-            "a context of {} tokens does not fit in {}: its KV cache needs {} as {}, and {} is free after the weights and buffers ({} of {free}); the largest context that fits is {} (--ctx-size)",
+            "a context of {} tokens does not fit in {}: its KV cache needs {} as {}, and {} is free after the weights and buffers ({} of {free}); the largest context that fits is {}",
             self.context,
             self.free.what,
             human_bytes(self.kv_bytes),
