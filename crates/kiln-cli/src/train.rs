@@ -796,12 +796,14 @@ fn drive(
     let mut log = Log::open(&a.out, &t, device)?;
     let mut bar = Progress::new(&t, quiet);
     let ckpt = a.out.join("checkpoint.gguf");
+    let mut saves = BackgroundSave::default();
     let steps = t.settings().steps;
     let started = Instant::now();
     let pause_at = a.pause_after.map(|n| t.steps_done() + n);
     while t.steps_done() < steps {
         if pause_at.is_some_and(|p| t.steps_done() >= p) {
-            t.save_checkpoint(&ckpt)?;
+            saves.start(t.checkpoint()?, &ckpt)?;
+            saves.wait()?;
             log.write(started.elapsed().as_secs_f64())?;
             bar.finish();
             if !quiet {
@@ -830,7 +832,7 @@ fn drive(
             alive();
         }
         if saves_after(a, n, steps) {
-            t.save_checkpoint(&ckpt)?;
+            saves.start(t.checkpoint()?, &ckpt)?;
             log.write(started.elapsed().as_secs_f64())?;
             alive();
         }
@@ -850,6 +852,7 @@ fn drive(
         }
         Err(e) => return Err(e.into()),
     };
+    saves.wait()?;
     log.write(started.elapsed().as_secs_f64())?;
     if !quiet {
         eprintln!(
@@ -868,6 +871,46 @@ fn drive(
         );
     }
     Ok(())
+}
+
+/// Checkpoints written by a thread of their own while the run goes on: a step waits for
+/// the state's copy to the host, not for the disk (nor does a data-parallel rank's
+/// watchdog, which would count a long write as a hung rank). Each save, and the end of
+/// the run, first waits for the write before it (so an older checkpoint never lands
+/// after a newer one) and reports its error. Dropped on an error, it still finishes the
+/// write under way; a crash mid-write leaves the last complete checkpoint (the write is
+/// atomic).
+#[derive(Default)]
+struct BackgroundSave {
+    writing: Option<std::thread::JoinHandle<kiln_core::Result<()>>>,
+}
+
+impl BackgroundSave {
+    fn start(
+        &mut self,
+        c: kiln_train::checkpoint::Checkpoint,
+        path: &Path,
+    ) -> kiln_core::Result<()> {
+        self.wait()?;
+        let path = path.to_path_buf();
+        self.writing = Some(std::thread::spawn(move || c.write(&path)));
+        Ok(())
+    }
+
+    fn wait(&mut self) -> kiln_core::Result<()> {
+        match self.writing.take() {
+            Some(w) => w
+                .join()
+                .unwrap_or_else(|_| Err(Error::format("the checkpoint's writer panicked"))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for BackgroundSave {
+    fn drop(&mut self) {
+        let _ = self.wait();
+    }
 }
 
 /// The progress bar on a terminal; otherwise a line now and then.

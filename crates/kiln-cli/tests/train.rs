@@ -362,6 +362,23 @@ fn bad_flags_and_data_are_one_line_errors() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
 }
 
+/// Checkpoints are written by a thread beside the steps: a write that fails still ends the
+/// run with an error naming the file, and nothing claims it was written.
+#[test]
+fn a_checkpoint_that_cannot_be_written_fails_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    // A directory with something in it where the checkpoint goes: no file can replace it.
+    let blocked = dir.path().join("checkpoint.gguf");
+    std::fs::create_dir(&blocked).unwrap();
+    std::fs::write(blocked.join("keep"), b"x").unwrap();
+    let o = train(dir.path(), &["--steps", "3", "--save-every", "1"], &[]);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("checkpoint.gguf"), "{err}");
+    assert!(!err.contains("wrote "), "{err}");
+    assert!(blocked.join("keep").exists());
+}
+
 #[test]
 fn a_lora_fine_tune_exports_a_merged_model_that_runs() {
     let dir = tempfile::tempdir().unwrap();

@@ -53,6 +53,17 @@ pub fn write(w: &GgufWriter, path: &Path) -> Result<()> {
     kiln_io::file::write_replacing(path, |b| w.write_to(b))
 }
 
+/// A checkpoint's contents, copied off the device ([`crate::Trainer::checkpoint`]): the
+/// run may go on while another thread writes them.
+pub struct Checkpoint(pub(crate) GgufWriter);
+
+impl Checkpoint {
+    /// Write it to `path` atomically (see the module's documentation).
+    pub fn write(&self, path: &Path) -> Result<()> {
+        write(&self.0, path)
+    }
+}
+
 /// The run's state in checkpoint `f`; an error names what is missing or wrong.
 pub fn read_state(f: &GgufFile) -> Result<RunState> {
     let file = f.path.display();

@@ -756,6 +756,13 @@ impl Trainer {
     /// generator, the settings. Refused, before anything is written, after an update that
     /// made a parameter non-finite.
     pub fn save_checkpoint(&self, path: &Path) -> Result<()> {
+        self.checkpoint()?.write(path)
+    }
+
+    /// What [`Trainer::save_checkpoint`] writes, on the host: for a writer that runs
+    /// beside the next steps. With a sharded optimizer every rank takes part (as in
+    /// [`Trainer::join_save`]).
+    pub fn checkpoint(&self) -> Result<checkpoint::Checkpoint> {
         self.check_not_broken()?;
         // The model's own weights (frozen under LoRA) and each adapter's matrices apart,
         // so that a resumed run goes on exactly.
@@ -777,7 +784,7 @@ impl Trainer {
                 optimizer: self.gather_optimizer()?,
             },
         )?;
-        checkpoint::write(&w, path)
+        Ok(checkpoint::Checkpoint(w))
     }
 
     fn check_not_broken(&self) -> Result<()> {
