@@ -2,7 +2,8 @@
 //!
 //! `--kernels` times the CPU matrix-vector product of a 4096 × 14336 weight (llama3-8b's
 //! `ffn_down`) in every dtype, as GB/s of weight bytes streamed, beside the machine's own
-//! read and copy bandwidth measured the same way (same threads, same bytes, same timer).
+//! read and copy bandwidth measured the same way (same threads, same bytes, same timer),
+//! and its f32 FMA rate (the ceiling of prompts over float weights).
 
 use crate::console::Failure;
 use kiln_core::{quant, Backend, DType, HostBytes, Result, Shape};
@@ -159,5 +160,12 @@ pub fn kernels(opts: &KernelBench) -> Result<String> {
         bytes as f64 / 1e6,
         2.0 * bytes as f64 / copy_s / 1e9
     );
+    // The arithmetic ceiling of prompts over float weights (one FMA a weight and token):
+    // the best of a few runs, as clocks ramp.
+    let gflops = (0..opts.reps.clamp(1, 5))
+        .map(|_| kiln_cpu::peak::fma_gflops(threads))
+        .fold(0f64, f64::max);
+    out +=
+        &format!("machine f32 FMA rate ({threads} threads, registers only): {gflops:.0} GFLOP/s\n");
     Ok(out)
 }

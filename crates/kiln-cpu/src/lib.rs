@@ -42,6 +42,7 @@ mod optim;
     allow(dead_code, unused, unreachable_code)
 )]
 mod panels;
+pub mod peak;
 mod pool;
 mod profile;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused))]
