@@ -314,6 +314,17 @@ template <> __device__ __forceinline__ void decode_unit<W_Q6_K>(const Unit<W_Q6_
     }
 }
 
+// A decoded unit rounded to f16 at dst (16-byte aligned): four 16-byte stores.
+__device__ __forceinline__ void store_unit_f16(const float v[32], u16* dst) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) h[j] = pack_f16x2(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
+        ((uint4*)dst)[i] = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+}
+
 // Plain float types: one value at index i of a row.
 template <int T> __device__ __forceinline__ float load_one(WRow row, int i) {
     if (T == W_F32) return ((const float*)row.q)[i];

@@ -13,15 +13,7 @@ __device__ void dequant_f16(const u8* __restrict__ w, u16* __restrict__ out, int
     const int u = (int)(g % units_per_row);
     float v[32];
     load_unit<T>(weight_row<T>(w, m, k, (int)r), u, v);
-    uint4* o = (uint4*)(out + r * k + (size_t)u * 32);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        u32 words[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            words[j] = pack_f16x2(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
-        o[i] = make_uint4(words[0], words[1], words[2], words[3]);
-    }
+    store_unit_f16(v, out + r * k + (size_t)u * 32);
 }
 
 extern "C" __global__ void dequant_f16_q8_0(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q8_0>(w, out, m, k); }

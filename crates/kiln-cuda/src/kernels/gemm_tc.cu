@@ -53,14 +53,7 @@ template <int T> struct TcUnit {
     __device__ __forceinline__ void store(u16* dst) const {
         float v[32];
         decode_unit<T>(raw, v);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u32 h[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                h[j] = pack_f16x2(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
-            ((uint4*)dst)[i] = make_uint4(h[0], h[1], h[2], h[3]);
-        }
+        store_unit_f16(v, dst);
     }
 };
 
