@@ -1,6 +1,7 @@
 //! Products of 9 to 256 rows (a server's decode step) with quantized weights on tensor
-//! cores (`kernels/gemm_tc.cu`): each weight is read once a step and decoded in shared
-//! memory, where cuBLAS would need the whole matrix decoded to f16 first.
+//! cores (`kernels/gemm_tc.cu`): each weight is read and decoded in shared memory once for
+//! every 64 rows of the batch, where cuBLAS would need the whole matrix decoded to f16
+//! first.
 
 use crate::kernels::Arg;
 use crate::{ptr, to_i32, CudaBackend};

@@ -1,10 +1,10 @@
 // Products of a batch's rows (9-256 of them: a server's decode step) with quantized
 // weights on tensor cores: out[n, m] = x[n, k] · w[m, k]ᵀ.
 //
-// Each weight is read from memory once a step: a block decodes a tile of weight rows,
-// one unit of 32 values a row at a time, into f16 in shared memory, and multiplies it
-// with the same unit of every activation row (x, already rounded to f16) by
-// mma.m16n8k16 with f32 accumulators. The rounding is that of the decoded-copy-and-cuBLAS
+// Each weight is read from memory once for every TC_BN activation rows (once a step up
+// to 64 rows): a block decodes a tile of weight rows, one unit of 32 values a row at a
+// time, into f16 in shared memory, and multiplies it with the same unit of each of its
+// activation rows (x, already rounded to f16) by mma.m16n8k16 with f32 accumulators. The rounding is that of the decoded-copy-and-cuBLAS
 // path it replaces: weights decoded to f32, then rounded to f16, products summed in f32.
 // Two units' loads are in flight while one is multiplied from shared memory; a unit is
 // decoded as it is stored there.
