@@ -4,8 +4,9 @@
 // Each weight is read from memory once for every TC_BN activation rows (once a step up
 // to 64 rows): a block decodes a tile of weight rows, one unit of 32 values a row at a
 // time, into f16 in shared memory, and multiplies it with the same unit of each of its
-// activation rows (x, already rounded to f16) by mma.m16n8k16 with f32 accumulators. The rounding is that of the decoded-copy-and-cuBLAS
-// path it replaces: weights decoded to f32, then rounded to f16, products summed in f32.
+// activation rows (x, already rounded to f16) by mma.m16n8k16 with f32 accumulators.
+// The rounding is that of the decoded-copy-and-cuBLAS path it replaces: weights decoded
+// to f32, then rounded to f16, products summed in f32.
 // Two units' loads are in flight while one is multiplied from shared memory; a unit is
 // decoded as it is stored there.
 //
