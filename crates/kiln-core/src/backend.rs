@@ -49,6 +49,10 @@ pub struct Pages<'a> {
     pub tables: &'a Tensor,
     /// Positions a block holds.
     pub block: usize,
+    /// The query rows as runs of consecutive rows of one sequence, in row order (their
+    /// lengths add up to the rows): a prompt chunk is one run, a decode a run of one. A
+    /// backend may let a run's queries share the keys they read.
+    pub runs: &'a [usize],
 }
 
 pub trait Backend: Send + Sync {

@@ -1,16 +1,23 @@
 //! Causal grouped-query attention over the KV cache (kernels/attention.cu): one sequence's
 //! contiguous cache, or a pool of blocks shared by a server's sequences.
 //!
-//! Prompts: one block per (tile of queries, KV head), whole key range. Queries on their own
-//! (decode, a server's paged rows) with heads of 64, 128 or 256: one block per (query,
-//! KV head, piece of the key range), keys read into registers (`attention_decode_*`);
-//! other head sizes take the prompt kernel with one query a tile. The key range is split
+//! Prompts: one block per (tile of queries, KV head), whole key range; on tensor cores
+//! where attention_tc.rs has a kernel (f16 caches, heads of 64 or 128), else on CUDA
+//! cores. Queries on their own (decode, a server's paged rows) with heads of 64, 128 or
+//! 256: one block per (query, KV head, piece of the key range), keys read into registers
+//! (`attention_decode_*`); other head sizes take the prompt kernel with one query a tile.
+//! A paged batch whose runs (`Pages::runs`) include prompt chunks sends those to the
+//! tensor-core kernel in tiles of one sequence and its decodes, by a row list, to the
+//! decode kernel. The key range is split
 //! over the whole cache capacity or the longest block table (not the current length, so
 //! a recorded step's launch shape stays valid as the sequence grows; pieces past the
 //! current position end at once), and `attention_combine` merges the pieces.
 
+use crate::attention_tc::{self, TcLaunch};
+use crate::driver_error;
 use crate::kernels::{Arg, LaunchNeed};
 use crate::{expect, ptr, to_i32, CudaBackend};
+use cudarc::driver::result;
 use kiln_core::{AttentionParams, DType, Error, Pages, Result, Tensor};
 
 /// Keys per split-K piece in decode: two chunks of 32 per block keeps each block's
@@ -251,21 +258,30 @@ pub(crate) fn paged_attention(
             pos.shape()
         )));
     }
+    if pages.runs.iter().sum::<usize>() != pos.shape().numel() {
+        return Err(Error::shape(format!(
+            "paged attention: runs of {} rows for {} queries",
+            pages.runs.iter().sum::<usize>(),
+            pos.shape().numel()
+        )));
+    }
     let paged = Paged {
         seq: ptr(pages.seq)?,
         tables: ptr(pages.tables)?,
         max_blocks,
         block: pages.block,
+        runs: pages.runs,
     };
     run(b, q, k_pool, v_pool, pos, Some(&paged), params, out)
 }
 
-/// A paged launch's tables (device pointers) and their sizes.
-struct Paged {
+/// A paged launch's tables (device pointers) and their sizes, and its rows' runs.
+struct Paged<'a> {
     seq: u64,
     tables: u64,
     max_blocks: usize,
     block: usize,
+    runs: &'a [usize],
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -334,13 +350,27 @@ fn run(
         kv_heads,
         d,
     };
+    let tc = attention_tc::kernel(b, k_cache.dtype(), d, group);
+    let decode_kernel = DECODE_HEAD_DIMS
+        .iter()
+        .position(|&x| x == d)
+        .map(|i| DECODE_KERNELS[kv][i]);
+    // A server's prompt chunks in tiles on tensor cores, its decodes beside them.
+    if let (Some(p), Some(tc), Some(dk)) = (paged, tc, decode_kernel) {
+        if p.runs.iter().any(|&r| r > 1) {
+            return paged_runs(b, tc, dk, &operands, p, params, out);
+        }
+    }
     // Queries on their own (a server's batch, a few tokens of decode) go to the decode
     // kernel where it has their head size; a prompt's tiles share their key reads.
     if paged.is_some() || n <= SPLIT_MAX_QUERIES {
-        if let Some(i) = DECODE_HEAD_DIMS.iter().position(|&x| x == d) {
+        if let Some(dk) = decode_kernel {
             let reach = paged.map_or(cap, |p| p.max_blocks * p.block);
-            return decode(b, DECODE_KERNELS[kv][i], reach, &operands, params, out);
+            return decode(b, dk, reach, &operands, None, params, out);
         }
+    }
+    if let (None, Some(tc)) = (paged, tc) {
+        return attention_tc::launch(b, tc, &operands.tc(), None, params, out);
     }
     let dv = d.div_ceil(32);
     if dv == 0 || dv > kernels.len() {
@@ -373,6 +403,7 @@ fn run(
     launch_split(
         b,
         kernels[dv - 1][per_warp - 1],
+        None,
         (
             to_i32(n.div_ceil(qt), "query tiles")? as u32,
             rows as u32,
@@ -398,7 +429,7 @@ struct Operands<'a> {
     k_cache: &'a Tensor,
     v_cache: &'a Tensor,
     pos: &'a Tensor,
-    paged: Option<&'a Paged>,
+    paged: Option<&'a Paged<'a>>,
     /// Rows of the cache (or the pool).
     cap: usize,
     heads: usize,
@@ -406,31 +437,82 @@ struct Operands<'a> {
     d: usize,
 }
 
+impl Operands<'_> {
+    fn tc(&self) -> TcLaunch<'_> {
+        TcLaunch {
+            q: self.q,
+            k_cache: self.k_cache,
+            v_cache: self.v_cache,
+            pos: self.pos,
+            paged: self.paged.map(|p| (p.seq, p.tables, p.max_blocks, p.block)),
+            cap: self.cap,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            d: self.d,
+        }
+    }
+}
+
+/// A paged batch with prompt chunks among its rows: the chunks in tiles of one sequence on
+/// tensor cores (`tc`), the rows alone in their sequence by the decode kernel (`dk`)
+/// through a row list. Both lists go to the device in one copy.
+fn paged_runs(
+    b: &CudaBackend,
+    tc: &'static str,
+    dk: &'static str,
+    o: &Operands,
+    p: &Paged,
+    params: &AttentionParams,
+    out: &mut Tensor,
+) -> Result<()> {
+    let (qt, _) = attention_tc::block_shape(o.heads / o.kv_heads);
+    let (singles, tiles) = attention_tc::split_runs(p.runs, qt);
+    let words: Vec<u8> = singles
+        .iter()
+        .chain(tiles.iter().flatten())
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let base = b.scratch("attention_rows", words.len())?;
+    // From pageable memory the driver stages the bytes before returning.
+    b.queued_other_work();
+    unsafe { result::memcpy_htod_async(base, &words[..], b.stream.cu_stream()) }
+        .map_err(driver_error)?;
+    if !singles.is_empty() {
+        let reach = p.max_blocks * p.block;
+        decode(b, dk, reach, o, Some((base, singles.len())), params, out)?;
+    }
+    let tile_list = (base + 4 * singles.len() as u64, tiles.len());
+    attention_tc::launch(b, tc, &o.tc(), Some(tile_list), params, out)
+}
+
 /// Launch an attention kernel as (`name`, (blocks along the queries, warps a block,
 /// dynamic shared memory)) over `splits` pieces of the key range, then merge the
 /// pieces (`attention_combine`). Both kernels take the same arguments up to the KV heads
 /// (queries, caches, positions, output, partials, int8 copy, tables, sizes); `tail` are
-/// the kernel's own after them. For a few queries the output also goes out as int8 rows,
-/// which the quantized output projection reads next instead of rounding it in a launch
-/// of its own.
+/// the kernel's own after them. `rows`: the decode kernel's row list (device pointer and
+/// count), when it serves only those rows. For a few queries, all served, the output also
+/// goes out as int8 rows, which the quantized output projection reads next instead of
+/// rounding it in a launch of its own.
 #[allow(clippy::too_many_arguments)]
 fn launch_split(
     b: &CudaBackend,
     name: &'static str,
+    rows: Option<(u64, usize)>,
     (blocks, warps, shared): (u32, u32, u32),
     o: &Operands,
     splits: usize,
     tail: &[Arg],
     out: &mut Tensor,
 ) -> Result<()> {
-    let (n, heads, d) = (o.q.dims()[0], o.heads, o.d);
+    let (heads, d) = (o.heads, o.d);
+    let n = rows.map_or(o.q.dims()[0], |(_, count)| count);
     let part = if splits > 1 {
         b.scratch("attention_partials", splits * n * heads * (d + 2) * 4)?
     } else {
         0
     };
     let out_ptr = ptr(out)?;
-    let int8 = (crate::matmul::reads_int8(n, heads * d) && d.is_multiple_of(32))
+    let int8 = (rows.is_none() && crate::matmul::reads_int8(n, heads * d) && d.is_multiple_of(32))
         .then(|| crate::matmul::quantized_x(b, n * heads * d))
         .transpose()?;
     let [xq, xd] = int8.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
@@ -478,6 +560,7 @@ fn launch_split(
                 Arg::I32(heads as i32),
                 Arg::I32(d as i32),
                 Arg::I32(splits as i32),
+                Arg::Ptr(rows.map_or(0, |(p, _)| p)),
             ],
         )?;
     }
@@ -500,21 +583,23 @@ fn decode_splits(pairs: usize, reach: usize) -> (usize, usize) {
 }
 
 /// A decode launch of `name` over keys up to `reach` positions (the cache's, or the
-/// longest block table's).
+/// longest block table's), for every query or those of a row list (see [`launch_split`]).
 fn decode(
     b: &CudaBackend,
     name: &'static str,
     reach: usize,
     o: &Operands,
+    rows: Option<(u64, usize)>,
     params: &AttentionParams,
     out: &mut Tensor,
 ) -> Result<()> {
-    let n = o.q.dims()[0];
+    let n = rows.map_or(o.q.dims()[0], |(_, count)| count);
     let (threads, shared) = decode_block(o.d, o.heads / o.kv_heads);
     let (splits, span) = decode_splits(n * o.kv_heads, reach);
     launch_split(
         b,
         name,
+        rows,
         (to_i32(n, "queries")? as u32, threads / 32, shared),
         o,
         splits,
@@ -523,6 +608,7 @@ fn decode(
             Arg::F32(params.softcap.unwrap_or(0.0)),
             Arg::I32(params.window.map_or(0, |w| w.min(i32::MAX as usize) as i32)),
             Arg::I32(to_i32(span, "capacity")?),
+            Arg::Ptr(rows.map_or(0, |(p, _)| p)),
         ],
         out,
     )

@@ -12,8 +12,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// Every kernel file, in the order they are joined (the shared header first).
-const SOURCES: [(&str, &str); 15] = [
+const SOURCES: [(&str, &str); 17] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
+    ("mma.cuh", include_str!("kernels/mma.cuh")),
     ("dot_float.cu", include_str!("kernels/dot_float.cu")),
     ("dot_q8.cu", include_str!("kernels/dot_q8.cu")),
     ("matvec.cu", include_str!("kernels/matvec.cu")),
@@ -24,6 +25,7 @@ const SOURCES: [(&str, &str); 15] = [
     ("kv_cache.cu", include_str!("kernels/kv_cache.cu")),
     ("rope.cu", include_str!("kernels/rope.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
+    ("attention_tc.cu", include_str!("kernels/attention_tc.cu")),
     ("sample.cu", include_str!("kernels/sample.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
     ("grad.cu", include_str!("kernels/grad.cu")),

@@ -170,8 +170,9 @@ pub fn attention_at_model_shapes(t: &Target) {
     }
 }
 
-/// Prompts in tiles of queries (16 on wgpu): a partial last tile, heads of 64, 96 and 128,
-/// grouped KV heads, positions past the start of the cache, a window and a soft-cap.
+/// Prompts in tiles of queries (16 on wgpu, 16 or 32 on CUDA's tensor cores): a partial
+/// last tile, heads of 64, 96 and 128, grouped KV heads, positions past the start of the
+/// cache, a window and a soft-cap.
 pub fn prompt_attention_in_tiles(t: &Target) {
     for (c, hd) in [64, 96, 128].into_iter().enumerate() {
         for (p, (scale, softcap, window)) in [
@@ -191,5 +192,25 @@ pub fn prompt_attention_in_tiles(t: &Target) {
             };
             check_attention(t, (c * 10 + p) as u64, shape, 90, &consecutive(40, 37));
         }
+    }
+    // Real models' groups (llama3-8b's 32 heads on 8 of 128, tinyllama's groups of 8 heads
+    // of 64, Qwen2's 7, heads without groups), prompts whose keys span several chunks of 64
+    // and tiles of 16 and 32 rows, a window across chunk edges.
+    let cases = [
+        (32, 8, 128, 100, 0, None),
+        (16, 2, 64, 70, 30, None),
+        (14, 2, 128, 40, 90, Some(50usize)),
+        (4, 4, 64, 50, 0, None),
+    ];
+    for (c, (heads, kvh, hd, n, p0, window)) in cases.into_iter().enumerate() {
+        let shape = AttentionShape {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap: None,
+            window,
+        };
+        check_attention(t, 100 + c as u64, shape, 140, &consecutive(p0, n));
     }
 }

@@ -72,10 +72,12 @@ fn check_paged_of(
         softcap: shape.softcap,
         window: shape.window,
     };
+    let runs: Vec<usize> = seqs.iter().map(|s| s.positions.len()).collect();
     let pages = Pages {
         seq: &seq_t,
         tables: &table_tensor,
         block,
+        runs: &runs,
     };
     t.backend
         .paged_attention(&q, &k, &v, &t.ints(&positions), &pages, &params, &mut out)
@@ -185,40 +187,95 @@ pub fn paged_attention(t: &Target) {
         },
     ];
     check_paged(t, 10, shape, 16, 64, &batch);
+
+    // A server's chunked prompts beside decodes (CUDA: tiles of 16 or 32 rows on tensor
+    // cores, the decodes by row list): chunks of several tiles whose keys span several
+    // chunks of 64 positions and scattered blocks, a chunk of two rows, heads of 64 in
+    // groups of 8 and of 128 in groups of 4 and 1, a window and a soft-cap.
+    let scattered =
+        |first: i32, count: i32| -> Vec<i32> { (0..count).map(|b| (first + 7 * b) % 40).collect() };
+    for (c, (heads, kvh, hd, window, softcap)) in [
+        (16, 2, 64, None, None),
+        (8, 2, 128, Some(70usize), Some(30.0f32)),
+        (4, 4, 64, None, None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let shape = AttentionShape {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap,
+            window,
+        };
+        let batch = vec![
+            Sequence {
+                blocks: scattered(3, 10),
+                positions: (100..150).collect(),
+            },
+            Sequence {
+                blocks: scattered(5, 3),
+                positions: vec![40],
+            },
+            Sequence {
+                blocks: scattered(11, 5),
+                positions: (61..63).collect(),
+            },
+            Sequence {
+                blocks: scattered(17, 3),
+                positions: (0..37).collect(),
+            },
+            Sequence {
+                blocks: scattered(23, 10),
+                positions: vec![150],
+            },
+        ];
+        check_paged(t, 20 + c as u64, shape, 16, 40, &batch);
+    }
 }
 
 /// A block id outside the pool is an error, or (on devices that cannot report errors
 /// mid-step) hides its keys: never a fault or a read outside the pool.
+/// Both for one query and for a prompt chunk of five (heads of 64 over an f16 pool: the
+/// tensor-core kernel on CUDA).
 pub fn paged_attention_with_a_block_outside_the_pool(t: &Target) {
-    let (heads, kvh, hd, block) = (4, 2, 16, 16);
-    let q = t.upload(DType::F32, &[1, heads, hd], &vec![0.5; heads * hd]);
-    let ones = vec![1.0; 2 * block * kvh * hd];
-    let k = t.upload(DType::F32, &[2 * block, kvh, hd], &ones);
-    let v = t.upload(DType::F32, &[2 * block, kvh, hd], &ones);
-    let mut tables = t.ints(&[1, 1_000_000]);
-    tables.reshape(crate::target::shape(&[1, 2])).unwrap();
-    let seq = t.ints(&[0]);
-    let pages = Pages {
-        seq: &seq,
-        tables: &tables,
-        block,
-    };
-    let mut out = t.poisoned(&[1, heads, hd]);
-    let params = AttentionParams {
-        scale: 0.25,
-        softcap: None,
-        window: None,
-    };
-    if t.backend
-        .paged_attention(&q, &k, &v, &t.ints(&[20]), &pages, &params, &mut out)
-        .is_ok()
-    {
-        // The visible keys (block 1's first 16 positions) are all ones: so is the output.
-        let got = t.read(&out);
-        assert!(
-            got.iter().all(|&x| (x - 1.0).abs() < 1e-5),
-            "keys of a block outside the pool were read: {:?}",
-            &got[..4]
-        );
+    for (dtype, hd, positions) in [
+        (DType::F32, 16, vec![20]),
+        (DType::F16, 64, (16..21).collect::<Vec<i32>>()),
+    ] {
+        let (heads, kvh, block, n) = (4, 2, 16, positions.len());
+        let q = t.upload(DType::F32, &[n, heads, hd], &vec![0.5; n * heads * hd]);
+        let ones = vec![1.0; 2 * block * kvh * hd];
+        let k = t.upload(dtype, &[2 * block, kvh, hd], &stored(dtype, &ones));
+        let v = t.upload(dtype, &[2 * block, kvh, hd], &stored(dtype, &ones));
+        let mut tables = t.ints(&[1, 1_000_000]);
+        tables.reshape(crate::target::shape(&[1, 2])).unwrap();
+        let seq = t.ints(&vec![0; n]);
+        let pages = Pages {
+            seq: &seq,
+            tables: &tables,
+            block,
+            runs: &[n],
+        };
+        let mut out = t.poisoned(&[n, heads, hd]);
+        let params = AttentionParams {
+            scale: 0.25,
+            softcap: None,
+            window: None,
+        };
+        if t.backend
+            .paged_attention(&q, &k, &v, &t.ints(&positions), &pages, &params, &mut out)
+            .is_ok()
+        {
+            // The visible keys (block 1's first 16 positions) are all ones: so is the output.
+            let got = t.read(&out);
+            assert!(
+                got.iter().all(|&x| (x - 1.0).abs() < 1e-5),
+                "{dtype}: keys of a block outside the pool were read: {:?}",
+                &got[..4]
+            );
+        }
     }
 }

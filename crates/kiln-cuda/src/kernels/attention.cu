@@ -271,16 +271,18 @@ ATTENTION_KV(KV_BF16, bf16)
 ATTENTION_KV(KV_Q8_0, q8_0)
 
 // Merge the splits' partial results of each (query, head); with xq non-null also the
-// int8 copy, as attention_body writes it. The splits' weights (their sums scaled to the
+// int8 copy, as attention_body writes it. With `rows` non-null the n queries' results go to
+// rows rows[0..n) of the output (the decode kernel's row list). The splits' weights (their sums scaled to the
 // common max) are found by the warp together, a lane a split, then each thread sums its
 // dimensions over the splits with independent reads. Launch: grid (n * heads), block
 // 32 * ceil(D / 32), dynamic shared memory splits floats.
 extern "C" __global__ void attention_combine(const float* part, float* out, i8* xq, float* xd,
-                                             int n, int heads, int D, int splits) {
+                                             int n, int heads, int D, int splits,
+                                             const int* rows) {
     follow_previous();
     extern __shared__ float weight[];  // [splits]
     __shared__ float total;
-    const size_t row = blockIdx.x;  // qi * heads + h
+    const size_t row = blockIdx.x;  // i * heads + h, for the i-th query
     const size_t stride = (size_t)n * heads * (D + 2);
     const float* base = part + row * (D + 2);
     if (threadIdx.x < 32) {
@@ -300,14 +302,15 @@ extern "C" __global__ void attention_combine(const float* part, float* out, i8* 
     }
     __syncthreads();
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    const size_t orow = rows != nullptr ? (size_t)rows[row / heads] * heads + row % heads : row;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float o = 0.0f;
         for (int s = 0; s < splits; s++) {
             const float w = weight[s];
             if (w != 0.0f) o += base[s * stride + 2 + d] * w;
         }
-        out[row * D + d] = o * inv;
-        if (xq != nullptr) quantize_warp_unit(o * inv, xq + row * D + (d & ~31), xd + row * (D / 32) + d / 32);
+        out[orow * D + d] = o * inv;
+        if (xq != nullptr) quantize_warp_unit(o * inv, xq + orow * D + (d & ~31), xd + orow * (D / 32) + d / 32);
     }
 }
 
@@ -326,7 +329,9 @@ extern "C" __global__ void attention_combine(const float* part, float* out, i8* 
 // across the warp's key groups at the end and across key slots through shared memory.
 //
 // Split-K and paged tables as attention_body (the same `part` layout, attention_combine
-// merges the splits). Launch: grid (n, kv_heads, splits), block (32, sets * slots) with
+// merges the splits). With `rows` non-null block x serves query rows[x] (a paged batch's
+// rows that are alone in their sequence, beside prompt chunks that attention_tc takes),
+// n counts those, and `part` is laid out by x. Launch: grid (n, kv_heads, splits), block (32, sets * slots) with
 // sets = ceil(group / 4), dynamic shared memory sets * slots * 4 * (D + 2) floats.
 template <int KV, int D>
 __device__ void attention_decode_body(const float* __restrict__ q, const u8* __restrict__ kc,
@@ -335,7 +340,8 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
                                       i8* __restrict__ xq, float* __restrict__ xd,
                                       const int* __restrict__ seq, const int* __restrict__ tables,
                                       int max_blocks, int block, int pool_rows, int n, int heads,
-                                      int kv_heads, float scale, float cap, int window, int span) {
+                                      int kv_heads, float scale, float cap, int window, int span,
+                                      const int* __restrict__ rows) {
     constexpr int LK = D / 8, KPL = 32 / LK, U = 4, HPW = 4;
     follow_previous();
     extern __shared__ float smem[];
@@ -343,7 +349,8 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
     const int slots = blockDim.y / sets;
     const int lane = threadIdx.x, warp = threadIdx.y;
     const int set = warp % sets, slot = warp / sets;
-    const int qi = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int slot_q = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int qi = rows != nullptr ? rows[slot_q] : slot_q;
     const int sub = lane / LK, piece = lane % LK;  // which key of a read, which 8 values
     const int qpos = pos[qi];
     const int lo = max(window > 0 ? max(0, qpos - window + 1) : 0, split * span);
@@ -488,7 +495,7 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
             out[row * D + d] = v;
             if (xq != nullptr) quantize_warp_unit(v, xq + row * D + (d & ~31), xd + row * (D / 32) + d / 32);
         } else {
-            float* pp = part + (((size_t)split * n + qi) * heads + kvh * group + gh) * (D + 2);
+            float* pp = part + (((size_t)split * n + slot_q) * heads + kvh * group + gh) * (D + 2);
             if (d == 0) {
                 pp[0] = M;
                 pp[1] = L;
@@ -506,10 +513,10 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
         const float* q, const u8* kc, const u8* vc, const int* pos, float* out, float* part,  \
         i8* xq, float* xd, const int* seq, const int* tables, int max_blocks, int block,      \
         int pool_rows, int n, int heads, int kv_heads, float scale, float cap, int window,    \
-        int span) {                                                                           \
+        int span, const int* rows) {                                                          \
         attention_decode_body<KV, D>(q, kc, vc, pos, out, part, xq, xd, seq, tables,          \
                                      max_blocks, block, pool_rows, n, heads, kv_heads, scale, \
-                                     cap, window, span);                                      \
+                                     cap, window, span, rows);                                \
     }
 #define ATTENTION_DECODE_KV(KV, NAME) \
     ATTENTION_DECODE(KV, NAME, 64) ATTENTION_DECODE(KV, NAME, 128) ATTENTION_DECODE(KV, NAME, 256)

@@ -163,11 +163,14 @@ impl Model {
         } = bk;
         let w = widths.get_mut(&width).expect("made above");
         b.write(&mut w.tables, &i32_bytes(&tables))?;
+        // Every row is a sequence of its own.
+        let runs = vec![1; bucket];
         let mut step = || -> Result<()> {
             let rows = PagedRows {
                 slots: slot_t,
                 seq: seq_t,
                 tables: &w.tables,
+                runs: &runs,
             };
             self.layers(s, &mut KvTarget::Paged { cache, rows })?;
             self.head(s, Output::Logits(Logits::All))?;

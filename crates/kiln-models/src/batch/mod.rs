@@ -59,6 +59,8 @@ pub(crate) struct PagedRows<'a> {
     pub seq: &'a Tensor,
     /// I32 `[sequences, max_blocks]`: the sequences' block tables.
     pub tables: &'a Tensor,
+    /// Each sequence's rows (consecutive), in order.
+    pub runs: &'a [usize],
 }
 
 impl<'a> PagedRows<'a> {
@@ -67,6 +69,7 @@ impl<'a> PagedRows<'a> {
             seq: self.seq,
             tables: self.tables,
             block,
+            runs: self.runs,
         }
     }
 }
@@ -114,6 +117,8 @@ struct Layout {
     /// `[sequences, max_blocks]`, row-major.
     tables: Vec<i32>,
     max_blocks: usize,
+    /// Per sequence of the step (in order): its rows.
+    runs: Vec<usize>,
     /// Per sequence of the step (in order): its last row, when it wants a result.
     outputs: Vec<Option<usize>>,
 }
@@ -203,6 +208,7 @@ impl Model {
             seq: Vec::new(),
             tables: vec![0; items.len() * max_blocks],
             max_blocks,
+            runs: items.iter().map(|it| it.tokens.len()).collect(),
             outputs: Vec::new(),
         };
         for (s, it) in items.iter().enumerate() {
@@ -294,6 +300,7 @@ impl Model {
             slots: &slots,
             seq: &seq,
             tables: &tables,
+            runs: &l.runs,
         };
         self.layers(&mut s, &mut KvTarget::Paged { cache, rows })?;
         self.outputs(&mut s, items, &l)

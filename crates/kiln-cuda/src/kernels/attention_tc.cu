@@ -1,0 +1,255 @@
+// Prompt-shaped attention on tensor cores over an f16 KV cache (a prompt, or a server's
+// prompt chunks): the scores Q·Kᵀ and the value sum P·V are mma.m16n8k16 products of f16
+// tiles with f32 sums, under the same online softmax as attention.cu.
+//
+// Keys and values are f16 already. The queries (times the scale) and the probabilities
+// each go in as two f16 parts, hi + lo (mma.cuh's split_f16x2), two products each: the
+// results keep f32's accuracy, within the bounds the CUDA-core kernel meets, and cost
+// twice the tensor-core work, which is not what this kernel waits on.
+//
+// A block serves one KV head and a tile of 16 · T query rows of one sequence: warp w takes
+// head kvh · group + w % group and rows 16 · (w / group) .. + 16 of the tile, so every
+// key and value loaded serves the group's heads and the tile's rows. Keys and values
+// stream through shared memory in chunks of 64 positions at multiples of 64, two chunks in
+// flight (cp.async); a row's result depends only on its own keys, never on the rows
+// beside it in the tile.
+//
+// Tiles: with `tiles` null, tile x holds rows [x · 16T, min(n, x · 16T + 16T)) (one
+// sequence's contiguous cache); otherwise tiles[2x] is its first row and tiles[2x + 1]
+// its row count (a paged batch's runs of one sequence, cut by the host). Positions and
+// paged tables as attention.cu (table entries outside the pool hide their keys).
+//
+// Launch: grid (tiles, kv_heads), block (32, group · T) with group · T <= 8, dynamic
+// shared memory ATC_SHARED(D) bytes.
+
+#define ATC_KEYS 64
+// Halfs a shared key or value row holds: D and 8 of padding, so that the 8 rows one
+// ldmatrix reads start in different banks.
+#define ATC_ROW(D) ((D) + 8)
+#define ATC_SHARED(D) (2 * 2 * ATC_KEYS * ATC_ROW(D) * 2 + 2 * ATC_KEYS * 4)
+
+template <int D>
+__device__ void attention_tc_body(const float* __restrict__ q, const u8* __restrict__ kc,
+                                  const u8* __restrict__ vc, const int* __restrict__ pos,
+                                  float* __restrict__ out, const int* __restrict__ seq,
+                                  const int* __restrict__ tables, const int* __restrict__ tiles,
+                                  int max_blocks, int block, int pool_rows, int n, int heads,
+                                  int kv_heads, float scale, float cap, int window) {
+    constexpr int KS = D / 16;  // k-steps of the scores, and pairs of 8-wide value tiles
+    constexpr int ROW = ATC_ROW(D);
+    follow_previous();
+    extern __shared__ __align__(16) u8 atc_smem[];
+    u16* Ks = (u16*)atc_smem;                 // [2][ATC_KEYS][ROW]
+    u16* Vs = Ks + 2 * ATC_KEYS * ROW;        // [2][ATC_KEYS][ROW]
+    int* seen = (int*)(Vs + 2 * ATC_KEYS * ROW);  // [2][ATC_KEYS]: key present in the cache
+    const int group = heads / kv_heads, kvh = blockIdx.y;
+    const int lane = threadIdx.x, warp = threadIdx.y;
+    const int tid = warp * 32 + lane, nthreads = blockDim.y * 32;
+    const int qt = 16 * (blockDim.y / group);
+    int first, rows;
+    if (tiles == nullptr) {
+        first = blockIdx.x * qt;
+        rows = min(qt, n - first);
+    } else {
+        first = tiles[2 * blockIdx.x];
+        rows = tiles[2 * blockIdx.x + 1];
+    }
+    const int h = kvh * group + warp % group;
+    const int sub = 16 * (warp / group);  // this warp's rows of the tile
+    const int g = lane >> 2, c = lane & 3;
+
+    // The keys any row of the tile sees.
+    int hi = -1, lo = 0x7fffffff;
+    for (int t = 0; t < rows; t++) {
+        const int p = pos[first + t];
+        hi = max(hi, p);
+        lo = min(lo, window > 0 ? max(0, p - window + 1) : 0);
+    }
+    const int* table = tables != nullptr ? tables + (size_t)seq[first] * max_blocks : nullptr;
+    const size_t NO_ROW = ~(size_t)0;
+    auto kv_row = [&](int kp) -> size_t {
+        if (table == nullptr) return (size_t)kp;
+        if (kp / block >= max_blocks) return NO_ROW;
+        const int b = table[kp / block];
+        const size_t row = (size_t)b * block + kp % block;
+        return b < 0 || row >= (size_t)pool_rows ? NO_ROW : row;
+    };
+
+    // This thread's two rows (g and g + 8 of the warp's 16) and their positions; rows past
+    // the tile see nothing and are not written.
+    int rpos[2];
+    bool live[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int t = sub + g + 8 * i;
+        live[i] = t < rows;
+        rpos[i] = live[i] ? pos[first + t] : -1;
+    }
+
+    // The queries as A fragments, hi and lo parts, scaled: k-step s holds columns
+    // 16s + 2c, + 1 (registers 0, 1 for rows g, g + 8) and the same + 8 (registers 2, 3).
+    u32 qh[KS][4], ql[KS][4];
+#pragma unroll
+    for (int s = 0; s < KS; s++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int i = r & 1, col = 16 * s + 2 * c + 8 * (r >> 1);
+            float2 v = make_float2(0.0f, 0.0f);
+            if (live[i]) v = *(const float2*)(q + ((size_t)(first + sub + g + 8 * i) * heads + h) * D + col);
+            split_f16x2(v.x * scale, v.y * scale, qh[s][r], ql[s][r]);
+        }
+
+    // A chunk's keys and values into buffer `buf`: 16-byte pieces, zeros where a position
+    // is outside the tile's range or its table entry is outside the pool.
+    auto load_chunk = [&](int c0, int buf) {
+        u16* kd = Ks + buf * ATC_KEYS * ROW;
+        u16* vd = Vs + buf * ATC_KEYS * ROW;
+        for (int idx = tid; idx < ATC_KEYS * (D / 8); idx += nthreads) {
+            const int j = idx / (D / 8), part = idx % (D / 8), kp = c0 + j;
+            const size_t row = kp >= lo && kp <= hi ? kv_row(kp) : NO_ROW;
+            const bool ok = row != NO_ROW;
+            const size_t e = ok ? (row * kv_heads + kvh) * D + 8 * part : 0;
+            cp_async16(kd + j * ROW + 8 * part, kc + 2 * e, ok ? 16 : 0);
+            cp_async16(vd + j * ROW + 8 * part, vc + 2 * e, ok ? 16 : 0);
+            if (part == 0) seen[buf * ATC_KEYS + j] = ok;
+        }
+        cp_async_commit();
+    };
+
+    float o[2 * KS][4];
+#pragma unroll
+    for (int j = 0; j < 2 * KS; j++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) o[j][r] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+
+    const int c_first = hi < 0 ? 0 : (lo / ATC_KEYS) * ATC_KEYS;
+    const int chunks = hi < 0 ? 0 : (hi - c_first) / ATC_KEYS + 1;
+    if (chunks > 0) load_chunk(c_first, 0);
+    for (int ch = 0; ch < chunks; ch++) {
+        const int c0 = c_first + ch * ATC_KEYS, buf = ch & 1;
+        if (ch + 1 < chunks) {
+            load_chunk(c0 + ATC_KEYS, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u16* kb = Ks + buf * ATC_KEYS * ROW;
+        const u16* vb = Vs + buf * ATC_KEYS * ROW;
+        const int* sb = seen + buf * ATC_KEYS;
+
+        // Scores of the warp's 16 rows against the chunk's 64 keys: tile j holds keys
+        // 8j + 2c, + 1 of rows g (registers 0, 1) and g + 8 (2, 3).
+        float sc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) sc[j][r] = 0.0f;
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+#pragma unroll
+            for (int s = 0; s < KS; s++) {
+                u32 b[4];
+                ldmatrix_x4(b, kb + (16 * p + (lane & 7) + ((lane >> 4) << 3)) * ROW + 16 * s +
+                                   ((lane >> 3) & 1) * 8);
+                mma_16816(sc[2 * p], qh[s], b[0], b[1]);
+                mma_16816(sc[2 * p], ql[s], b[0], b[1]);
+                mma_16816(sc[2 * p + 1], qh[s], b[2], b[3]);
+                mma_16816(sc[2 * p + 1], ql[s], b[2], b[3]);
+            }
+
+        // Online softmax of each row: masked scores are -inf; the row's four lanes share
+        // its max.
+        float corr[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int kj = 8 * j + 2 * c + e, kp = c0 + kj;
+                    float s = NEG_INF;
+                    if (sb[kj] && kp <= rpos[i] && (window <= 0 || kp > rpos[i] - window)) {
+                        s = sc[j][2 * i + e];
+                        if (cap > 0.0f) s = cap * tanhf(s / cap);
+                    }
+                    sc[j][2 * i + e] = s;
+                    mx = fmaxf(mx, s);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[i], mx);
+            corr[i] = m_new == NEG_INF ? 1.0f : expf(m[i] - m_new);
+            m[i] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float s = sc[j][2 * i + e];
+                    const float p = s == NEG_INF ? 0.0f : expf(s - m_new);
+                    sc[j][2 * i + e] = p;
+                    sum += p;
+                }
+            l[i] = l[i] * corr[i] + sum;
+        }
+#pragma unroll
+        for (int j = 0; j < 2 * KS; j++) {
+            o[j][0] *= corr[0];
+            o[j][1] *= corr[0];
+            o[j][2] *= corr[1];
+            o[j][3] *= corr[1];
+        }
+
+        // The value sum: the probabilities of keys 16p .. 16p + 15 are the A fragment of
+        // k-step p as they lie (score tiles 2p and 2p + 1), in hi and lo parts.
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            u32 ph[4], pl[4];
+            split_f16x2(sc[2 * p][0], sc[2 * p][1], ph[0], pl[0]);
+            split_f16x2(sc[2 * p][2], sc[2 * p][3], ph[1], pl[1]);
+            split_f16x2(sc[2 * p + 1][0], sc[2 * p + 1][1], ph[2], pl[2]);
+            split_f16x2(sc[2 * p + 1][2], sc[2 * p + 1][3], ph[3], pl[3]);
+#pragma unroll
+            for (int s = 0; s < KS; s++) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vb + (16 * p + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW +
+                                         16 * s + (lane >> 4) * 8);
+                mma_16816(o[2 * s], ph, b[0], b[1]);
+                mma_16816(o[2 * s], pl, b[0], b[1]);
+                mma_16816(o[2 * s + 1], ph, b[2], b[3]);
+                mma_16816(o[2 * s + 1], pl, b[2], b[3]);
+            }
+        }
+        // Every warp is done with this buffer before the next chunk's loads refill it.
+        __syncthreads();
+    }
+
+    // Each row's sum over its four lanes, then the normalised output: value tile j holds
+    // dimensions 8j + 2c, + 1.
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        if (!live[i]) continue;
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        float* dst = out + ((size_t)(first + sub + g + 8 * i) * heads + h) * D + 2 * c;
+#pragma unroll
+        for (int j = 0; j < 2 * KS; j++)
+            *(float2*)(dst + 8 * j) = make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+    }
+}
+
+// Named attention_tc_<head dimensions>; blocks of up to 8 warps.
+#define ATTENTION_TC(D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) attention_tc_##D(                        \
+        const float* q, const u8* kc, const u8* vc, const int* pos, float* out, const int* seq, \
+        const int* tables, const int* tiles, int max_blocks, int block, int pool_rows, int n,   \
+        int heads, int kv_heads, float scale, float cap, int window) {                          \
+        attention_tc_body<D>(q, kc, vc, pos, out, seq, tables, tiles, max_blocks, block,       \
+                             pool_rows, n, heads, kv_heads, scale, cap, window);               \
+    }
+ATTENTION_TC(64)
+ATTENTION_TC(128)
