@@ -144,7 +144,7 @@ pub fn attention_at_model_shapes(t: &Target) {
         Option<usize>,
         Option<f32>,
     );
-    let cases: [Case; 9] = [
+    let cases: [Case; 10] = [
         (1, 4, 2, 16, 64, 20, None, None),
         (1, 32, 4, 64, 700, 517, None, None),
         (3, 8, 1, 128, 600, 300, None, None),
@@ -156,6 +156,8 @@ pub fn attention_at_model_shapes(t: &Target) {
         (2, 32, 1, 64, 300, 250, None, None),
         (1, 12, 1, 256, 100, 90, None, Some(50.0)),
         (1, 8, 4, 256, 300, 299, Some(100), None),
+        // A group of 16 heads decoding with a soft-cap.
+        (2, 16, 1, 128, 200, 150, None, Some(20.0)),
     ];
     for (c, (n, heads, kvh, hd, cap, p0, window, softcap)) in cases.into_iter().enumerate() {
         let shape = AttentionShape {

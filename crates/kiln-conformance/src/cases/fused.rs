@@ -234,10 +234,16 @@ pub fn rms_norm_gated_ffn(t: &Target) {
 /// the product reads, as CUDA's int8 copy): the product must see what attention wrote,
 /// and once another op has changed it, the changed values.
 pub fn attention_output_feeds_a_product(t: &Target) {
-    // (queries, heads, kv_heads, head_dim, capacity, first position): one split, several.
-    for (c, (n, heads, kvh, hd, cap, p0)) in [(1, 8, 2, 64, 40, 30), (2, 4, 4, 128, 700, 600)]
-        .into_iter()
-        .enumerate()
+    // (queries, heads, kv_heads, head_dim, capacity, first position, cache type): one
+    // split, several; f32 and f16 caches (f16 the GPUs' default).
+    for (c, (n, heads, kvh, hd, cap, p0, kv)) in [
+        (1, 8, 2, 64, 40, 30, DType::F32),
+        (2, 4, 4, 128, 700, 600, DType::F32),
+        (1, 8, 2, 64, 40, 30, DType::F16),
+        (2, 4, 4, 128, 700, 600, DType::F16),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let mut rng = t.rng(c as u64);
         let q = t.upload(
@@ -246,14 +252,14 @@ pub fn attention_output_feeds_a_product(t: &Target) {
             &random(&mut rng, n * heads * hd, 1.0),
         );
         let kc = t.upload(
-            DType::F32,
+            kv,
             &[cap, kvh, hd],
-            &random(&mut rng, cap * kvh * hd, 1.0),
+            &stored(kv, &random(&mut rng, cap * kvh * hd, 1.0)),
         );
         let vc = t.upload(
-            DType::F32,
+            kv,
             &[cap, kvh, hd],
-            &random(&mut rng, cap * kvh * hd, 1.0),
+            &stored(kv, &random(&mut rng, cap * kvh * hd, 1.0)),
         );
         let positions: Vec<i32> = (p0..p0 + n as i32).collect();
         let pos = t.ints(&positions);
@@ -267,7 +273,7 @@ pub fn attention_output_feeds_a_product(t: &Target) {
             let wv = random(&mut rng, m * k, 1.0);
             let (w, wd) = (t.upload(dtype, &[m, k], &wv), stored(dtype, &wv));
             let rounding = t.rounding(dtype, n, k);
-            let what = format!("{dtype} n={n} hd={hd}");
+            let what = format!("{dtype} n={n} hd={hd} over a {kv} cache");
             let mut attn = t.poisoned(&[n, heads, hd]);
             t.backend
                 .attention(&q, &kc, &vc, &pos, &params, &mut attn)

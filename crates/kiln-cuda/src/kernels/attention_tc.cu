@@ -28,6 +28,44 @@
 #define ATC_ROW(D) ((D) + 8)
 #define ATC_SHARED(D) (2 * 2 * ATC_KEYS * ATC_ROW(D) * 2 + 2 * ATC_KEYS * 4)
 
+// Where position kp's key and value lie: the cache row itself, or through a block table
+// (NO_ROW for an entry outside the pool or past the table).
+struct KvRows {
+    const int* table;  // null for one sequence's cache
+    int max_blocks, block, pool_rows;
+    static constexpr size_t NO_ROW = ~(size_t)0;
+    __device__ __forceinline__ size_t row(int kp) const {
+        if (table == nullptr) return (size_t)kp;
+        if (kp / block >= max_blocks) return NO_ROW;
+        const int b = table[kp / block];
+        const size_t r = (size_t)b * block + kp % block;
+        return b < 0 || r >= (size_t)pool_rows ? NO_ROW : r;
+    }
+};
+
+// Positions c0 .. c0 + 63 of KV head kvh into chunk buffer `buf` (keys, values, and a
+// flag each: present and within [lo, hi]), 16-byte pieces by cp.async, zeros elsewhere;
+// the block's threads take the pieces in turn. Commits one group.
+template <int D>
+__device__ __forceinline__ void atc_load_chunk(u16* Ks, u16* Vs, int* seen, const u8* kc, const u8* vc,
+                                               const KvRows& src, int kv_heads, int kvh, int c0,
+                                               int lo, int hi, int buf) {
+    constexpr int ROW = ATC_ROW(D);
+    u16* kd = Ks + buf * ATC_KEYS * ROW;
+    u16* vd = Vs + buf * ATC_KEYS * ROW;
+    const int tid = threadIdx.y * 32 + threadIdx.x, nthreads = blockDim.y * 32;
+    for (int idx = tid; idx < ATC_KEYS * (D / 8); idx += nthreads) {
+        const int j = idx / (D / 8), part = idx % (D / 8), kp = c0 + j;
+        const size_t row = kp >= lo && kp <= hi ? src.row(kp) : KvRows::NO_ROW;
+        const bool ok = row != KvRows::NO_ROW;
+        const size_t e = ok ? (row * kv_heads + kvh) * D + 8 * part : 0;
+        cp_async16(kd + j * ROW + 8 * part, kc + 2 * e, ok ? 16 : 0);
+        cp_async16(vd + j * ROW + 8 * part, vc + 2 * e, ok ? 16 : 0);
+        if (part == 0) seen[buf * ATC_KEYS + j] = ok;
+    }
+    cp_async_commit();
+}
+
 template <int D>
 __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restrict__ kc,
                                   const u8* __restrict__ vc, const int* __restrict__ pos,
@@ -44,7 +82,6 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
     int* seen = (int*)(Vs + 2 * ATC_KEYS * ROW);  // [2][ATC_KEYS]: key present in the cache
     const int group = heads / kv_heads, kvh = blockIdx.y;
     const int lane = threadIdx.x, warp = threadIdx.y;
-    const int tid = warp * 32 + lane, nthreads = blockDim.y * 32;
     const int qt = 16 * (blockDim.y / group);
     int first, rows;
     if (tiles == nullptr) {
@@ -65,15 +102,8 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
         hi = max(hi, p);
         lo = min(lo, window > 0 ? max(0, p - window + 1) : 0);
     }
-    const int* table = tables != nullptr ? tables + (size_t)seq[first] * max_blocks : nullptr;
-    const size_t NO_ROW = ~(size_t)0;
-    auto kv_row = [&](int kp) -> size_t {
-        if (table == nullptr) return (size_t)kp;
-        if (kp / block >= max_blocks) return NO_ROW;
-        const int b = table[kp / block];
-        const size_t row = (size_t)b * block + kp % block;
-        return b < 0 || row >= (size_t)pool_rows ? NO_ROW : row;
-    };
+    const KvRows src = {tables != nullptr ? tables + (size_t)seq[first] * max_blocks : nullptr, max_blocks,
+                        block, pool_rows};
 
     // This thread's two rows (g and g + 8 of the warp's 16) and their positions; rows past
     // the tile see nothing and are not written.
@@ -99,21 +129,8 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
             split_f16x2(v.x * scale, v.y * scale, qh[s][r], ql[s][r]);
         }
 
-    // A chunk's keys and values into buffer `buf`: 16-byte pieces, zeros where a position
-    // is outside the tile's range or its table entry is outside the pool.
     auto load_chunk = [&](int c0, int buf) {
-        u16* kd = Ks + buf * ATC_KEYS * ROW;
-        u16* vd = Vs + buf * ATC_KEYS * ROW;
-        for (int idx = tid; idx < ATC_KEYS * (D / 8); idx += nthreads) {
-            const int j = idx / (D / 8), part = idx % (D / 8), kp = c0 + j;
-            const size_t row = kp >= lo && kp <= hi ? kv_row(kp) : NO_ROW;
-            const bool ok = row != NO_ROW;
-            const size_t e = ok ? (row * kv_heads + kvh) * D + 8 * part : 0;
-            cp_async16(kd + j * ROW + 8 * part, kc + 2 * e, ok ? 16 : 0);
-            cp_async16(vd + j * ROW + 8 * part, vc + 2 * e, ok ? 16 : 0);
-            if (part == 0) seen[buf * ATC_KEYS + j] = ok;
-        }
-        cp_async_commit();
+        atc_load_chunk<D>(Ks, Vs, seen, kc, vc, src, kv_heads, kvh, c0, lo, hi, buf);
     };
 
     float o[2 * KS][4];
