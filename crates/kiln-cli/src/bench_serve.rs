@@ -4,7 +4,9 @@
 //! prefix, a set number of tokens out with `ignore_eos`), bounded in requests and in time.
 //! It prints output tok/s, per-user tok/s (its tokens over the time from request to last
 //! token), time to first token and inter-token latency (per request: its mean gap), as a
-//! table and as one JSON line.
+//! table and as one JSON line; requests that came back with fewer tokens than asked are
+//! counted as short, with the finish reasons the server gave, since a server that ends
+//! requests early would otherwise look faster per token than it is.
 
 use crate::console::{CliResult, Failure};
 use kiln_core::Error;
@@ -58,6 +60,8 @@ struct Sample {
     tokens: usize,
     /// From the first token to the last.
     decode: Duration,
+    /// The server's `finish_reason`, if it sent one.
+    finish: Option<String>,
 }
 
 impl Sample {
@@ -72,6 +76,10 @@ struct Level {
     concurrency: usize,
     requests: usize,
     failed: usize,
+    /// Requests that returned fewer tokens than asked.
+    short: usize,
+    /// How many requests ended for each finish reason (`none`: not sent).
+    finishes: std::collections::BTreeMap<String, usize>,
     output_tokens: usize,
     wall: Duration,
     per_user: f64,
@@ -237,7 +245,7 @@ async fn sweep(a: &BenchServeArgs) -> CliResult<Vec<Level>> {
             failed += f;
         }
         request_no += total;
-        levels.push(level(c, samples, failed, start.elapsed()));
+        levels.push(level(c, samples, failed, start.elapsed(), a.output_tokens));
     }
     Ok(levels)
 }
@@ -270,6 +278,7 @@ async fn one_request(req: reqwest::RequestBuilder) -> Option<Sample> {
     // Tokens from the usage chunk; servers that send none (llama-server's streams) are
     // counted by the chunks that carry text, one token each.
     let (mut tokens, mut text_chunks) = (None::<usize>, 0);
+    let mut finish = None;
     while let Some(chunk) = r.chunk().await.ok()? {
         buf.push_str(&String::from_utf8_lossy(&chunk));
         while let Some(end) = buf.find("\n\n") {
@@ -282,6 +291,9 @@ async fn one_request(req: reqwest::RequestBuilder) -> Option<Sample> {
                 let v: Value = serde_json::from_str(data).ok()?;
                 if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
                     tokens = Some(n as usize);
+                }
+                if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                    finish = Some(f.to_string());
                 }
                 let text = v["choices"][0]["text"].as_str().unwrap_or("");
                 if !text.is_empty() {
@@ -297,10 +309,22 @@ async fn one_request(req: reqwest::RequestBuilder) -> Option<Sample> {
         ttft: first - start,
         tokens: tokens.unwrap_or(text_chunks),
         decode: last.unwrap_or(first) - first,
+        finish,
     })
 }
 
-fn level(concurrency: usize, samples: Vec<Sample>, failed: usize, wall: Duration) -> Level {
+fn level(
+    concurrency: usize,
+    samples: Vec<Sample>,
+    failed: usize,
+    wall: Duration,
+    asked: usize,
+) -> Level {
+    let mut finishes = std::collections::BTreeMap::new();
+    for s in &samples {
+        let f = s.finish.clone().unwrap_or_else(|| "none".to_string());
+        *finishes.entry(f).or_insert(0) += 1;
+    }
     // What a user sees: its tokens over the time from sending the request to the last.
     let per_user: Vec<f64> = samples
         .iter()
@@ -310,6 +334,8 @@ fn level(concurrency: usize, samples: Vec<Sample>, failed: usize, wall: Duration
         concurrency,
         requests: samples.len(),
         failed,
+        short: samples.iter().filter(|s| s.tokens < asked).count(),
+        finishes,
         output_tokens: samples.iter().map(|s| s.tokens).sum(),
         wall,
         per_user: per_user.iter().sum::<f64>() / per_user.len().max(1) as f64,
@@ -331,15 +357,16 @@ fn percentile_ms(values: &[Duration], p: f64) -> f64 {
 
 fn table(a: &BenchServeArgs, levels: &[Level]) -> String {
     let mut out = format!(
-        "{} prompt tokens ({:.0}% shared prefix), {} out\n\n| clients | requests | failed | output tok/s | per-user tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "{} prompt tokens ({:.0}% shared prefix), {} out\n\n| clients | requests | failed | short | output tok/s | per-user tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         a.prompt_tokens, a.shared_prefix * 100.0, a.output_tokens
     );
     for l in levels {
         out.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |\n",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |\n",
             l.concurrency,
             l.requests,
             l.failed,
+            l.short,
             l.output_tokens as f64 / l.wall.as_secs_f64(),
             l.per_user,
             percentile_ms(&l.ttft, 50.0),
@@ -361,6 +388,8 @@ fn to_json(a: &BenchServeArgs, levels: &[Level]) -> Value {
             "concurrency": l.concurrency,
             "requests": l.requests,
             "failed": l.failed,
+            "short": l.short,
+            "finish_reasons": l.finishes,
             "output_tokens": l.output_tokens,
             "seconds": l.wall.as_secs_f64(),
             "output_tokens_per_s": l.output_tokens as f64 / l.wall.as_secs_f64(),
@@ -409,6 +438,36 @@ mod tests {
         assert_eq!(
             percentile_ms(&[Duration::from_millis(3), Duration::from_millis(1)], 50.0),
             1.0
+        );
+    }
+
+    #[test]
+    fn requests_that_end_early_are_counted_short_with_their_reasons() {
+        let sample = |tokens, finish: Option<&str>| Sample {
+            ttft: Duration::from_millis(10),
+            tokens,
+            decode: Duration::from_millis(100),
+            finish: finish.map(str::to_string),
+        };
+        let l = level(
+            2,
+            vec![
+                sample(128, Some("length")),
+                sample(40, Some("stop")),
+                sample(12, None),
+            ],
+            1,
+            Duration::from_secs(1),
+            128,
+        );
+        assert_eq!((l.requests, l.failed, l.short), (3, 1, 2));
+        assert_eq!(
+            l.finishes.into_iter().collect::<Vec<_>>(),
+            vec![
+                ("length".to_string(), 1),
+                ("none".to_string(), 1),
+                ("stop".to_string(), 1)
+            ]
         );
     }
 }
