@@ -114,7 +114,10 @@ pub(crate) fn kernels_for(arch: (i32, i32), driver: i32) -> Result<(Vec<u8>, Cac
     if let Some(p) = &path {
         if p.exists() {
             match read_entry(p) {
-                Some(cubin) => return Ok((cubin, CacheOutcome::Hit)),
+                Some(cubin) => {
+                    tracing::info!("CUDA kernels from the cache: {}", p.display());
+                    return Ok((cubin, CacheOutcome::Hit));
+                }
                 None => {
                     tracing::warn!(
                         "{}: corrupt kernel cache entry; compiling again",
