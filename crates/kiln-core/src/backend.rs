@@ -55,6 +55,28 @@ pub struct Pages<'a> {
     pub runs: &'a [usize],
 }
 
+/// [`Backend::rope_write_kv`] as the ops it stands for: for backends whose fused kernel
+/// does not take every case.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_write_kv_by_ops<B: Backend + ?Sized>(
+    b: &B,
+    q: &mut Tensor,
+    k: &mut Tensor,
+    v: &Tensor,
+    pos: &Tensor,
+    rows: Option<&Tensor>,
+    rope: Option<(&Tensor, RopeLayout)>,
+    k_cache: &mut Tensor,
+    v_cache: &mut Tensor,
+) -> Result<()> {
+    if let Some((inv_freq, layout)) = rope {
+        b.rope(q, pos, inv_freq, layout)?;
+        b.rope(k, pos, inv_freq, layout)?;
+    }
+    b.write_rows(k, k_cache, rows.unwrap_or(pos))?;
+    b.write_rows(v, v_cache, rows.unwrap_or(pos))
+}
+
 pub trait Backend: Send + Sync {
     fn device(&self) -> Device;
 
@@ -269,9 +291,9 @@ pub trait Backend: Send + Sync {
         }
     }
 
-    /// Rotate `q` in place and `k` (when `rope` is given), then write `k` and `v` into
-    /// the caches at `pos`, converted to the caches' type as [`Backend::write_rows`]
-    /// converts rows.
+    /// Rotate `q` in place and `k` (when `rope` is given) by the positions `pos`, then
+    /// write `k` and `v` into the caches at `rows` (a paged pool's slots; `None`: at the
+    /// positions), converted to the caches' type as [`Backend::write_rows`] converts rows.
     #[allow(clippy::too_many_arguments)]
     fn rope_write_kv(
         &self,
@@ -279,16 +301,12 @@ pub trait Backend: Send + Sync {
         k: &mut Tensor,
         v: &Tensor,
         pos: &Tensor,
+        rows: Option<&Tensor>,
         rope: Option<(&Tensor, RopeLayout)>,
         k_cache: &mut Tensor,
         v_cache: &mut Tensor,
     ) -> Result<()> {
-        if let Some((inv_freq, layout)) = rope {
-            self.rope(q, pos, inv_freq, layout)?;
-            self.rope(k, pos, inv_freq, layout)?;
-        }
-        self.write_rows(k, k_cache, pos)?;
-        self.write_rows(v, v_cache, pos)
+        rope_write_kv_by_ops(self, q, k, v, pos, rows, rope, k_cache, v_cache)
     }
 
     /// The backward kernels, where this backend can train (see [`GradOps`]); `None`

@@ -19,7 +19,8 @@ pub mod shape;
 pub mod tensor;
 
 pub use backend::{
-    to_device, AttentionParams, Backend, KernelTime, Pages, Replay, RmsNorm, RopeLayout, RowDraw,
+    rope_write_kv_by_ops, to_device, AttentionParams, Backend, KernelTime, Pages, Replay, RmsNorm,
+    RopeLayout, RowDraw,
 };
 pub use collective::Collective;
 pub use device::Device;

@@ -612,11 +612,18 @@ impl Backend for CudaBackend {
         k: &mut Tensor,
         v: &Tensor,
         pos: &Tensor,
+        rows: Option<&Tensor>,
         rope: Option<(&Tensor, RopeLayout)>,
         k_cache: &mut Tensor,
         v_cache: &mut Tensor,
     ) -> Result<()> {
-        elementwise::rope_write_kv(self, q, k, v, pos, rope, k_cache, v_cache)
+        match rows {
+            // A paged pool's slots: the fused kernel writes at the positions.
+            Some(_) => {
+                kiln_core::rope_write_kv_by_ops(self, q, k, v, pos, rows, rope, k_cache, v_cache)
+            }
+            None => elementwise::rope_write_kv(self, q, k, v, pos, rope, k_cache, v_cache),
+        }
     }
 
     fn grad(&self) -> Option<&dyn GradOps> {

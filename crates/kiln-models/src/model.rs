@@ -582,6 +582,7 @@ impl Model {
                         &mut s.k,
                         &s.v,
                         &s.positions,
+                        None,
                         rope,
                         k_cache,
                         v_cache,
@@ -596,12 +597,17 @@ impl Model {
                     )?;
                 }
                 KvTarget::Paged { cache, rows } => {
-                    if let Some((inv_freq, layout)) = rope {
-                        b.rope(&mut s.q, &s.positions, inv_freq, layout)?;
-                        b.rope(&mut s.k, &s.positions, inv_freq, layout)?;
-                    }
-                    b.write_rows(&s.k, &mut cache.k[l], rows.slots)?;
-                    b.write_rows(&s.v, &mut cache.v[l], rows.slots)?;
+                    let (k_pool, v_pool) = (&mut cache.k[l], &mut cache.v[l]);
+                    b.rope_write_kv(
+                        &mut s.q,
+                        &mut s.k,
+                        &s.v,
+                        &s.positions,
+                        Some(rows.slots),
+                        rope,
+                        k_pool,
+                        v_pool,
+                    )?;
                     b.paged_attention(
                         &s.q,
                         &cache.k[l],

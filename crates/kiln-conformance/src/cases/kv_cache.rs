@@ -118,10 +118,13 @@ pub fn write_rows(t: &Target) {
     }
 }
 
+/// Rope by the positions, rows written at the positions or (a paged pool's slots) at
+/// rows of their own.
 pub fn rope_write_kv(t: &Target) {
     let mut rng = t.rng(0);
     let (n, heads, kvh, cap) = (3, 8, 2, 16);
     let positions = [7, 0, 15];
+    let slots = [3, 12, 9];
     // (head_dim, rotated pairs): all, part, none.
     for (hd, pairs) in [(64, Some(32)), (64, Some(16)), (80, Some(16)), (64, None)] {
         let qv = random(&mut rng, n * heads * hd, 1.0);
@@ -129,10 +132,12 @@ pub fn rope_write_kv(t: &Target) {
         let vv = random(&mut rng, n * kvh * hd, 1.0);
         let before = random(&mut rng, cap * kvh * hd, 1.0);
         let freqs = inv_freq(pairs.unwrap_or(1), 500.0);
-        for (layout, dtype) in LAYOUTS
+        for ((layout, dtype), paged) in LAYOUTS
             .into_iter()
             .flat_map(|l| kv_types(hd).map(move |d| (l, d)))
+            .flat_map(|ld| [(ld, false), (ld, true)])
         {
+            let rows = if paged { &slots } else { &positions };
             let before = stored(dtype, &before);
             let mut q = t.upload(DType::F32, &[n, heads, hd], &qv);
             let mut k = t.upload(DType::F32, &[n, kvh, hd], &kv);
@@ -146,6 +151,7 @@ pub fn rope_write_kv(t: &Target) {
                     &mut k,
                     &v,
                     &t.ints(&positions),
+                    paged.then(|| t.ints(&slots)).as_ref(),
                     pairs.map(|_| (&f, layout)),
                     &mut kc,
                     &mut vc,
@@ -157,14 +163,14 @@ pub fn rope_write_kv(t: &Target) {
                 reference::rope(&mut k_want, kvh, hd, &positions, &freqs, layout);
             }
             let k_rotated: Vec<f32> = t.read(&k);
-            let what = format!("hd={hd} pairs={pairs:?} {layout:?} {dtype}");
+            let what = format!("hd={hd} pairs={pairs:?} {layout:?} {dtype} rows {rows:?}");
             assert_close(&t.read(&q), &q_want, 2e-5, &format!("{what}: q"));
             assert_close(&k_rotated, &k_want, 2e-5, &format!("{what}: k"));
             // The cache holds the rotated keys the backend left in k, in its type.
             let row_len = kvh * hd;
-            let k_cache = cache_after(dtype, &before, &k_rotated, row_len, &positions);
+            let k_cache = cache_after(dtype, &before, &k_rotated, row_len, rows);
             assert_cache(t, &kc, &k_cache, &format!("{what}: k cache"));
-            let v_cache = cache_after(dtype, &before, &vv, row_len, &positions);
+            let v_cache = cache_after(dtype, &before, &vv, row_len, rows);
             assert_cache(t, &vc, &v_cache, &format!("{what}: v cache"));
         }
     }
@@ -248,6 +254,7 @@ pub fn padding_rows_write_only_their_row(t: &Target) {
                     &mut k,
                     &v,
                     &t.ints(&positions),
+                    None,
                     pairs.map(|_| (&f, RopeLayout::Neox)),
                     &mut kc,
                     &mut vc,
