@@ -51,7 +51,8 @@ pub struct Pages<'a> {
     pub block: usize,
     /// The query rows as runs of consecutive rows of one sequence, in row order (their
     /// lengths add up to the rows): a prompt chunk is one run, a decode a run of one. A
-    /// backend may let a run's queries share the keys they read.
+    /// backend may let a run's queries share the keys they read, taking the sequence of a
+    /// run's first row for all of its rows: runs must agree with `seq`.
     pub runs: &'a [usize],
 }
 

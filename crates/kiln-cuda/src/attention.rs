@@ -6,9 +6,10 @@
 //! cores. Queries on their own (decode, a server's paged rows) with heads of 64, 128 or
 //! 256: one block per (query, KV head, piece of the key range), keys read into registers
 //! (`attention_decode_*`); other head sizes take the prompt kernel with one query a tile.
-//! A paged batch whose runs (`Pages::runs`) include prompt chunks sends those to the
-//! tensor-core kernel in tiles of one sequence and its decodes, by a row list, to the
-//! decode kernel. The key range is split
+//! A paged batch whose runs (`Pages::runs`) include prompt chunks of more than
+//! [`SPLIT_MAX_QUERIES`] rows sends those to the tensor-core kernel in tiles of one
+//! sequence, and its other rows (decodes, short tails), by a row list, to the decode
+//! kernel. The key range is split
 //! over the whole cache capacity or the longest block table (not the current length, so
 //! a recorded step's launch shape stays valid as the sequence grows; pieces past the
 //! current position end at once), and `attention_combine` merges the pieces.
@@ -355,9 +356,10 @@ fn run(
         .iter()
         .position(|&x| x == d)
         .map(|i| DECODE_KERNELS[kv][i]);
-    // A server's prompt chunks in tiles on tensor cores, its decodes beside them.
+    // A server's prompt chunks in tiles on tensor cores, its decodes (and runs of a few
+    // rows) beside them.
     if let (Some(p), Some(tc), Some(dk)) = (paged, tc, decode_kernel) {
-        if p.runs.iter().any(|&r| r > 1) {
+        if p.runs.iter().any(|&r| r > SPLIT_MAX_QUERIES) {
             return paged_runs(b, tc, dk, &operands, p, params, out);
         }
     }
@@ -466,7 +468,7 @@ fn paged_runs(
     out: &mut Tensor,
 ) -> Result<()> {
     let (qt, _) = attention_tc::block_shape(o.heads / o.kv_heads);
-    let (singles, tiles) = attention_tc::split_runs(p.runs, qt);
+    let (singles, tiles) = attention_tc::split_runs(p.runs, SPLIT_MAX_QUERIES, qt);
     let words: Vec<u8> = singles
         .iter()
         .chain(tiles.iter().flatten())
@@ -474,6 +476,7 @@ fn paged_runs(
         .collect();
     let base = b.scratch("attention_rows", words.len())?;
     // From pageable memory the driver stages the bytes before returning.
+    b.bind()?;
     b.queued_other_work();
     unsafe { result::memcpy_htod_async(base, &words[..], b.stream.cu_stream()) }
         .map_err(driver_error)?;

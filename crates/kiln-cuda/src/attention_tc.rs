@@ -36,7 +36,7 @@ pub(crate) fn block_shape(group: usize) -> (usize, usize) {
     (16 * tiles, group * tiles)
 }
 
-/// Dynamic shared memory (`ATC_SHARED`): two chunks of keys and of values, rows padded by
+/// Dynamic shared memory: two chunks of keys and of values, rows padded by
 /// 8 halves, and a flag a key for each chunk.
 fn shared_bytes(d: usize) -> usize {
     2 * 2 * KEYS * (d + 8) * 2 + 2 * KEYS * 4
@@ -112,14 +112,15 @@ pub(crate) fn launch(
 }
 
 /// A paged batch's rows by kernel, from its runs (rows of each sequence, in order): the
-/// rows alone in their sequence (decodes, for the decode kernel), and tiles of at most
-/// `qt` rows cut from the longer runs, as (first row, rows).
-pub(crate) fn split_runs(runs: &[usize], qt: usize) -> (Vec<i32>, Vec<[i32; 2]>) {
+/// rows of runs of at most `few` rows (decodes, short tails of prompts: the decode kernel
+/// splits their keys over the GPU, which a few rows' tiles would not fill), and tiles of at
+/// most `qt` rows cut from the longer runs, as (first row, rows).
+pub(crate) fn split_runs(runs: &[usize], few: usize, qt: usize) -> (Vec<i32>, Vec<[i32; 2]>) {
     let (mut singles, mut tiles) = (Vec::new(), Vec::new());
     let mut row = 0;
     for &r in runs {
-        if r == 1 {
-            singles.push(row as i32);
+        if r <= few {
+            singles.extend((row..row + r).map(|i| i as i32));
         } else {
             for t in (0..r).step_by(qt) {
                 tiles.push([(row + t) as i32, qt.min(r - t) as i32]);
@@ -136,9 +137,11 @@ mod tests {
 
     #[test]
     fn runs_split_into_decodes_and_tiles_of_one_sequence() {
-        let (singles, tiles) = split_runs(&[1, 40, 1, 1, 2, 16], 16);
-        assert_eq!(singles, vec![0, 41, 42]);
-        assert_eq!(tiles, vec![[1, 16], [17, 16], [33, 8], [43, 2], [45, 16]]);
+        let (singles, tiles) = split_runs(&[1, 40, 1, 1, 2, 16, 9], 8, 16);
+        assert_eq!(singles, vec![0, 41, 42, 43, 44]);
+        assert_eq!(tiles, vec![[1, 16], [17, 16], [33, 8], [45, 16], [61, 9]]);
+        let (singles, tiles) = split_runs(&[1, 2, 3], 1, 16);
+        assert_eq!((singles, tiles), (vec![0], vec![[1, 2], [3, 3]]));
         for group in 1..=MAX_WARPS {
             let (qt, warps) = block_shape(group);
             assert!(warps <= MAX_WARPS && warps % group == 0 && qt == 16 * (warps / group));

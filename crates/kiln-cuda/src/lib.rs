@@ -175,7 +175,7 @@ impl CudaBackend {
         self.stream.synchronize().map_err(driver_error)
     }
 
-    fn bind(&self) -> Result<()> {
+    pub(crate) fn bind(&self) -> Result<()> {
         self.ctx.bind_to_thread().map_err(driver_error)
     }
 

@@ -19,14 +19,17 @@
 // its row count (a paged batch's runs of one sequence, cut by the host). Positions and
 // paged tables as attention.cu (table entries outside the pool hide their keys).
 //
+// The queries times the scale must stay within f16's range (|q · scale| < 65504), as any
+// real model's do.
+//
 // Launch: grid (tiles, kv_heads), block (32, group · T) with group · T <= 8, dynamic
-// shared memory ATC_SHARED(D) bytes.
+// shared memory 2 · 2 · ATC_KEYS · ATC_ROW(D) halves and 2 · ATC_KEYS ints
+// (attention_tc.rs's shared_bytes).
 
 #define ATC_KEYS 64
 // Halfs a shared key or value row holds: D and 8 of padding, so that the 8 rows one
 // ldmatrix reads start in different banks.
 #define ATC_ROW(D) ((D) + 8)
-#define ATC_SHARED(D) (2 * 2 * ATC_KEYS * ATC_ROW(D) * 2 + 2 * ATC_KEYS * 4)
 
 // Where position kp's key and value lie: the cache row itself, or through a block table
 // (NO_ROW for an entry outside the pool or past the table).
