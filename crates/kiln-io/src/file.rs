@@ -219,11 +219,29 @@ pub(crate) fn map(path: &Path) -> Result<FileBytes> {
 /// cannot cross file systems), flushing it to disk, renaming it over `path` and flushing
 /// the directory: a failure or a crash at any point leaves `path` as it was (absent, or
 /// the previous complete file), never a partial file. The temporary file is removed on
-/// failure; after a crash one named `.NAME.PID.partial` may remain.
+/// failure; after a crash one named `.NAME.PID.partial` may remain. A symbolic link is
+/// written through (its target replaced); an existing path that is not a regular file (a
+/// device, a fifo, a directory) is refused, since renaming over it would replace it.
 pub fn write_replacing(
     path: &Path,
     write: impl FnOnce(&mut std::io::BufWriter<File>) -> std::io::Result<()>,
 ) -> Result<()> {
+    let resolved;
+    let path = match std::fs::canonicalize(path) {
+        Ok(target) => {
+            let meta = std::fs::metadata(&target).map_err(|e| Error::io(path.display(), e))?;
+            if !meta.is_file() {
+                return Err(Error::format(format!(
+                    "{}: not a regular file (kiln writes its outputs by replacing a file; give a new path or a regular file)",
+                    path.display()
+                )));
+            }
+            resolved = target;
+            resolved.as_path()
+        }
+        // Not there yet (or a dangling link): written as named.
+        Err(_) => path,
+    };
     let name = path.file_name().ok_or_else(|| {
         Error::format(format!("{}: the output path names no file", path.display()))
     })?;

@@ -6,6 +6,7 @@ use kiln_io::file::{self, FileKind};
 use kiln_io::gguf::GgufFile;
 use kiln_io::hf_config::HfConfig;
 use kiln_io::safetensors::SafetensorsModel;
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -153,4 +154,41 @@ fn files_larger_than_their_kind_are_refused_unread() {
         file::read_to_string_if_present(&dir.path().join("absent"), FileKind::TEXT).unwrap(),
         None
     );
+}
+
+/// Outputs are written by renaming a finished file over the path: a FIFO, a device or a
+/// directory there is refused and left as it was; a link is written through, the link
+/// kept.
+#[test]
+fn outputs_refuse_what_is_not_a_regular_file_and_write_through_links() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("out.gguf");
+    mkfifo(&fifo);
+    let write = |p: &Path| file::write_replacing(p, |w| std::io::Write::write_all(w, b"data"));
+    let msg = write(&fifo).unwrap_err().to_string();
+    assert!(msg.contains("not a regular file"), "{msg}");
+    assert!(std::fs::symlink_metadata(&fifo)
+        .unwrap()
+        .file_type()
+        .is_fifo());
+    let msg = write(dir.path()).unwrap_err().to_string();
+    assert!(msg.contains("not a regular file"), "{msg}");
+    let zero = dir.path().join("zero.gguf");
+    std::os::unix::fs::symlink("/dev/null", &zero).unwrap();
+    let msg = write(&zero).unwrap_err().to_string();
+    assert!(msg.contains("not a regular file"), "{msg}");
+    // A link to a regular file: the file gets the bytes, the link stays a link.
+    let target = dir.path().join("target.gguf");
+    std::fs::write(&target, b"old").unwrap();
+    let link = dir.path().join("link.gguf");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    write(&link).unwrap();
+    assert_eq!(std::fs::read(&target).unwrap(), b"data");
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    // A new path is written as named.
+    write(&dir.path().join("new.gguf")).unwrap();
+    assert_eq!(std::fs::read(dir.path().join("new.gguf")).unwrap(), b"data");
 }
