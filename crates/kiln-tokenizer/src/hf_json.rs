@@ -31,20 +31,111 @@ fn has_byte_level(v: &serde_json::Value) -> bool {
     }
 }
 
-/// The one part of tokenizer.json read besides what `tokenizers` reads; the rest is
-/// skipped, not held.
+/// The parts of tokenizer.json read besides what `tokenizers` reads (the decoder's kind,
+/// and what is checked before `tokenizers` runs it); the rest is skipped, not held.
 #[derive(serde::Deserialize)]
-struct DecoderOnly {
+struct Checked {
     decoder: Option<serde_json::Value>,
+    normalizer: Option<serde_json::Value>,
+    post_processor: Option<serde_json::Value>,
+}
+
+/// How many times longer a normalizer or decoder may make a text before kiln refuses it:
+/// a chain of replacements grows a text geometrically, and the `tokenizers` crate has no
+/// bound of its own (eight stages of 'a' → ten 'a's made a 3-byte text 1.6 GB).
+const MAX_GROWTH: f64 = 1024.0;
+
+/// The most a normalizer or decoder can multiply a text's length by, counting what kiln
+/// can see: `Replace` stages (a string pattern by its content's length over the
+/// pattern's; a regex, which may match empty strings, by its content's length plus one),
+/// `Prepend`, and `Sequence`s of them; other stages count once.
+fn growth(v: &serde_json::Value) -> f64 {
+    let chars = |k: &str| {
+        v.get(k)
+            .and_then(|s| s.as_str())
+            .map_or(0, |s| s.chars().count()) as f64
+    };
+    match v.get("type").and_then(|t| t.as_str()) {
+        Some("Sequence") => ["normalizers", "decoders"]
+            .iter()
+            .filter_map(|k| v.get(*k).and_then(|a| a.as_array()))
+            .flatten()
+            .map(growth)
+            .product(),
+        Some("Replace") => {
+            let content = chars("content");
+            match v
+                .get("pattern")
+                .and_then(|p| p.get("String"))
+                .and_then(|s| s.as_str())
+            {
+                Some(p) if !p.is_empty() => (content / p.chars().count() as f64).max(1.0),
+                _ => content + 1.0,
+            }
+        }
+        Some("Prepend") => 1.0 + chars("prepend"),
+        _ => 1.0,
+    }
+}
+
+/// The ids of the special tokens a `TemplateProcessing` post-processor (anywhere in
+/// `v`) puts in its templates but does not define: `tokenizers` panics on the first
+/// encode that meets one.
+fn undefined_template_tokens(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            if m.get("type").and_then(|t| t.as_str()) == Some("TemplateProcessing") {
+                let defined = m.get("special_tokens").and_then(|s| s.as_object());
+                for piece in ["single", "pair"]
+                    .iter()
+                    .filter_map(|k| m.get(*k).and_then(|a| a.as_array()))
+                    .flatten()
+                {
+                    if let Some(id) = piece
+                        .get("SpecialToken")
+                        .and_then(|s| s.get("id"))
+                        .and_then(|i| i.as_str())
+                    {
+                        if !defined.is_some_and(|d| d.contains_key(id)) {
+                            out.push(id.to_string());
+                        }
+                    }
+                }
+            }
+            m.values().for_each(|x| undefined_template_tokens(x, out));
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|x| undefined_template_tokens(x, out)),
+        _ => {}
+    }
 }
 
 impl HfJson {
     pub fn load(path: &Path) -> Result<HfJson> {
         let text = file::read_to_string(path, FileKind::TOKENIZER_JSON)?;
+        let json: Checked = serde_json::from_str(&text)
+            .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
+        for (part, v) in [("normalizer", &json.normalizer), ("decoder", &json.decoder)] {
+            let g = v.as_ref().map_or(1.0, growth);
+            if g > MAX_GROWTH {
+                return Err(Error::format(format!(
+                    "{}: its {part} can make a text {g:.0} times longer (chained replacements); kiln refuses more than {MAX_GROWTH:.0}",
+                    path.display()
+                )));
+            }
+        }
+        let mut undefined = Vec::new();
+        if let Some(pp) = &json.post_processor {
+            undefined_template_tokens(pp, &mut undefined);
+        }
+        if !undefined.is_empty() {
+            return Err(Error::format(format!(
+                "{}: the post-processor's template uses special tokens it does not define in its special_tokens: {}",
+                path.display(),
+                undefined.join(", ")
+            )));
+        }
         let tok: tokenizers::Tokenizer = text
             .parse()
-            .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
-        let json: DecoderOnly = serde_json::from_str(&text)
             .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
         let byte_level = json.decoder.as_ref().is_some_and(has_byte_level);
         let texts = tok

@@ -175,3 +175,56 @@ fn unigram_pieces_longer_than_sentencepiece_allows_are_refused() {
         "{msg}"
     );
 }
+
+/// tokenizer.json parts that the `tokenizers` crate runs without a bound or panics on are
+/// refused at load, naming the file: a normalizer or decoder whose replacements multiply
+/// a text (eight stages of 'a' → ten 'a's took 18 GB on a 3-byte probe), and a
+/// post-processor template naming a special token it does not define (a panic inside
+/// `tokenizers` on the first encode). A growth within the bound still loads.
+#[test]
+fn runaway_normalizers_and_undefined_template_tokens_are_refused() {
+    let text = std::fs::read_to_string(data("hf_bpe/tokenizer.json")).unwrap();
+    let grow = |n: usize| {
+        serde_json::json!({"type": "Sequence", "normalizers": vec![
+            serde_json::json!({"type": "Replace", "pattern": {"String": "a"}, "content": "aaaaaaaaaa"}); n]})
+    };
+    let load = |edit: &dyn Fn(&mut Value)| {
+        let mut json: Value = serde_json::from_str(&text).unwrap();
+        edit(&mut json);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+        let path = dir.path().join("tokenizer.json").display().to_string();
+        (
+            Tokenizer::from_hf_dir(dir.path())
+                .err()
+                .map(|e| e.to_string()),
+            path,
+        )
+    };
+    let (err, path) = load(&|j| j["normalizer"] = grow(8));
+    let msg = err.expect("refused");
+    assert!(
+        msg.starts_with(&path) && msg.contains("normalizer can make a text 100000000 times longer"),
+        "{msg}"
+    );
+    let (err, _) = load(&|j| {
+        j["decoder"] = serde_json::json!({"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"Regex": "."}, "content": "x".repeat(40)},
+            {"type": "Replace", "pattern": {"Regex": "."}, "content": "x".repeat(40)}]})
+    });
+    assert!(err
+        .expect("refused")
+        .contains("decoder can make a text 1681 times longer"));
+    let (err, _) = load(&|j| j["normalizer"] = grow(3));
+    assert_eq!(err, None, "a growth of 1000 loads");
+    let (err, path) = load(&|j| {
+        j["post_processor"] = serde_json::json!({"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<nope>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [], "special_tokens": {}})
+    });
+    let msg = err.expect("refused");
+    assert!(
+        msg.starts_with(&path) && msg.ends_with("does not define in its special_tokens: <nope>"),
+        "{msg}"
+    );
+}
