@@ -103,9 +103,20 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
                 ))
             })?;
             let kv = model_file::kv_type(b.kv_type, backend.as_ref(), &s.config(), s.name())?;
-            // Its weights are made in memory: only the context is checked here.
-            let plan = MemoryPlan::new(&s.config(), 0, backend.device(), b.prompt, false, kv);
+            // Its weights are made in memory, on the host for the CPU (where the plan
+            // counts none, a file's being mapped), so they are checked there first.
+            let weights = t.weight_bytes(&s.config());
+            let plan = MemoryPlan::new(&s.config(), weights, backend.device(), b.prompt, false, kv);
             if let Some(free) = memory::free_memory(backend.as_ref())? {
+                if backend.device() == kiln_core::Device::Cpu && u128::from(weights) > free.bytes {
+                    return Err(Failure::usage(format!(
+                        "--synthetic {shape} --type {}: its weights take {}, and {} has {} free: pick a smaller shape or a narrower --type",
+                        b.ty,
+                        memory::human_bytes(u128::from(weights)),
+                        free.what,
+                        memory::human_bytes(free.bytes)
+                    )));
+                }
                 plan.check(ctx, &free)
                     .map_err(|no_room| Failure::usage(format!("{no_room} ({CONTEXT_SETTING})")))?;
             }

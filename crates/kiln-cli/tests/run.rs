@@ -226,6 +226,26 @@ fn bench_decodes_at_a_depth() {
     // bench has no --ctx-size: the message names what sets its context.
     assert!(err.contains("(-p, or -d with -n, sets it)"), "{err}");
     assert!(!err.contains("--ctx-size"), "{err}");
+    // A synthetic model larger than the host (263 GiB: larger than any machine this
+    // runs on): refused before its weights are made (the F16 one was killed for memory
+    // at 24 GB).
+    let o = kiln(&[
+        "bench",
+        "--synthetic",
+        "llama3-70b",
+        "--type",
+        "f32",
+        "-p",
+        "1",
+        "-n",
+        "0",
+    ]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("its weights take 262.83 GiB") && err.contains("free: pick a smaller shape"),
+        "{err}"
+    );
 }
 
 #[test]

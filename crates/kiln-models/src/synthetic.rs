@@ -164,6 +164,45 @@ impl SyntheticType {
         }
     }
 
+    /// Bytes of the weights a synthetic model of `config` holds in these types (every
+    /// matrix, the output head counted apart from the embedding), to check memory before
+    /// building it.
+    pub fn weight_bytes(self, config: &ModelConfig) -> u64 {
+        let src = SyntheticSource::new(config.clone(), self);
+        let mut names: Vec<String> = ["token_embd", "output", "output_norm"]
+            .iter()
+            .map(|n| format!("{n}.weight"))
+            .collect();
+        for l in 0..config.n_layers {
+            for r in [
+                "attn_norm",
+                "ffn_norm",
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+            ] {
+                names.push(format!("blk.{l}.{r}.weight"));
+            }
+        }
+        names
+            .iter()
+            .filter_map(|n| {
+                let shape = src.shape_of(n)?;
+                let (&cols, rows) = shape.split_last()?;
+                let dtype = match rows {
+                    [] => DType::F32,
+                    _ => self.dtype_for(n, config.n_layers),
+                };
+                let row = dtype.row_bytes(cols).ok()? as u64;
+                Some(row.saturating_mul(rows.iter().product::<usize>() as u64))
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
     fn dtype_for(self, name: &str, n_layers: usize) -> DType {
         let d = match self {
             SyntheticType::Uniform(d) => return d,
@@ -319,5 +358,34 @@ impl Source for SyntheticSource {
 
     fn embed_rows(&self, vocab: usize) -> usize {
         self.embed_rows.unwrap_or(vocab)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The estimate a memory check uses is the built model's bytes (a small model of
+    /// each kind: one dtype, and the Q4_K_M mix with its Q6_K layers).
+    #[test]
+    fn weight_bytes_are_the_built_models() {
+        let mut config = SyntheticShape::TinyLlama.config();
+        (
+            config.vocab_size,
+            config.dim,
+            config.ffn_dim,
+            config.n_layers,
+        ) = (300, 256, 512, 9);
+        (config.n_heads, config.n_kv_heads, config.head_dim) = (4, 2, 64);
+        config.sliding_layers.truncate(9);
+        if let Some(rope) = config.rope.as_mut() {
+            rope.dims = 64;
+        }
+        for ty in [SyntheticType::Uniform(DType::F16), SyntheticType::Q4KM] {
+            let cpu = Arc::new(kiln_cpu::CpuBackend::new(Some(1)).unwrap());
+            let model = Model::synthetic_from_config(config.clone(), ty, cpu).unwrap();
+            let built: usize = model.parameters().iter().map(|(_, t)| t.size_bytes()).sum();
+            assert_eq!(ty.weight_bytes(&config), built as u64, "{}", ty.name());
+        }
     }
 }
