@@ -136,7 +136,7 @@ pub(crate) fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let rope = if arch == Arch::Gpt2 {
         None
     } else {
-        let freq_factors =
+        let mut freq_factors =
             match f.tensor("rope_freqs.weight") {
                 Some(t) if t.ggml_type.dtype() == Some(DType::F32) => Some(
                     quant::dequantize_to_vec(DType::F32, f.tensor_data(t), t.numel() as usize)?,
@@ -149,9 +149,45 @@ pub(crate) fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
                 }
                 None => None,
             };
+        let dims = m.uint("rope.dimension_count")?.unwrap_or(head_dim);
+        // llama.cpp's rope scaling types: linear slows every frequency by its factor (as
+        // transformers' "linear" divides the positions); YaRN is not run here.
+        let scaling_key = m.key("rope.scaling.type");
+        let scaling = match f.get(&scaling_key) {
+            None => None,
+            Some(v) => Some(
+                v.as_str()
+                    .ok_or_else(|| m.wrong(&scaling_key, v, "a string"))?,
+            ),
+        };
+        match scaling {
+            None | Some("none") => {}
+            Some("linear") => {
+                let factor = m.float("rope.scaling.factor")?.unwrap_or(1.0);
+                if !(factor.is_finite() && factor > 0.0) {
+                    return Err(Error::format(format!(
+                        "{file}: metadata {} is {factor}, expected a positive number",
+                        m.key("rope.scaling.factor")
+                    )));
+                }
+                if factor != 1.0 {
+                    if freq_factors.is_some() {
+                        return Err(Error::unsupported(format!(
+                            "{file}: linear rope scaling beside rope_freqs.weight"
+                        )));
+                    }
+                    freq_factors = Some(vec![factor; dims / 2]);
+                }
+            }
+            Some(other) => {
+                return Err(Error::unsupported(format!(
+                    "{file}: rope scaling '{other}' (kiln runs none and linear, and Llama 3's rope_freqs.weight)"
+                )))
+            }
+        }
         Some(Rope {
             theta: m.float("rope.freq_base")?.unwrap_or(10000.0),
-            dims: m.uint("rope.dimension_count")?.unwrap_or(head_dim),
+            dims,
             // llama.cpp rotates adjacent pairs for the models whose Q/K its converter permutes.
             layout: match arch {
                 Arch::Llama | Arch::Mistral => RopeLayout::Interleaved,

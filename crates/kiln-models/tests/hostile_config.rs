@@ -242,6 +242,34 @@ fn gguf_metadata_out_of_domain_is_refused_by_key_and_value() {
             set("general.architecture", Value::U32(7)).into(),
             "metadata general.architecture is 7 (u32), expected a string",
         ),
+        // Rope scaling: linear runs (its factor checked), other types are refused rather
+        // than ignored.
+        (
+            set("llama.rope.scaling.type", Value::String("yarn".into())).into(),
+            "unsupported: rope scaling 'yarn' (kiln runs none and linear, and Llama 3's rope_freqs.weight)",
+        ),
+        (
+            set("llama.rope.scaling.type", Value::U32(7)).into(),
+            "metadata llama.rope.scaling.type is 7 (u32), expected a string",
+        ),
+        (
+            vec![
+                ("llama.rope.scaling.type", Some(Value::String("linear".into()))),
+                ("llama.rope.scaling.factor", Some(Value::F32(0.0))),
+            ],
+            "metadata llama.rope.scaling.factor is 0, expected a positive number",
+        ),
+        (
+            vec![
+                ("llama.rope.scaling.type", Some(Value::String("linear".into()))),
+                ("llama.rope.scaling.factor", Some(Value::F32(4.0))),
+            ],
+            "loaded",
+        ),
+        (
+            set("llama.rope.scaling.type", Value::String("none".into())).into(),
+            "loaded",
+        ),
     ];
     for (changes, want) in cases {
         let got = llama(&changes);
