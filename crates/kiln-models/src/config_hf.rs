@@ -102,7 +102,19 @@ pub(crate) fn config_from_hf(c: &HfConfig, dir: &str) -> Result<ModelConfig> {
         Some(t) => Some(t),
         None => scaled.get("type", |v| v.as_str().map(str::to_owned), "a string")?,
     };
+    // transformers' "linear" divides the positions by its factor: every frequency slowed.
+    let mut linear = None;
     let llama3 = match rope_type.as_deref() {
+        Some("linear") => {
+            let factor = scaled.float("factor")?.unwrap_or(1.0);
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(Error::format(format!(
+                    "{file}: {scaled_prefix}factor is {factor}, expected a finite number > 0"
+                )));
+            }
+            linear = Some(factor as f32);
+            None
+        }
         Some("llama3") => {
             let g = |k: &str, default: f32| -> Result<f32> {
                 Ok(scaled.float(k)?.map_or(default, |v| v as f32))
@@ -142,7 +154,8 @@ pub(crate) fn config_from_hf(c: &HfConfig, dir: &str) -> Result<ModelConfig> {
         dims: (head_dim as f64 * partial.unwrap_or(1.0)) as usize,
         layout: RopeLayout::Neox,
         llama3,
-        freq_factors: None,
+        freq_factors: linear
+            .map(|f| vec![f; (head_dim as f64 * partial.unwrap_or(1.0)) as usize / 2]),
     });
     let eps = c
         .rms_norm_eps

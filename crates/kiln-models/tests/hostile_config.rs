@@ -472,6 +472,16 @@ fn config_json_out_of_domain_is_refused_by_key_and_value() {
         ),
         (
             "llama",
+            set("rope_scaling", json!({"type": "linear", "factor": -2.0})),
+            "rope_scaling.factor is -2, expected a finite number > 0",
+        ),
+        (
+            "llama",
+            set("rope_scaling", json!({"type": "linear", "factor": 2.0})),
+            "loaded",
+        ),
+        (
+            "llama",
             set(
                 "rope_scaling",
                 json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0}),
