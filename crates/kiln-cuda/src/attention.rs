@@ -456,8 +456,9 @@ impl Operands<'_> {
 }
 
 /// A paged batch with prompt chunks among its rows: the chunks in tiles of one sequence on
-/// tensor cores (`tc`), the rows alone in their sequence by the decode kernel (`dk`)
-/// through a row list. Both lists go to the device in one copy.
+/// tensor cores (`tc`), the other rows (decodes, short tails) by the decode kernel (`dk`)
+/// through a row list. Both lists go to the device in one copy, made by the step's first
+/// layer (the others find the same lists there).
 fn paged_runs(
     b: &CudaBackend,
     tc: &'static str,
@@ -475,11 +476,17 @@ fn paged_runs(
         .flat_map(|v| v.to_le_bytes())
         .collect();
     let base = b.scratch("attention_rows", words.len())?;
-    // From pageable memory the driver stages the bytes before returning.
-    b.bind()?;
-    b.queued_other_work();
-    unsafe { result::memcpy_htod_async(base, &words[..], b.stream.cu_stream()) }
-        .map_err(driver_error)?;
+    let mut uploaded = b.attention_rows.lock().expect("attention rows lock");
+    if !matches!(uploaded.as_ref(), Some((at, w)) if *at == base && *w == words) {
+        // From pageable memory the driver stages the bytes before returning; queued after
+        // the kernels that read the buffer's last lists.
+        b.bind()?;
+        b.queued_other_work();
+        unsafe { result::memcpy_htod_async(base, &words[..], b.stream.cu_stream()) }
+            .map_err(driver_error)?;
+        *uploaded = Some((base, words));
+    }
+    drop(uploaded);
     if !singles.is_empty() {
         let reach = p.max_blocks * p.block;
         decode(b, dk, reach, o, Some((base, singles.len())), params, out)?;

@@ -78,6 +78,10 @@ pub struct CudaBackend {
     /// A tensor whose last writer also wrote it as int8 rows; current only while
     /// nothing else has been queued since.
     int8_copy: Mutex<Option<Int8Copy>>,
+    /// What the paged attention's row and tile lists last copied into their work buffer
+    /// (its address and bytes): every layer of a step uses the same lists, so only the
+    /// first layer's copy is made.
+    attention_rows: Mutex<Option<(u64, Vec<u8>)>>,
 }
 
 /// A tensor (address, length) also written as int8 rows (`matmul::quantized_x`), and
@@ -156,6 +160,7 @@ impl CudaBackend {
             follows_kernel: std::sync::atomic::AtomicBool::new(false),
             queued: std::sync::atomic::AtomicU64::new(0),
             int8_copy: Mutex::new(None),
+            attention_rows: Mutex::new(None),
         })
     }
 

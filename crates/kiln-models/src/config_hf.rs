@@ -147,15 +147,15 @@ pub(crate) fn config_from_hf(c: &HfConfig, dir: &str) -> Result<ModelConfig> {
             "{file}: partial_rotary_factor is {p}, expected a number in (0, 1]"
         )));
     }
+    // int(head_dim * factor), as transformers: an odd count is refused by validation
+    // (transformers fails on it too).
+    let dims = (head_dim as f64 * partial.unwrap_or(1.0)) as usize;
     let rope = (!gpt2).then(|| Rope {
         theta: theta.unwrap_or(10000.0) as f32,
-        // int(head_dim * factor), as transformers: an odd count is refused by validation
-        // (transformers fails on it too).
-        dims: (head_dim as f64 * partial.unwrap_or(1.0)) as usize,
+        dims,
         layout: RopeLayout::Neox,
         llama3,
-        freq_factors: linear
-            .map(|f| vec![f; (head_dim as f64 * partial.unwrap_or(1.0)) as usize / 2]),
+        freq_factors: linear.map(|f| vec![f; dims / 2]),
     });
     let eps = c
         .rms_norm_eps
