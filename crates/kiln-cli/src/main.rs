@@ -153,8 +153,8 @@ struct BenchArgs {
     /// With --train: tokens a sequence.
     #[arg(long, default_value_t = 1024, requires = "train")]
     seq_len: usize,
-    /// With --train: the products' arithmetic, f32 or tf32 (F32 weights either way; tf32
-    /// on CUDA).
+    /// With --train: the products' arithmetic, f32, tf32 or bf16 (F32 weights either way;
+    /// tf32 and bf16 on CUDA).
     #[arg(long, default_value = "f32", value_parser = model_file::products_arg, requires = "train")]
     precision: kiln_core::Products,
 }

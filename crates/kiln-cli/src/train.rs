@@ -210,8 +210,8 @@ pub struct TrainArgs {
     pub clip: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// The products' arithmetic: f32, or tf32 (inputs rounded to TF32 on a CUDA GPU's
-    /// tensor cores; weights, gradients, sums and the optimizer stay F32).
+    /// The products' arithmetic: f32, or tf32 / bf16 (inputs rounded to TF32 or BF16 on a
+    /// CUDA GPU's tensor cores; weights, gradients, sums and the optimizer stay F32).
     #[arg(long, default_value = "f32", value_parser = crate::model_file::products_arg)]
     pub precision: kiln_core::Products,
     /// Score the held-out text every N steps (and at the end); 0: only at the end.

@@ -11,7 +11,8 @@ use crate::{AttentionParams, Result, RopeLayout, Tensor};
 
 /// How the products of training (the forward pass's matmuls over F32 weights and the
 /// backward pass's) are computed. The weights, gradients and every sum stay F32: TF32
-/// rounds the products' inputs only (PyTorch's `allow_tf32`).
+/// and BF16 round the products' inputs only (PyTorch's `allow_tf32`, and BF16 compute
+/// over F32 master weights as under `autocast`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Products {
@@ -20,6 +21,8 @@ pub enum Products {
     F32,
     /// Inputs rounded to TF32 (10-bit mantissas), on tensor cores.
     Tf32,
+    /// Inputs rounded to BF16 (7-bit mantissas), on tensor cores at twice TF32's rate.
+    Bf16,
 }
 
 impl Products {
@@ -27,12 +30,13 @@ impl Products {
         match self {
             Products::F32 => "f32",
             Products::Tf32 => "tf32",
+            Products::Bf16 => "bf16",
         }
     }
 
-    /// The setting named `s` (f32, tf32).
+    /// The setting named `s` (f32, tf32, bf16).
     pub fn parse(s: &str) -> Option<Products> {
-        [Products::F32, Products::Tf32]
+        [Products::F32, Products::Tf32, Products::Bf16]
             .into_iter()
             .find(|p| p.name() == s)
     }

@@ -26,27 +26,18 @@ pub(crate) struct Blas {
     f32_products: std::sync::atomic::AtomicU8,
 }
 
-/// cuBLAS's compute type for F32 products, by [`Products`] (in its order): F32
-/// arithmetic, or the inputs rounded to TF32 on tensor cores with F32 sums. (The
-/// FAST_16BF and FAST_16F types gave TF32's results to the bit on an H200: with F32
-/// operands cuBLAS ran its TF32 kernels; BF16 products need BF16 operands.)
-const F32_COMPUTE: [blas_sys::cublasComputeType_t; 2] = [
-    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-];
+/// The arithmetic of F32 products, in [`Products`]' order.
+const PRODUCTS: [Products; 3] = [Products::F32, Products::Tf32, Products::Bf16];
 
 impl Blas {
     pub(crate) fn set_f32_products(&self, how: Products) {
-        let i = match how {
-            Products::F32 => 0,
-            Products::Tf32 => 1,
-        };
+        let i = PRODUCTS.iter().position(|&p| p == how).unwrap_or(0);
         self.f32_products
-            .store(i, std::sync::atomic::Ordering::Relaxed);
+            .store(i as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
-    fn f32_compute(&self) -> blas_sys::cublasComputeType_t {
-        F32_COMPUTE[self.f32_products.load(std::sync::atomic::Ordering::Relaxed) as usize]
+    fn f32_products(&self) -> Products {
+        PRODUCTS[self.f32_products.load(std::sync::atomic::Ordering::Relaxed) as usize]
     }
 }
 
@@ -566,8 +557,49 @@ pub(crate) fn sgemm(
     )
 }
 
+/// The stored operand of a column-major product rounded to BF16 into the scratch `slot`:
+/// `rows` × `cols` (op(A) = A when `trans` is N) with leading dimension `ld`, the whole
+/// span it covers converted so the same `ld` addresses the copy.
+fn bf16_operand(
+    b: &CudaBackend,
+    slot: &'static str,
+    (p, ld): (u64, i32),
+    trans: blas_sys::cublasOperation_t,
+    (rows, cols): (i32, i32),
+) -> Result<u64> {
+    let (r, c) = match trans {
+        blas_sys::cublasOperation_t::CUBLAS_OP_N => (rows, cols),
+        _ => (cols, rows),
+    };
+    let span = if c == 0 {
+        0
+    } else {
+        ld as usize * (c as usize - 1) + r as usize
+    };
+    if !p.is_multiple_of(16) {
+        return Err(Error::unsupported(format!(
+            "a BF16 product over an operand at {p:#x} (it reads 16-byte aligned F32)"
+        )));
+    }
+    let dst = b.scratch(slot, 2 * span.max(1))?;
+    b.launch_1d(
+        "f32_to_half",
+        span.div_ceil(4),
+        &[
+            Arg::Ptr(p),
+            Arg::Ptr(dst),
+            Arg::U64(span as u64),
+            Arg::I32(1),
+        ],
+    )?;
+    Ok(dst)
+}
+
 /// An F32 product through cuBLAS (column-major terms, as [`sgemm`]), in the arithmetic
-/// `GradOps::set_products` chose.
+/// `GradOps::set_products` chose. cuBLAS takes TF32 as a compute type over F32 operands,
+/// but BF16 only from BF16 operands (its FAST_16BF compute type over F32 operands ran
+/// its TF32 kernels on an H200, to the bit), so BF16 products first round both operands
+/// into work buffers.
 fn f32_gemm(
     b: &CudaBackend,
     (ta, tb): (blas_sys::cublasOperation_t, blas_sys::cublasOperation_t),
@@ -577,12 +609,22 @@ fn f32_gemm(
     beta: f32,
     (c, ldc): (u64, i32),
 ) -> Result<()> {
+    use blas_sys::cublasComputeType_t as Compute;
     let alpha = 1.0f32;
-    let compute = b.blas.f32_compute();
+    let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
+    let (a, bm, in_type, compute) = match b.blas.f32_products() {
+        Products::F32 => (a, bm, f32_type, Compute::CUBLAS_COMPUTE_32F),
+        Products::Tf32 => (a, bm, f32_type, Compute::CUBLAS_COMPUTE_32F_FAST_TF32),
+        Products::Bf16 => (
+            bf16_operand(b, "bf16_a", (a, lda), ta, (m, k))?,
+            bf16_operand(b, "bf16_b", (bm, ldb), tb, (k, n))?,
+            blas_sys::cudaDataType::CUDA_R_16BF,
+            Compute::CUBLAS_COMPUTE_32F,
+        ),
+    };
     let handle = b.blas.handle.lock().expect("cuBLAS lock");
     b.fence_before_library_kernel()?;
     b.queued_other_work();
-    let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
     unsafe {
         blas::gemm_ex(
             handle.0,
@@ -593,10 +635,10 @@ fn f32_gemm(
             k,
             &alpha as *const f32 as *const _,
             a as *const _,
-            f32_type,
+            in_type,
             lda,
             bm as *const _,
-            f32_type,
+            in_type,
             ldb,
             &beta as *const f32 as *const _,
             c as *mut _,
