@@ -77,7 +77,8 @@ pub fn run(opts: &TrainBench) -> CliResult<String> {
             rule: Rule::adamw(0.1),
             schedule: Schedule::Constant { lr: 1e-4 },
             max_grad_norm: Some(1.0),
-            loss_scaling: None,
+            loss_scaling: (opts.products == kiln_core::Products::F16)
+                .then(kiln_core::optim::LossScaling::default),
         },
         seed: 0,
         eval_windows: 1,

@@ -153,8 +153,8 @@ struct BenchArgs {
     /// With --train: tokens a sequence.
     #[arg(long, default_value_t = 1024, requires = "train")]
     seq_len: usize,
-    /// With --train: the products' arithmetic, f32, tf32 or bf16 (F32 weights either way;
-    /// tf32 and bf16 on CUDA).
+    /// With --train: the products' arithmetic, f32, tf32, bf16 or f16 (F32 weights either
+    /// way; the others on CUDA; f16 with dynamic loss scaling).
     #[arg(long, default_value = "f32", value_parser = model_file::products_arg, requires = "train")]
     precision: kiln_core::Products,
 }

@@ -226,7 +226,7 @@ alone with either)";
 /// `--precision`: how training computes its products.
 pub fn products_arg(s: &str) -> std::result::Result<kiln_core::Products, String> {
     kiln_core::Products::parse(&s.trim().to_ascii_lowercase())
-        .ok_or_else(|| format!("{s:?}: the precisions are f32, tf32 and bf16"))
+        .ok_or_else(|| format!("{s:?}: the precisions are f32, tf32, bf16 and f16"))
 }
 
 pub fn kv_type_arg(s: &str) -> std::result::Result<DType, String> {

@@ -210,8 +210,9 @@ pub struct TrainArgs {
     pub clip: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// The products' arithmetic: f32, or tf32 / bf16 (inputs rounded to TF32 or BF16 on a
-    /// CUDA GPU's tensor cores; weights, gradients, sums and the optimizer stay F32).
+    /// The products' arithmetic: f32, or tf32 / bf16 / f16 (inputs rounded on a CUDA GPU's
+    /// tensor cores; weights, gradients, sums and the optimizer stay F32: BF16 compute with
+    /// F32 master weights). f16 scales the loss dynamically (an overflow skips the step).
     #[arg(long, default_value = "f32", value_parser = crate::model_file::products_arg)]
     pub precision: kiln_core::Products,
     /// Score the held-out text every N steps (and at the end); 0: only at the end.
@@ -282,7 +283,9 @@ fn check(a: &TrainArgs) -> CliResult<(StepConfig, DType)> {
         rule: rule(a)?,
         schedule: schedule(a)?,
         max_grad_norm: (a.clip > 0.0).then_some(a.clip),
-        loss_scaling: None,
+        // F16 products scale the loss as torch.amp.GradScaler does, with its defaults.
+        loss_scaling: (a.precision == kiln_core::Products::F16)
+            .then(kiln_core::optim::LossScaling::default),
     };
     // kiln-optim's own checks, in its words.
     config.validate().map_err(Failure::usage)?;
@@ -1034,7 +1037,7 @@ impl Log {
         if let Some(list) = self.value["steps"].as_array_mut() {
             list.push(json!({
                 "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
-                "seconds": seconds,
+                "skipped": r.skipped, "seconds": seconds,
             }));
         }
     }

@@ -23,6 +23,9 @@ pub enum Products {
     Tf32,
     /// Inputs rounded to BF16 (7-bit mantissas), on tensor cores at twice TF32's rate.
     Bf16,
+    /// Inputs rounded to F16 (10-bit mantissas, 5-bit exponents), on tensor cores: small
+    /// gradients underflow unless the loss is scaled.
+    F16,
 }
 
 impl Products {
@@ -31,12 +34,13 @@ impl Products {
             Products::F32 => "f32",
             Products::Tf32 => "tf32",
             Products::Bf16 => "bf16",
+            Products::F16 => "f16",
         }
     }
 
-    /// The setting named `s` (f32, tf32, bf16).
+    /// The setting named `s` (f32, tf32, bf16, f16).
     pub fn parse(s: &str) -> Option<Products> {
-        [Products::F32, Products::Tf32, Products::Bf16]
+        [Products::F32, Products::Tf32, Products::Bf16, Products::F16]
             .into_iter()
             .find(|p| p.name() == s)
     }

@@ -27,7 +27,7 @@ pub(crate) struct Blas {
 }
 
 /// The arithmetic of F32 products, in [`Products`]' order.
-const PRODUCTS: [Products; 3] = [Products::F32, Products::Tf32, Products::Bf16];
+const PRODUCTS: [Products; 4] = [Products::F32, Products::Tf32, Products::Bf16, Products::F16];
 
 impl Blas {
     pub(crate) fn set_f32_products(&self, how: Products) {
@@ -557,15 +557,16 @@ pub(crate) fn sgemm(
     )
 }
 
-/// The stored operand of a column-major product rounded to BF16 into the scratch `slot`:
-/// `rows` × `cols` (op(A) = A when `trans` is N) with leading dimension `ld`, the whole
-/// span it covers converted so the same `ld` addresses the copy.
-fn bf16_operand(
+/// The stored operand of a column-major product rounded to BF16 (or F16) into the scratch
+/// `slot`: `rows` × `cols` (op(A) = A when `trans` is N) with leading dimension `ld`, the
+/// whole span it covers converted so the same `ld` addresses the copy.
+fn half_operand(
     b: &CudaBackend,
     slot: &'static str,
     (p, ld): (u64, i32),
     trans: blas_sys::cublasOperation_t,
     (rows, cols): (i32, i32),
+    bf16: bool,
 ) -> Result<u64> {
     let (r, c) = match trans {
         blas_sys::cublasOperation_t::CUBLAS_OP_N => (rows, cols),
@@ -578,7 +579,7 @@ fn bf16_operand(
     };
     if !p.is_multiple_of(16) {
         return Err(Error::unsupported(format!(
-            "a BF16 product over an operand at {p:#x} (it reads 16-byte aligned F32)"
+            "a 16-bit product over an operand at {p:#x} (it reads 16-byte aligned F32)"
         )));
     }
     let dst = b.scratch(slot, 2 * span.max(1))?;
@@ -589,7 +590,7 @@ fn bf16_operand(
             Arg::Ptr(p),
             Arg::Ptr(dst),
             Arg::U64(span as u64),
-            Arg::I32(1),
+            Arg::I32(bf16 as i32),
         ],
     )?;
     Ok(dst)
@@ -597,9 +598,9 @@ fn bf16_operand(
 
 /// An F32 product through cuBLAS (column-major terms, as [`sgemm`]), in the arithmetic
 /// `GradOps::set_products` chose. cuBLAS takes TF32 as a compute type over F32 operands,
-/// but BF16 only from BF16 operands (its FAST_16BF compute type over F32 operands ran
-/// its TF32 kernels on an H200, to the bit), so BF16 products first round both operands
-/// into work buffers.
+/// but BF16 and F16 only from operands of that type (its FAST_16BF and FAST_16F compute
+/// types over F32 operands ran its TF32 kernels on an H200, to the bit), so those
+/// products first round both operands into work buffers.
 fn f32_gemm(
     b: &CudaBackend,
     (ta, tb): (blas_sys::cublasOperation_t, blas_sys::cublasOperation_t),
@@ -615,12 +616,19 @@ fn f32_gemm(
     let (a, bm, in_type, compute) = match b.blas.f32_products() {
         Products::F32 => (a, bm, f32_type, Compute::CUBLAS_COMPUTE_32F),
         Products::Tf32 => (a, bm, f32_type, Compute::CUBLAS_COMPUTE_32F_FAST_TF32),
-        Products::Bf16 => (
-            bf16_operand(b, "bf16_a", (a, lda), ta, (m, k))?,
-            bf16_operand(b, "bf16_b", (bm, ldb), tb, (k, n))?,
-            blas_sys::cudaDataType::CUDA_R_16BF,
-            Compute::CUBLAS_COMPUTE_32F,
-        ),
+        half @ (Products::Bf16 | Products::F16) => {
+            let bf16 = half == Products::Bf16;
+            (
+                half_operand(b, "half_a", (a, lda), ta, (m, k), bf16)?,
+                half_operand(b, "half_b", (bm, ldb), tb, (k, n), bf16)?,
+                if bf16 {
+                    blas_sys::cudaDataType::CUDA_R_16BF
+                } else {
+                    blas_sys::cudaDataType::CUDA_R_16F
+                },
+                Compute::CUBLAS_COMPUTE_32F,
+            )
+        }
     };
     let handle = b.blas.handle.lock().expect("cuBLAS lock");
     b.fence_before_library_kernel()?;

@@ -71,6 +71,8 @@ pub struct StepReport {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub tokens: usize,
+    /// Under loss scaling: a gradient overflowed and the update was skipped.
+    pub skipped: bool,
 }
 
 pub struct Trainer {
@@ -452,7 +454,16 @@ impl Trainer {
         let number = self.step + 1;
         let seqs = s.batch * s.grad_accum;
         let tokens = seqs * s.seq_len;
-        let scale = 1.0 / tokens as f32;
+        let inner = self.tape.inner().clone();
+        // Under loss scaling the gradients are made `loss_scale` times larger (the seed of
+        // the backward pass), so that F16-rounded products keep the small ones; the
+        // optimizer unscales them, and skips the update (found on the device) when one
+        // overflowed.
+        let loss_scale = match s.optimizer.loss_scaling {
+            Some(_) => self.opt.loss_scale(inner.as_ref())?,
+            None => 1.0,
+        };
+        let scale = loss_scale / tokens as f32;
         self.tape.zero_grads()?;
         let mut sum = 0f64;
         let (rank, world) = self
@@ -482,7 +493,6 @@ impl Trainer {
                 "step {number}: the training loss is {loss}; the run stops here (nothing of this step is kept or saved)"
             )));
         }
-        let inner = self.tape.inner().clone();
         let offsets: Vec<usize> = layout_of(&self.opt, &self.shard)
             .entries()
             .iter()
@@ -503,14 +513,25 @@ impl Trainer {
                     // summed, they are the whole step's (the buckets were summed already).
                     c.all_reduce_sum(&mut self.grads)?;
                 }
-                let grad_norm = self.grad_ops().sum_squares(&self.grads)?.sqrt();
-                check_norm(grad_norm, number)?;
+                let grad_norm =
+                    self.grad_ops().sum_squares(&self.grads)?.sqrt() / f64::from(loss_scale);
+                if s.optimizer.loss_scaling.is_none() {
+                    check_norm(grad_norm, number)?;
+                }
                 self.opt
                     .step(inner.as_ref(), &mut self.params, &self.grads, None)?;
                 grad_norm
             }
         };
-        let lr = self.opt.status(inner.as_ref())?.lr;
+        let status = self.opt.status(inner.as_ref())?;
+        let lr = status.lr;
+        if status.skipped != 0 {
+            tracing::warn!(
+                step = number,
+                "a gradient overflowed at loss scale {loss_scale}: the update is skipped and the scale is now {}",
+                status.loss_scale
+            );
+        }
         if !self.grad_ops().sum_squares(&self.params)?.is_finite() {
             let flat = self.parameters_flat()?;
             let (i, bad) = flat
@@ -532,6 +553,7 @@ impl Trainer {
             lr,
             grad_norm,
             tokens,
+            skipped: status.skipped != 0,
         })
     }
 
@@ -574,6 +596,11 @@ impl Trainer {
         })?;
         if self.shard.is_some() {
             return Ok(self);
+        }
+        if self.settings.optimizer.loss_scaling.is_some() {
+            return Err(Error::format(
+                "loss scaling (F16 products) with a sharded optimizer (--zero1): not supported; use --precision bf16, or leave --zero1 out",
+            ));
         }
         let inner = self.tape.inner().clone();
         let grad_ops = self.tape.grad_ops();
@@ -886,8 +913,11 @@ fn check_settings(s: &Settings, model: &Model, data: &TextData) -> Result<()> {
     if let Some(l) = &s.lora {
         l.validate()?;
     }
-    if s.optimizer.loss_scaling.is_some() {
-        return bad("loss scaling is for F16 gradients; kiln train computes in F32".to_string());
+    if s.products == Products::F16 && s.optimizer.loss_scaling.is_none() {
+        return bad(
+            "F16 products without loss scaling: small gradients would round to zero; scale the loss (kiln train does by default with --precision f16)"
+                .to_string(),
+        );
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! naming its step and keeps the parameters; checkpoints and exports load as models. On
 //! the GPU machine, a CUDA run follows the CPU run from the same start.
 
+use kiln_core::optim::LossScaling;
 use kiln_core::{Backend, DType, Products, RopeLayout};
 use kiln_cpu::CpuBackend;
 use kiln_io::gguf::GgufFile;
@@ -707,7 +708,8 @@ fn a_cuda_lora_run_follows_the_cpu_run() {
     cuda_follows_cpu(lora_settings(12));
 }
 
-/// TF32 and BF16 products on CUDA: each run follows the F32 one within what rounding the
+/// TF32, BF16 and F16 products on CUDA (F16 under dynamic loss scaling, as `kiln train
+/// --precision f16` runs it): each run follows the F32 one within what rounding the
 /// products' inputs to 10 or 7 mantissa bits moves the loss, its loss falls as the F32
 /// run's does, and the rounding is really there (the first step's loss is not the F32 one
 /// to f32 precision). On the CPU the settings are errors that name them.
@@ -718,16 +720,26 @@ fn rounded_products_follow_the_f32_run_on_cuda() {
         Arc::new(kiln_cuda::CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA: {e}")));
     let steps = 12;
     let run = |products: Products| -> Vec<f64> {
+        let base = settings(steps, 1e-2);
         let s = Settings {
             products,
-            ..settings(steps, 1e-2)
+            optimizer: StepConfig {
+                loss_scaling: (products == Products::F16).then(LossScaling::default),
+                ..base.optimizer
+            },
+            ..base
         };
         let mut t = Trainer::new(&start(), text(), s, cuda.clone()).unwrap();
         (0..steps).map(|_| t.step().unwrap().loss).collect()
     };
     let f32_losses = run(Products::F32);
-    // The bound: 5e-3 held TF32 (2^-11 a rounding) on the H200; BF16 rounds 4x coarser.
-    for (products, bound) in [(Products::Tf32, 5e-3), (Products::Bf16, 2e-2)] {
+    // The bound: 5e-3 held TF32 (2^-11 a rounding) on the H200; F16 rounds as finely,
+    // BF16 4x coarser.
+    for (products, bound) in [
+        (Products::Tf32, 5e-3),
+        (Products::F16, 5e-3),
+        (Products::Bf16, 2e-2),
+    ] {
         let losses = run(products);
         let name = products.name();
         eprintln!("{name}: {losses:?}\nf32: {f32_losses:?}");
@@ -746,6 +758,41 @@ fn rounded_products_follow_the_f32_run_on_cuda() {
     }
     // Back to F32 for whatever runs on this backend next.
     cuda.grad().unwrap().set_products(Products::F32).unwrap();
+}
+
+/// Dynamic loss scaling (what F16 products need), run on the CPU's F32 products: the
+/// scale reaches the backward pass's seed and the optimizer's unscaling, and since a
+/// power-of-two scale multiplies every gradient exactly and the step unscales them
+/// exactly, the run is the unscaled one to the bit (a scale missing on either side would
+/// move every update by 2^16). Skipping an overflowing update and backing the scale off
+/// are the optimizer's, tested against PyTorch's GradScaler in kiln-optim.
+#[test]
+fn loss_scaling_reaches_the_seed_and_the_step_exactly() {
+    let scaled = Settings {
+        optimizer: StepConfig {
+            loss_scaling: Some(LossScaling {
+                init_scale: 65536.0,
+                ..LossScaling::default()
+            }),
+            ..settings(6, 1e-2).optimizer
+        },
+        ..settings(6, 1e-2)
+    };
+    let mut plain = Trainer::new(&start(), text(), settings(6, 1e-2), cpu()).unwrap();
+    let mut with = Trainer::new(&start(), text(), scaled, cpu()).unwrap();
+    for step in 1..=6 {
+        let (a, b) = (plain.step().unwrap(), with.step().unwrap());
+        assert!(!b.skipped, "step {step} skipped");
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {step}");
+        assert!(
+            (a.grad_norm - b.grad_norm).abs() <= 1e-6 * a.grad_norm,
+            "step {step}"
+        );
+    }
+    assert_eq!(
+        plain.parameters_flat().unwrap(),
+        with.parameters_flat().unwrap()
+    );
 }
 
 #[test]
