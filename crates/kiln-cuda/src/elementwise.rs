@@ -310,8 +310,8 @@ pub(crate) fn argmax(b: &CudaBackend, x: &Tensor, out: &mut Tensor) -> Result<()
     )
 }
 
-/// Rope on q and k, and k, v into the caches in their type, in one launch (see
-/// kernels/rope.cu).
+/// Rope on q and k, and k, v into the caches in their type at the positions or at `rows`
+/// (a paged pool's slots), in one launch (see kernels/rope.cu).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_write_kv(
     b: &CudaBackend,
@@ -319,6 +319,7 @@ pub(crate) fn rope_write_kv(
     k: &mut Tensor,
     v: &Tensor,
     pos: &Tensor,
+    rows: Option<&Tensor>,
     rope: Option<(&Tensor, RopeLayout)>,
     k_cache: &mut Tensor,
     v_cache: &mut Tensor,
@@ -360,6 +361,9 @@ pub(crate) fn rope_write_kv(
         )));
     }
     check_positions(pos, tokens, "rope_write_kv")?;
+    if let Some(r) = rows {
+        check_positions(r, tokens, "rope_write_kv rows")?;
+    }
     let (freq_ptr, rot_dim, neox) = match rope {
         Some((f, layout)) => {
             expect(f, DType::F32, "rope frequencies")?;
@@ -386,6 +390,7 @@ pub(crate) fn rope_write_kv(
             Arg::Ptr(ptr(k)?),
             Arg::Ptr(ptr(v)?),
             Arg::Ptr(ptr(pos)?),
+            Arg::Ptr(rows.map(ptr).transpose()?.unwrap_or(0)),
             Arg::Ptr(freq_ptr),
             Arg::Ptr(ptr(k_cache)?),
             Arg::Ptr(ptr(v_cache)?),

@@ -622,13 +622,7 @@ impl Backend for CudaBackend {
         k_cache: &mut Tensor,
         v_cache: &mut Tensor,
     ) -> Result<()> {
-        match rows {
-            // A paged pool's slots: the fused kernel writes at the positions.
-            Some(_) => {
-                kiln_core::rope_write_kv_by_ops(self, q, k, v, pos, rows, rope, k_cache, v_cache)
-            }
-            None => elementwise::rope_write_kv(self, q, k, v, pos, rope, k_cache, v_cache),
-        }
+        elementwise::rope_write_kv(self, q, k, v, pos, rows, rope, k_cache, v_cache)
     }
 
     fn grad(&self) -> Option<&dyn GradOps> {

@@ -19,14 +19,15 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq,
 }
 
 // Fused for decode: rotate q and k (when inv_freq is given), and write k and v to the
-// caches at their positions, in the caches' type (kv_cache.cu). Block b < tokens*heads is
+// caches at their positions (or, with `rows` non-null, at rows[t]: a paged pool's slots),
+// in the caches' type (kv_cache.cu). Block b < tokens*heads is
 // a query head; the rest are KV heads. q [tokens, heads, D], k/v [tokens, kv_heads, D],
 // caches [cap, kv_heads, D]. Launch: grid (tokens * (heads + kv_heads)), block 64.
 template <int KV>
 __device__ void rope_write_kv_body(float* q, float* k, const float* v, const int* pos,
-                                   const float* inv_freq, u8* k_cache, u8* v_cache, int tokens,
-                                   int heads, int kv_heads, int D, int rot_dim, int neox,
-                                   int cap) {
+                                   const int* rows, const float* inv_freq, u8* k_cache,
+                                   u8* v_cache, int tokens, int heads, int kv_heads, int D,
+                                   int rot_dim, int neox, int cap) {
     follow_previous();
     const int qblocks = tokens * heads;
     const bool is_q = blockIdx.x < qblocks;
@@ -46,9 +47,10 @@ __device__ void rope_write_kv_body(float* q, float* k, const float* v, const int
             x[b] = x0 * s + x1 * c;
         }
     }
-    if (is_q || p < 0 || p >= cap) return;
+    const int r = rows != nullptr ? rows[t] : p;
+    if (is_q || r < 0 || r >= cap) return;
     __syncthreads();  // the rotated k is read back below by other threads
-    const size_t src = ((size_t)t * kv_heads + h) * D, dst = ((size_t)p * kv_heads + h) * D;
+    const size_t src = ((size_t)t * kv_heads + h) * D, dst = ((size_t)r * kv_heads + h) * D;
     const size_t elements = (size_t)cap * kv_heads * D;
     kv_store_row<KV>(k_cache, elements, dst, x, D);
     kv_store_row<KV>(v_cache, elements, dst, v + src, D);
@@ -56,11 +58,11 @@ __device__ void rope_write_kv_body(float* q, float* k, const float* v, const int
 
 #define ROPE_WRITE_KV(KV, NAME)                                                              \
     extern "C" __global__ void rope_write_kv_##NAME(                                         \
-        float* q, float* k, const float* v, const int* pos, const float* inv_freq,           \
-        u8* k_cache, u8* v_cache, int tokens, int heads, int kv_heads, int D, int rot_dim,   \
-        int neox, int cap) {                                                                 \
-        rope_write_kv_body<KV>(q, k, v, pos, inv_freq, k_cache, v_cache, tokens, heads,      \
-                               kv_heads, D, rot_dim, neox, cap);                             \
+        float* q, float* k, const float* v, const int* pos, const int* rows,                 \
+        const float* inv_freq, u8* k_cache, u8* v_cache, int tokens, int heads, int kv_heads,\
+        int D, int rot_dim, int neox, int cap) {                                             \
+        rope_write_kv_body<KV>(q, k, v, pos, rows, inv_freq, k_cache, v_cache, tokens,       \
+                               heads, kv_heads, D, rot_dim, neox, cap);                      \
     }
 ROPE_WRITE_KV(KV_F32, f32)
 ROPE_WRITE_KV(KV_F16, f16)
