@@ -154,6 +154,31 @@ fn block_shape(n: usize, group: usize, max_warps: [usize; 2]) -> (usize, usize) 
     (per_warp, tiles)
 }
 
+/// [`block_shape`] for a paged batch, whose tiles must each lie in one run (a tile reads
+/// one block table): the shortest run's shape, its tiles halved until every run starts on
+/// a tile boundary; one query a tile where none does.
+fn run_tile_shape(runs: &[usize], group: usize, max_warps: [usize; 2]) -> (usize, usize) {
+    let shortest = runs.iter().copied().min().unwrap_or(1);
+    let (per_warp, mut tiles) = block_shape(shortest, group, max_warps);
+    let starts: Vec<usize> = runs
+        .iter()
+        .scan(0, |at, &r| {
+            let start = *at;
+            *at += r;
+            Some(start)
+        })
+        .collect();
+    loop {
+        if starts.iter().all(|s| s % (per_warp * tiles) == 0) {
+            return (per_warp, tiles);
+        }
+        if tiles == 1 {
+            return (1, 1);
+        }
+        tiles /= 2;
+    }
+}
+
 /// Dynamic shared memory of a block: a chunk of 32 keys (rows padded by 4) and of 32
 /// values, and the block's `queries`, of `d` dimensions each.
 fn shared_bytes(d: usize, queries: usize) -> usize {
@@ -364,8 +389,10 @@ fn run(
         }
     }
     // Queries on their own (a server's batch, a few tokens of decode) go to the decode
-    // kernel where it has their head size; a prompt's tiles share their key reads.
-    if paged.is_some() || n <= SPLIT_MAX_QUERIES {
+    // kernel where it has their head size; a prompt's tiles share their key reads, and so
+    // do those of a paged batch of prompts alone (training's micro-batch over F32).
+    let prompts_only = paged.is_some_and(|p| p.runs.iter().all(|&r| r > SPLIT_MAX_QUERIES));
+    if (paged.is_some() && !prompts_only) || n <= SPLIT_MAX_QUERIES {
         if let Some(dk) = decode_kernel {
             let reach = paged.map_or(cap, |p| p.max_blocks * p.block);
             return decode(b, dk, reach, &operands, None, params, out);
@@ -385,7 +412,7 @@ fn run(
         b.kernels.max_threads(kernels[dv - 1][1])? as usize / 32,
     ];
     let (per_warp, tiles) = match paged {
-        Some(_) => (1, 1),
+        Some(p) => run_tile_shape(p.runs, group, max_warps),
         None => block_shape(n, group, max_warps),
     };
     let (qt, rows) = (tiles * per_warp, group * tiles);
@@ -627,6 +654,34 @@ fn decode(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A paged batch's tiles never cross from one run into the next.
+    #[test]
+    fn run_tiles_stay_in_their_runs() {
+        for runs in [
+            vec![1024, 1024, 1024],
+            vec![9, 9, 9],
+            vec![16, 48, 40],
+            vec![33, 31],
+            vec![12, 64],
+        ] {
+            for group in [1, 2, 4, 8] {
+                let (per_warp, tiles) = run_tile_shape(&runs, group, [32, 32]);
+                let qt = per_warp * tiles;
+                let mut start = 0;
+                for &r in &runs {
+                    assert_eq!(start % qt, 0, "runs {runs:?}, group {group}: tiles of {qt}");
+                    start += r;
+                }
+                assert!(tiles * group <= TILE_WARPS.max(group), "{runs:?} {group}");
+            }
+        }
+        // Long aligned runs keep the prompt shape.
+        assert_eq!(
+            run_tile_shape(&[1024; 4], 1, [32, 32]),
+            block_shape(1024, 1, [32, 32])
+        );
+    }
 
     /// Whatever the group, query count and the kernels' register-bound limits (down to
     /// what the load check lets through), a block fits its kernel, holds whole groups

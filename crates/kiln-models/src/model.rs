@@ -344,7 +344,7 @@ impl Model {
         f: impl FnOnce(&Tensor, &Tensor) -> Result<T>,
     ) -> Result<T> {
         self.run(ids, pos0, cache, Output::Hidden, |m, s| {
-            f(&s.h, m.weights.output.as_ref().unwrap_or(&m.weights.embed))
+            f(&s.h, m.head_weight())
         })
     }
 

@@ -7,7 +7,7 @@
 
 use crate::tape::{Operand, ValueId, ValueInfo};
 use kiln_core::{
-    AttentionParams, Backend, DType, Error, GradOps, Result, RopeLayout, Shape, Tensor,
+    AttentionParams, Backend, DType, Error, GradOps, Pages, Result, RopeLayout, Shape, Tensor,
 };
 
 /// An op's input as the op saw it: which value (or parameter), and its shape then (a
@@ -145,6 +145,19 @@ pub(crate) enum Node {
         v: Read,
         /// q, k cache, v cache, positions.
         saved: [Saved; 4],
+        params: AttentionParams,
+        out: Written,
+    },
+    /// Attention over a paged pool: per sequence as [`Node::Attention`] (see
+    /// [`crate::paged`]).
+    PagedAttention {
+        q: Read,
+        k: Read,
+        v: Read,
+        /// q, k pool, v pool, positions, each row's sequence, the block tables.
+        saved: [Saved; 6],
+        runs: Vec<usize>,
+        block: usize,
         params: AttentionParams,
         out: Written,
     },
@@ -331,7 +344,8 @@ impl<'a> Backward<'a> {
             | Node::Softcap { out, .. }
             | Node::WriteRows { out, .. }
             | Node::SliceCols { out, .. }
-            | Node::Attention { out, .. } => out,
+            | Node::Attention { out, .. }
+            | Node::PagedAttention { out, .. } => out,
             Node::Loss { .. } => unreachable!("handled above"),
         };
         let Some(mut dy) = self.out_grad(out)? else {
@@ -542,6 +556,40 @@ impl<'a> Backward<'a> {
                     &mut dq.0,
                     &mut dk.0,
                     &mut dv.0,
+                );
+                self.put_if(&q, dq);
+                self.put_if(&k, dk);
+                self.put_if(&v, dv);
+                r?;
+            }
+            Node::PagedAttention {
+                q,
+                k,
+                v,
+                saved: [sq, sk, sv, spos, sseq, stables],
+                runs,
+                block,
+                params,
+                ..
+            } => {
+                let mut dq = self.acc_or_scratch(&q)?;
+                let mut dk = self.acc_or_scratch(&k)?;
+                let mut dv = self.acc_or_scratch(&v)?;
+                let pages = Pages {
+                    seq: self.saved(sseq),
+                    tables: self.saved(stables),
+                    block,
+                    runs: &runs,
+                };
+                let r = crate::paged::attention_backward(
+                    self.b,
+                    g,
+                    [self.saved(sq), self.saved(sk), self.saved(sv)],
+                    self.saved(spos),
+                    &pages,
+                    &params,
+                    &dy,
+                    [&mut dq.0, &mut dk.0, &mut dv.0],
                 );
                 self.put_if(&q, dq);
                 self.put_if(&k, dk);

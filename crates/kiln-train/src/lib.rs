@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod init;
 pub mod lora;
+mod paged;
 pub mod rng;
 mod tape;
 mod trainer;

@@ -13,7 +13,7 @@
 use crate::backward::{Backward, Node, Read, Saved, Written};
 use crate::lora::Adapter;
 use kiln_core::{
-    AttentionParams, Backend, DType, Device, Error, GradOps, HostBytes, KernelTime, Result,
+    AttentionParams, Backend, DType, Device, Error, GradOps, HostBytes, KernelTime, Pages, Result,
     RopeLayout, SampleParams, Shape, Storage, Tensor,
 };
 use std::collections::HashMap;
@@ -845,6 +845,52 @@ impl Backend for Tape {
             Ok(())
         })?;
         self.inner.attention(q, k_cache, v_cache, pos, params, out)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.record(|rec| {
+            let (qr, kr, vr) = (rec.read(q), rec.read(k_pool), rec.read(v_pool));
+            let grad = rec.needs(&qr) || rec.needs(&kr) || rec.needs(&vr);
+            let saved = match grad {
+                true => {
+                    let (pr, sr, tr) = (rec.read(pos), rec.read(pages.seq), rec.read(pages.tables));
+                    Some([
+                        rec.save(&qr, q)?,
+                        rec.save(&kr, k_pool)?,
+                        rec.save(&vr, v_pool)?,
+                        rec.save(&pr, pos)?,
+                        rec.save(&sr, pages.seq)?,
+                        rec.save(&tr, pages.tables)?,
+                    ])
+                }
+                false => None,
+            };
+            let out = rec.write(out, grad);
+            if let Some(saved) = saved {
+                rec.push(Node::PagedAttention {
+                    q: qr,
+                    k: kr,
+                    v: vr,
+                    saved,
+                    runs: pages.runs.to_vec(),
+                    block: pages.block,
+                    params: *params,
+                    out,
+                });
+            }
+            Ok(())
+        })?;
+        self.inner
+            .paged_attention(q, k_pool, v_pool, pos, pages, params, out)
     }
 
     fn argmax(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {

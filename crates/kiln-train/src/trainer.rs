@@ -10,10 +10,12 @@
 //! after backward, and the updated master weights back into the model's tensors after
 //! the step (8 bytes a parameter per step, against the optimizer's 28).
 //!
-//! The model runs one sequence per forward pass (its KV cache holds one), so a step's
-//! `batch × grad_accum` sequences run one after another and their gradients accumulate in
-//! the parameters' gradient buffers: `--batch` and `--grad-accum` differ only in name
-//! here. Activations are kept for one sequence at a time (no checkpointing of them yet).
+//! A micro-batch's `batch` sequences run through the model in one forward pass, as a
+//! server's step runs its sequences: one row per token, each sequence's keys and values
+//! in its own block of a paged cache, attention within each sequence (its backward in
+//! [`crate::paged`]). The `grad_accum` micro-batches of a step run one after another, their
+//! gradients accumulating in the parameters' gradient buffers. Activations are kept for
+//! one micro-batch at a time (no checkpointing of them yet).
 //!
 //! With LoRA ([`crate::lora`]) the trainable parameters, and so the flat buffers, are the
 //! adapters' matrices alone; the model's weights are registered frozen.
@@ -25,7 +27,7 @@ use crate::rng::Rng;
 use crate::tape::Tape;
 use kiln_core::{Backend, Collective, DType, Error, GradOps, Products, Result, Shape, Tensor};
 use kiln_io::gguf::{GgufFile, GgufWriter, Value};
-use kiln_models::{KvCache, Model};
+use kiln_models::{BatchItem, Model, PagedKvCache, StepWant};
 use kiln_optim::{Optimizer, ParamLayout, StepConfig};
 use kiln_tokenizer::Tokenizer;
 use serde::{Deserialize, Serialize};
@@ -78,7 +80,8 @@ pub struct StepReport {
 pub struct Trainer {
     tape: Arc<Tape>,
     model: Model,
-    cache: KvCache,
+    /// A block of `seq_len` positions for each sequence of a micro-batch.
+    cache: PagedKvCache,
     settings: Settings,
     data: TextData,
     /// The start file's `tokenizer.*` and `general.name` metadata, for what is written.
@@ -283,7 +286,7 @@ impl Trainer {
         drop(refs);
         tape.set_adapters(adapters, &adapted)?;
         drop((adapted, params_of));
-        let cache = model.new_cache(settings.seq_len, DType::F32)?;
+        let cache = model.new_paged_cache(settings.batch, settings.seq_len, DType::F32)?;
         let carried = start
             .metadata
             .iter()
@@ -369,18 +372,42 @@ impl Trainer {
             .sum()
     }
 
-    /// The mean loss of `ids` predicting `targets`; with `record`, its gradients (scaled
-    /// by `scale`) are added into the parameters'. With `last` (a step's last sequence on
-    /// a data-parallel rank with buckets), the gradients are also written into the flat
-    /// buffer and summed over the ranks, bucket by bucket, as the backward pass makes them.
-    fn sequence(
+    /// The summed loss of `windows` (each `seq_len + 1` tokens: every token predicts the
+    /// next), at most `batch` of them, in one forward pass; with `record`, its gradients
+    /// (scaled by `scale`) are added into the parameters'. With `last` (a step's last
+    /// micro-batch on a data-parallel rank with buckets), the gradients are also written
+    /// into the flat buffer and summed over the ranks, bucket by bucket, as the backward
+    /// pass makes them.
+    fn sequences(
         &mut self,
-        ids: &[u32],
-        targets: &[u32],
+        windows: &[&[u32]],
         scale: f32,
         record: bool,
         last: bool,
     ) -> Result<f64> {
+        let seq = self.settings.seq_len;
+        if windows.len() > self.cache.blocks() || windows.iter().any(|w| w.len() != seq + 1) {
+            return Err(Error::shape(format!(
+                "{} windows for a micro-batch of {} sequences of {seq} tokens",
+                windows.len(),
+                self.cache.blocks()
+            )));
+        }
+        let blocks: Vec<[u32; 1]> = (0..windows.len() as u32).map(|b| [b]).collect();
+        let items: Vec<BatchItem> = windows
+            .iter()
+            .zip(&blocks)
+            .map(|(w, b)| BatchItem {
+                tokens: &w[..seq],
+                pos0: 0,
+                blocks: b,
+                want: StepWant::Nothing,
+            })
+            .collect();
+        let targets: Vec<u32> = windows
+            .iter()
+            .flat_map(|w| w[1..].iter().copied())
+            .collect();
         if record {
             self.tape.begin();
         } else {
@@ -390,8 +417,8 @@ impl Trainer {
         let softcap = self.model.config.final_softcap;
         let losses = self
             .model
-            .forward_hidden(ids, 0, &mut self.cache, |h, head| {
-                tape.cross_entropy(h, head, targets, softcap, scale)
+            .forward_hidden_batch(&items, &mut self.cache, |h, head| {
+                tape.cross_entropy(h, head, &targets, softcap, scale)
             })?;
         if record {
             let adapters = self.tape.adapters();
@@ -470,19 +497,25 @@ impl Trainer {
             .collective
             .as_ref()
             .map_or((0, 1), |c| (c.rank(), c.world()));
-        for i in 0..seqs {
-            // Windows of seq_len + 1 tokens, starting anywhere (checked to fit). Every
-            // rank draws every window, so that their generators stay together; each runs
-            // its share.
-            let span = (self.data.train.len() - s.seq_len) as u64;
-            let start = self.rng.below(span) as usize;
-            if i % world != rank {
-                continue;
-            }
-            let window = self.data.train[start..start + s.seq_len + 1].to_vec();
-            // This rank's last sequence: `seqs` is a multiple of `world`.
-            let last = i + world >= seqs;
-            sum += self.sequence(&window[..s.seq_len], &window[1..], scale, true, last)?;
+        // Windows of seq_len + 1 tokens, starting anywhere (checked to fit). Every rank
+        // draws every window, so that their generators stay together; each runs its share
+        // (window i on rank i % world) of each micro-batch.
+        let span = (self.data.train.len() - s.seq_len) as u64;
+        let starts: Vec<usize> = (0..seqs).map(|_| self.rng.below(span) as usize).collect();
+        let mine = |m: usize| (m * s.batch..(m + 1) * s.batch).filter(move |i| i % world == rank);
+        let last_micro = (0..s.grad_accum).rev().find(|&m| mine(m).next().is_some());
+        for m in 0..s.grad_accum {
+            let train = std::mem::take(&mut self.data.train);
+            let windows: Vec<&[u32]> = mine(m)
+                .map(|i| &train[starts[i]..starts[i] + s.seq_len + 1])
+                .collect();
+            let result = match windows.is_empty() {
+                true => Ok(0.0),
+                false => self.sequences(&windows, scale, true, Some(m) == last_micro),
+            };
+            drop(windows);
+            self.data.train = train;
+            sum += result?;
         }
         if let Some(c) = &self.collective {
             sum = self.sum_over_ranks(c.as_ref(), sum)?;
@@ -743,10 +776,15 @@ impl Trainer {
             .take(self.settings.eval_windows)
             .collect();
         let mut sum = 0f64;
+        let mine: Vec<&[u32]> = starts
+            .iter()
+            .skip(rank)
+            .step_by(world)
+            .map(|&start| &held[start..start + seq + 1])
+            .collect();
         let mut run = || -> Result<()> {
-            for &start in starts.iter().skip(rank).step_by(world) {
-                let window = &held[start..start + seq + 1];
-                sum += self.sequence(&window[..seq], &window[1..], 1.0, false, false)?;
+            for windows in mine.chunks(self.settings.batch) {
+                sum += self.sequences(windows, 1.0, false, false)?;
             }
             Ok(())
         };

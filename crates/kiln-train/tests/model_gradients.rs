@@ -2,7 +2,9 @@
 //! loss: tiny models of each feature family the ops support (LLaMA with grouped-query
 //! attention; Gemma 2's softcaps, sliding window, post-norms, GeGLU and scaled
 //! embeddings; GPT-2's LayerNorm, biases, fused QKV, learned positions and GELU; Phi-3's
-//! fused QKV and gate+up), over two sequences whose gradients accumulate.
+//! fused QKV and gate+up), over two sequences whose gradients accumulate, or that run
+//! as one batch through a paged KV cache (as training's micro-batches do) whose block
+//! tables are out of order.
 //!
 //! The forward pass is f32, so differences are taken along one direction per parameter
 //! tensor (a change of the loss far above its rounding) and compared with the gradient's
@@ -10,7 +12,7 @@
 
 use kiln_core::{quant, Backend, DType, RopeLayout};
 use kiln_cpu::CpuBackend;
-use kiln_models::{Arch, Ffn, Model, ModelConfig, Norm, Rope};
+use kiln_models::{Arch, BatchItem, Ffn, Model, ModelConfig, Norm, Rope, StepWant};
 use kiln_train::init::{fresh_tensors, gguf_of};
 use kiln_train::rng::Rng;
 use kiln_train::Tape;
@@ -72,9 +74,11 @@ struct Setup {
     model: Model,
     seqs: Vec<(Vec<u32>, Vec<u32>)>,
     scale: f32,
+    /// One forward pass over a paged cache for all sequences, instead of one each.
+    batched: bool,
 }
 
-fn setup(arch: Arch, tied: bool) -> Setup {
+fn setup(arch: Arch, tied: bool, batched: bool) -> Setup {
     let c = config(arch);
     let mut rng = Rng::new(arch as u64 + 11);
     let mut tensors = fresh_tensors(&c, tied, 0.3, &mut rng);
@@ -102,11 +106,15 @@ fn setup(arch: Arch, tied: bool) -> Setup {
         model,
         seqs,
         scale: 1.0 / 14.0,
+        batched,
     }
 }
 
 /// The mean loss over the sequences; with `record`, also their accumulated gradient.
 fn loss(s: &mut Setup, record: bool) -> f64 {
+    if s.batched {
+        return batch_loss(s, record);
+    }
     let softcap = s.model.config.final_softcap;
     let mut cache = s.model.new_cache(7, DType::F32).unwrap();
     let mut total = 0f64;
@@ -132,6 +140,43 @@ fn loss(s: &mut Setup, record: bool) -> f64 {
     total
 }
 
+/// [`loss`] with the sequences in one pass: blocks of 3 positions, the 7 tokens of each
+/// sequence in three blocks of a pool of 6, given out of order.
+fn batch_loss(s: &mut Setup, record: bool) -> f64 {
+    let softcap = s.model.config.final_softcap;
+    let mut cache = s.model.new_paged_cache(6, 3, DType::F32).unwrap();
+    let tables = [[4u32, 1, 2], [0, 5, 3]];
+    let items: Vec<BatchItem> = s
+        .seqs
+        .iter()
+        .zip(&tables)
+        .map(|((ids, _), blocks)| BatchItem {
+            tokens: ids,
+            pos0: 0,
+            blocks,
+            want: StepWant::Nothing,
+        })
+        .collect();
+    let targets: Vec<u32> = s.seqs.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+    if record {
+        s.tape.begin();
+    } else {
+        s.tape.stop();
+    }
+    let tape = s.tape.clone();
+    let losses = s
+        .model
+        .forward_hidden_batch(&items, &mut cache, |h, head| {
+            tape.cross_entropy(h, head, &targets, softcap, s.scale)
+        })
+        .unwrap();
+    if record {
+        let params: Vec<_> = s.model.parameters().into_iter().map(|(_, t)| t).collect();
+        s.tape.backward(&params).unwrap();
+    }
+    losses.iter().map(|&l| l as f64).sum::<f64>() * s.scale as f64
+}
+
 fn read(b: &dyn Backend, t: &kiln_core::Tensor) -> Vec<f32> {
     quant::dequantize_to_vec(DType::F32, &b.download(t).unwrap(), t.shape().numel()).unwrap()
 }
@@ -148,7 +193,11 @@ fn set(s: &mut Setup, index: usize, values: &[f32]) {
 }
 
 fn check_model(arch: Arch, tied: bool) {
-    let mut s = setup(arch, tied);
+    check(setup(arch, tied, false));
+}
+
+fn check(mut s: Setup) {
+    let arch = s.model.config.arch;
     s.tape.zero_grads().unwrap();
     let base = loss(&mut s, true);
     let sizes: Vec<(String, usize)> = s
@@ -229,4 +278,51 @@ fn gpt2_gradients_match_differences() {
 #[test]
 fn phi3_gradients_match_differences() {
     check_model(Arch::Phi3, false);
+}
+
+#[test]
+fn batched_llama_gradients_match_differences() {
+    check(setup(Arch::Llama, false, true));
+}
+
+#[test]
+fn batched_gemma2_gradients_match_differences() {
+    check(setup(Arch::Gemma2, true, true));
+}
+
+#[test]
+fn batched_gpt2_gradients_match_differences() {
+    check(setup(Arch::Gpt2, true, true));
+}
+
+/// One pass over the batch gives the gradient the sequences give one after another.
+#[test]
+fn a_batch_has_the_gradient_of_its_sequences() {
+    let grads = |batched: bool| {
+        let mut s = setup(Arch::Llama, false, batched);
+        s.tape.zero_grads().unwrap();
+        let l = loss(&mut s, true);
+        let n = s
+            .model
+            .parameters()
+            .iter()
+            .map(|(_, t)| t.shape().numel())
+            .sum();
+        let mut g = vec![0f32; n];
+        s.tape.read_grads(&mut g).unwrap();
+        (l, g)
+    };
+    let ((l1, g1), (l2, g2)) = (grads(false), grads(true));
+    assert!((l1 - l2).abs() < 1e-6, "losses {l1} and {l2}");
+    let norm = g1.iter().map(|g| g * g).sum::<f32>().sqrt();
+    let diff = g1
+        .iter()
+        .zip(&g2)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f32>()
+        .sqrt();
+    assert!(
+        diff <= 1e-5 * norm,
+        "the gradients differ by {diff} (norm {norm})"
+    );
 }

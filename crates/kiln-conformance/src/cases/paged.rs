@@ -234,6 +234,37 @@ pub fn paged_attention(t: &Target) {
         ];
         check_paged(t, 20 + c as u64, shape, 16, 40, &batch);
     }
+
+    // Training's micro-batches: prompts alone, each from position 0 in its own scattered
+    // blocks (CUDA over F32: the prompt kernel's tiles, each kept inside one sequence),
+    // of lengths whose starts allow tiles of 8 rows, and of 32 rows each.
+    for (c, (heads, kvh, hd, window, lengths)) in [
+        (12, 12, 64, None, [40, 24, 17]),
+        (8, 2, 128, Some(20usize), [40, 24, 17]),
+        (6, 3, 5, None, [32, 32, 32]),
+        (16, 2, 64, None, [32, 32, 32]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let shape = AttentionShape {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap: None,
+            window,
+        };
+        let batch: Vec<Sequence> = lengths
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| Sequence {
+                blocks: scattered(1 + 13 * i as i32, 3),
+                positions: (0..len).collect(),
+            })
+            .collect();
+        check_paged(t, 30 + c as u64, shape, 16, 40, &batch);
+    }
 }
 
 /// A block id outside the pool is an error, or (on devices that cannot report errors

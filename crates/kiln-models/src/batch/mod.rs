@@ -17,7 +17,7 @@ mod outputs;
 
 pub(crate) use graphs::DecodeGraphs;
 
-use crate::model::{KvTarget, Model, Scratch};
+use crate::model::{KvTarget, Model, Output, Scratch};
 use kiln_core::{DType, Error, Pages, Result, SampleParams, Shape, Tensor};
 
 /// Keys and values of every layer for many sequences: `[(blocks + 1) · block, kv_heads,
@@ -281,29 +281,59 @@ impl Model {
             return Ok(outs);
         }
         let l = self.layout(items, cache.block)?;
+        let mut s = self.new_scratch(l.ids.len())?;
+        exact_rows(&mut s);
+        self.paged_layers(&mut s, &l, cache)?;
+        self.outputs(&mut s, items, &l)
+    }
+
+    /// The step's inputs written and its layers run: `s.x` holds the last layer's output.
+    fn paged_layers(&self, s: &mut Scratch, l: &Layout, cache: &mut PagedKvCache) -> Result<()> {
         let n = l.ids.len();
         let b = self.backend().clone();
         let b = b.as_ref();
-        let mut s = self.new_scratch(n)?;
         let ints = |v: &[i32], dims: Vec<usize>| -> Result<Tensor> {
             let mut t = b.zeros(DType::I32, Shape::new(dims)?)?;
             b.write(&mut t, &i32_bytes(v))?;
             Ok(t)
         };
-        self.write_ids(&mut s, l.ids.iter().map(|&id| id as usize))?;
+        self.write_ids(s, l.ids.iter().map(|&id| id as usize))?;
         b.write(&mut s.positions, &i32_bytes(&l.positions))?;
         let slots = ints(&l.slots, vec![n])?;
         let seq = ints(&l.seq, vec![n])?;
-        let tables = ints(&l.tables, vec![items.len(), l.max_blocks])?;
-        exact_rows(&mut s);
+        let tables = ints(&l.tables, vec![l.runs.len(), l.max_blocks])?;
         let rows = PagedRows {
             slots: &slots,
             seq: &seq,
             tables: &tables,
             runs: &l.runs,
         };
-        self.layers(&mut s, &mut KvTarget::Paged { cache, rows })?;
-        self.outputs(&mut s, items, &l)
+        self.layers(s, &mut KvTarget::Paged { cache, rows })
+    }
+
+    /// [`Model::forward_hidden`] for several sequences in one pass over `cache` (a
+    /// training micro-batch): each item's tokens at its positions, keys and values in its
+    /// blocks, its `want` ignored. `f` gets the final normed hidden states of every
+    /// item's tokens, concatenated in order, and the output matrix. The rows are not
+    /// marked exact: products run over all of them at once.
+    pub fn forward_hidden_batch<T>(
+        &mut self,
+        items: &[BatchItem],
+        cache: &mut PagedKvCache,
+        f: impl FnOnce(&Tensor, &Tensor) -> Result<T>,
+    ) -> Result<T> {
+        if items.is_empty() {
+            return Err(Error::shape("a forward pass of no sequences"));
+        }
+        for it in items {
+            self.check_item(it, cache)?;
+        }
+        let refs: Vec<&BatchItem> = items.iter().collect();
+        let l = self.layout(&refs, cache.block)?;
+        let mut s = self.new_scratch(l.ids.len())?;
+        self.paged_layers(&mut s, &l, cache)?;
+        self.head(&mut s, Output::Hidden)?;
+        f(&s.h, self.head_weight())
     }
 
     /// The logits of the rows that want a result (the final norm and the head over those
