@@ -5,7 +5,7 @@
 //! sequence, not the tiled, memory-flat kernel of FlashAttention-2 (that is still to come).
 
 use crate::kernels::Arg;
-use crate::matmul::sgemm;
+use crate::matmul::{sgemm, sgemm_batched, Strided};
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{
     AttentionParams, Backend, DType, Error, GradOps, Products, Result, RopeLayout, Shape, Tensor,
@@ -405,18 +405,31 @@ impl GradOps for CudaBackend {
         let (dq_p, dk_p, dv_p) = (ptr(dq)?, ptr(dk)?, ptr(dv)?);
         let head = |base: u64, h: usize, width: usize| base + (h * width) as u64 * f;
         let group = heads / kv_heads;
-        for h in 0..heads {
-            let g = h / group;
+        // Each product runs for the heads `r, r + group, ...` (head `g·group + r` on KV
+        // head g) in one batched call: a query head's matrices lie `group` heads apart,
+        // its KV head's one apart.
+        let of_heads = |base: u64, r: usize, width: usize, ld: usize| Strided {
+            at: head(base, r, width),
+            ld,
+            stride: group * width,
+        };
+        let of_kv = |base: u64, width: usize, ld: usize| Strided {
+            at: base,
+            ld,
+            stride: width,
+        };
+        for r in 0..group {
             // Sᵀ[cap, n] = K_g[cap, d] · Q_hᵀ[d, n]; dPᵀ likewise from V and dO.
             for (keys, rows, out) in [(k_p, q_p, s_buf), (v_p, do_p, ds_buf)] {
-                sgemm(
+                sgemm_batched(
                     self,
                     (true, false),
                     (cap, n, d),
-                    (head(keys, g, d), kv_ld),
-                    (head(rows, h, d), q_ld),
+                    of_kv(keys, d, kv_ld),
+                    of_heads(rows, r, d, q_ld),
                     0.0,
-                    (head(out, h, cap), s_ld),
+                    of_heads(out, r, cap, s_ld),
+                    kv_heads,
                 )?;
             }
         }
@@ -437,29 +450,30 @@ impl GradOps for CudaBackend {
                 Arg::I32(window),
             ],
         )?;
-        for h in 0..heads {
-            let g = h / group;
+        for r in 0..group {
             // dQ_hᵀ[d, n] += K_gᵀ[d, cap] · dS_hᵀ[cap, n].
-            sgemm(
+            sgemm_batched(
                 self,
                 (false, false),
                 (d, n, cap),
-                (head(k_p, g, d), kv_ld),
-                (head(ds_buf, h, cap), s_ld),
+                of_kv(k_p, d, kv_ld),
+                of_heads(ds_buf, r, cap, s_ld),
                 1.0,
-                (head(dq_p, h, d), q_ld),
+                of_heads(dq_p, r, d, q_ld),
+                kv_heads,
             )?;
             // dK_gᵀ[d, cap] += Q_hᵀ[d, n] · dS_h[n, cap]; dV_g from dO and P likewise.
-            // The heads of a group add into their KV head one after another.
+            // The heads of a group add into their KV head one call after another.
             for (rows, weights, out) in [(q_p, ds_buf, dk_p), (do_p, s_buf, dv_p)] {
-                sgemm(
+                sgemm_batched(
                     self,
                     (false, true),
                     (d, cap, n),
-                    (head(rows, h, d), q_ld),
-                    (head(weights, h, cap), s_ld),
+                    of_heads(rows, r, d, q_ld),
+                    of_heads(weights, r, cap, s_ld),
                     1.0,
-                    (head(out, g, d), kv_ld),
+                    of_kv(out, d, kv_ld),
+                    kv_heads,
                 )?;
             }
         }

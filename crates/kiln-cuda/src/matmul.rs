@@ -557,6 +557,87 @@ pub(crate) fn sgemm(
     )
 }
 
+/// One operand of [`sgemm_batched`]: device address, leading dimension, and the stride
+/// (in elements) from one product's matrix to the next's.
+pub(crate) struct Strided {
+    pub at: u64,
+    pub ld: usize,
+    pub stride: usize,
+}
+
+/// `count` products of [`sgemm`]'s form in one cuBLAS call, the i-th over `a`, `b` and
+/// `c` advanced by i strides: the backward of attention runs a product for every head
+/// of a KV group at once. F32 products are F32, TF32 ones TF32; under BF16 or F16
+/// products these run TF32 too: rounding each strided operand would take a launch of its
+/// own, for operands (scores, their gradients) that are made in the same pass.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sgemm_batched(
+    b: &CudaBackend,
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    a: Strided,
+    bm: Strided,
+    beta: f32,
+    c: Strided,
+    count: usize,
+) -> Result<()> {
+    use blas_sys::cublasComputeType_t as Compute;
+    if m == 0 || n == 0 || count == 0 {
+        return Ok(());
+    }
+    let op = |t: bool| {
+        if t {
+            blas_sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            blas_sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let i = |v: usize| to_i32(v, "a product's size");
+    let stride = |v: usize| {
+        i64::try_from(v).map_err(|_| Error::shape(format!("a product's stride {v} does not fit")))
+    };
+    let compute = match b.blas.f32_products() {
+        Products::F32 => Compute::CUBLAS_COMPUTE_32F,
+        Products::Tf32 | Products::Bf16 | Products::F16 => Compute::CUBLAS_COMPUTE_32F_FAST_TF32,
+    };
+    let (alpha, f32_type) = (1.0f32, blas_sys::cudaDataType::CUDA_R_32F);
+    let handle = b.blas.handle.lock().expect("cuBLAS lock");
+    b.fence_before_library_kernel()?;
+    b.queued_other_work();
+    unsafe {
+        blas::gemm_strided_batched_ex(
+            handle.0,
+            op(ta),
+            op(tb),
+            i(m)?,
+            i(n)?,
+            i(k)?,
+            &alpha as *const f32 as *const _,
+            a.at as *const _,
+            f32_type,
+            i(a.ld)?,
+            stride(a.stride)?,
+            bm.at as *const _,
+            f32_type,
+            i(bm.ld)?,
+            stride(bm.stride)?,
+            &beta as *const f32 as *const _,
+            c.at as *mut _,
+            f32_type,
+            i(c.ld)?,
+            stride(c.stride)?,
+            i(count)?,
+            compute,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| {
+        Error::Device(format!(
+            "cuBLAS batched F32 GEMM {count} x {m}x{n}x{k}: {e:?}"
+        ))
+    })
+}
+
 /// The stored operand of a column-major product rounded to BF16 (or F16) into the scratch
 /// `slot`: `rows` × `cols` (op(A) = A when `trans` is N) with leading dimension `ld`, the
 /// whole span it covers converted so the same `ld` addresses the copy.
