@@ -141,7 +141,8 @@ pub struct TrainArgs {
     /// From scratch: an output projection of its own (default: the embeddings, tied).
     #[arg(long)]
     pub untied: bool,
-    /// Sequences per micro-batch.
+    /// Sequences per micro-batch, run in one forward pass (the activations of all of them
+    /// are kept until its backward).
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
     /// Tokens per sequence.
