@@ -386,6 +386,25 @@ impl Trainer {
         last: bool,
     ) -> Result<f64> {
         let seq = self.settings.seq_len;
+        self.micro_batch(windows, scale, record, last)
+            .map_err(|e| match e {
+                Error::Device(m) if m.starts_with("out of GPU memory") => Error::Device(format!(
+                    "{m}, running a micro-batch of {} sequences of {seq} tokens (the activations of all of them are kept for the backward pass): lower --batch, and raise --grad-accum to keep the step's sequences",
+                    windows.len()
+                )),
+                e => e,
+            })
+    }
+
+    /// [`Trainer::sequences`], without the advice on memory.
+    fn micro_batch(
+        &mut self,
+        windows: &[&[u32]],
+        scale: f32,
+        record: bool,
+        last: bool,
+    ) -> Result<f64> {
+        let seq = self.settings.seq_len;
         if windows.len() > self.cache.blocks() || windows.iter().any(|w| w.len() != seq + 1) {
             return Err(Error::shape(format!(
                 "{} windows for a micro-batch of {} sequences of {seq} tokens",
