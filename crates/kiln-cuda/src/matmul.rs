@@ -523,6 +523,15 @@ impl HalfX {
     }
 }
 
+/// cuBLAS's operation for "use the transpose" (`t`) or not.
+fn blas_op(t: bool) -> blas_sys::cublasOperation_t {
+    if t {
+        blas_sys::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        blas_sys::cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
 /// `c = a·b + beta·c` in cuBLAS's column-major terms (`ta`/`tb`: use the transpose of
 /// `a`/`b`), F32: the products of the backward kernels (see `grad`).
 #[allow(clippy::too_many_arguments)]
@@ -538,17 +547,10 @@ pub(crate) fn sgemm(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let op = |t: bool| {
-        if t {
-            blas_sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            blas_sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
     let i = |v: usize| to_i32(v, "a product's size");
     f32_gemm(
         b,
-        (op(ta), op(tb)),
+        (blas_op(ta), blas_op(tb)),
         (i(m)?, i(n)?, i(k)?),
         (a, i(lda)?),
         (bm, i(ldb)?),
@@ -585,13 +587,6 @@ pub(crate) fn sgemm_batched(
     if m == 0 || n == 0 || count == 0 {
         return Ok(());
     }
-    let op = |t: bool| {
-        if t {
-            blas_sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            blas_sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
     let i = |v: usize| to_i32(v, "a product's size");
     let stride = |v: usize| {
         i64::try_from(v).map_err(|_| Error::shape(format!("a product's stride {v} does not fit")))
@@ -607,8 +602,8 @@ pub(crate) fn sgemm_batched(
     unsafe {
         blas::gemm_strided_batched_ex(
             handle.0,
-            op(ta),
-            op(tb),
+            blas_op(ta),
+            blas_op(tb),
             i(m)?,
             i(n)?,
             i(k)?,

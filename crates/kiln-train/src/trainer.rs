@@ -524,17 +524,14 @@ impl Trainer {
         let mine = |m: usize| (m * s.batch..(m + 1) * s.batch).filter(move |i| i % world == rank);
         let last_micro = (0..s.grad_accum).rev().find(|&m| mine(m).next().is_some());
         for m in 0..s.grad_accum {
-            let train = std::mem::take(&mut self.data.train);
-            let windows: Vec<&[u32]> = mine(m)
-                .map(|i| &train[starts[i]..starts[i] + s.seq_len + 1])
+            // Copies (a few hundred KB): the model borrows the trainer mutably.
+            let windows: Vec<Vec<u32>> = mine(m)
+                .map(|i| self.data.train[starts[i]..starts[i] + s.seq_len + 1].to_vec())
                 .collect();
-            let result = match windows.is_empty() {
-                true => Ok(0.0),
-                false => self.sequences(&windows, scale, true, Some(m) == last_micro),
-            };
-            drop(windows);
-            self.data.train = train;
-            sum += result?;
+            if !windows.is_empty() {
+                let windows: Vec<&[u32]> = windows.iter().map(Vec::as_slice).collect();
+                sum += self.sequences(&windows, scale, true, Some(m) == last_micro)?;
+            }
         }
         if let Some(c) = &self.collective {
             sum = self.sum_over_ranks(c.as_ref(), sum)?;

@@ -6,6 +6,7 @@ use super::{check, cotangent_f32 as cotangent, weighted, widen, Elements};
 use crate::target::random;
 use crate::Target;
 use kiln_core::{AttentionParams, DType, RopeLayout};
+use rand::rngs::StdRng;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 pub fn copy_add_scaled_and_sum_rows(t: &Target) {
@@ -311,13 +312,43 @@ pub fn rope_gradient(t: &Target) {
     }
 }
 
-/// Attention's three gradients for 5 queries of 6 heads over 2 KV heads of width 9, in a
-/// cache of 11 rows whose rows past the last position must get nothing.
-fn attention_case(t: &Target, params: AttentionParams, kernel_window: Option<usize>) {
+/// Queries of `heads` heads over `kv_heads` of width `hd`, at `pos`, in a cache of `cap`
+/// rows; `sample`: how many elements of each gradient are checked (all when `None`).
+struct AttnCase {
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    cap: usize,
+    pos: Vec<i32>,
+    sample: Option<usize>,
+}
+
+/// 5 queries of 6 heads over 2 KV heads of width 9, in a cache of 11 rows.
+fn small_attention() -> AttnCase {
+    AttnCase {
+        heads: 6,
+        kv_heads: 2,
+        hd: 9,
+        cap: 11,
+        pos: vec![3, 7, 4, 6, 5],
+        sample: None,
+    }
+}
+
+/// `most` sampled elements, or all.
+fn elements(most: Option<usize>, pick: &mut StdRng) -> Elements<'_> {
+    match most {
+        Some(most) => Elements::Sample(most, pick),
+        None => Elements::All,
+    }
+}
+
+/// Attention's three gradients; the cache rows past the last position must get nothing.
+fn attention_case(t: &Target, params: AttentionParams, kernel_window: Option<usize>, c: AttnCase) {
     let g = t.grad();
     let mut rng = t.rng(params.window.unwrap_or(0) as u64);
-    let (n, heads, kvh, hd, cap) = (5, 6, 2, 9, 11);
-    let pos = [3, 7, 4, 6, 5];
+    let (n, heads, kvh, hd, cap) = (c.pos.len(), c.heads, c.kv_heads, c.hd, c.cap);
+    let pos = c.pos;
     let q = random(&mut rng, n * heads * hd, 1.0);
     let k = random(&mut rng, cap * kvh * hd, 1.0);
     let v = random(&mut rng, cap * kvh * hd, 1.0);
@@ -351,8 +382,8 @@ fn attention_case(t: &Target, params: AttentionParams, kernel_window: Option<usi
     let (q64, k64, v64, r) = (widen(&q), widen(&k), widen(&v), widen(&r));
     let got_dk = t.added(&dk, &bk);
     let got_dv = t.added(&dv, &bv);
-    // Rows 8.. are past every position: not read, so no gradient at all.
-    let unseen = 8 * kvh * hd;
+    // Rows past every position are not read, so get no gradient at all.
+    let unseen = (pos.iter().max().map_or(0, |&p| p as usize + 1)) * kvh * hd;
     assert!(
         got_dk[unseen..]
             .iter()
@@ -360,15 +391,28 @@ fn attention_case(t: &Target, params: AttentionParams, kernel_window: Option<usi
             .all(|&d| d == 0.0),
         "attention: cache rows no query sees got a gradient"
     );
-    check("attention dq", &t.added(&dq, &bq), &q, Elements::All, |q| {
-        weighted(&r64::attention(q, &k64, &v64, &pos, a), &r)
-    });
-    check("attention dk", &got_dk, &k, Elements::All, |k| {
-        weighted(&r64::attention(&q64, k, &v64, &pos, a), &r)
-    });
-    check("attention dv", &got_dv, &v, Elements::All, |v| {
-        weighted(&r64::attention(&q64, &k64, v, &pos, a), &r)
-    });
+    let mut pick = t.rng(7);
+    check(
+        "attention dq",
+        &t.added(&dq, &bq),
+        &q,
+        elements(c.sample, &mut pick),
+        |q| weighted(&r64::attention(q, &k64, &v64, &pos, a), &r),
+    );
+    check(
+        "attention dk",
+        &got_dk,
+        &k,
+        elements(c.sample, &mut pick),
+        |k| weighted(&r64::attention(&q64, k, &v64, &pos, a), &r),
+    );
+    check(
+        "attention dv",
+        &got_dv,
+        &v,
+        elements(c.sample, &mut pick),
+        |v| weighted(&r64::attention(&q64, &k64, v, &pos, a), &r),
+    );
 }
 
 pub fn attention_gradients(t: &Target) {
@@ -377,7 +421,26 @@ pub fn attention_gradients(t: &Target) {
         softcap: None,
         window: None,
     };
-    attention_case(t, params, None);
+    attention_case(t, params, None, small_attention());
+}
+
+/// A real model's heads (32 on 8 KV heads of 128: CUDA batches each product over the 8
+/// heads of one slot of the groups) over a 160-token prompt, at sampled elements.
+pub fn attention_gradients_at_a_real_head_layout(t: &Target) {
+    let params = AttentionParams {
+        scale: 1.0 / 128f32.sqrt(),
+        softcap: None,
+        window: None,
+    };
+    let case = AttnCase {
+        heads: 32,
+        kv_heads: 8,
+        hd: 128,
+        cap: 192,
+        pos: (0..160).collect(),
+        sample: Some(6),
+    };
+    attention_case(t, params, None, case);
 }
 
 pub fn attention_gradients_softcapped_and_windowed(t: &Target) {
@@ -387,7 +450,7 @@ pub fn attention_gradients_softcapped_and_windowed(t: &Target) {
         softcap: Some(2.0),
         window: Some(3),
     };
-    attention_case(t, params, params.window);
+    attention_case(t, params, params.window, small_attention());
 }
 
 pub fn gated_gradients(t: &Target) {
@@ -620,7 +683,7 @@ pub fn a_wrong_gradient_is_caught(t: &Target) {
         window: Some(3),
     };
     assert!(
-        panics(|| attention_case(t, params, Some(4))),
+        panics(|| attention_case(t, params, Some(4), small_attention())),
         "an attention gradient with the window off by one passed"
     );
 

@@ -52,6 +52,7 @@ macro_rules! with_grad_cases {
             rope_gradient
             attention_gradients
             attention_gradients_softcapped_and_windowed
+            attention_gradients_at_a_real_head_layout
             gated_gradients
             gelu_and_softcap_gradients
             slice_cols_and_write_rows_gradients
