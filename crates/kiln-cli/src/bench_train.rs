@@ -23,6 +23,8 @@ pub struct TrainBench {
     pub batch: usize,
     pub seq_len: usize,
     pub products: kiln_core::Products,
+    /// Run each layer again in the backward pass instead of keeping its activations.
+    pub checkpoint_activations: bool,
     pub json: bool,
 }
 
@@ -85,7 +87,11 @@ pub fn run(opts: &TrainBench) -> CliResult<String> {
         lora: None,
         products: opts.products,
     };
-    let mut t = Trainer::new(&start, data, settings, backend.clone())?;
+    // Device memory the run takes: kiln's allocator keeps freed buffers for reuse, so
+    // what is gone from the free memory after the steps is the steps' high-water mark.
+    let free_before = backend.free_memory()?;
+    let mut t = Trainer::new(&start, data, settings, backend.clone())?
+        .checkpoint_activations(opts.checkpoint_activations);
     t.step()?;
     let mut times = Vec::with_capacity(opts.reps);
     for _ in 0..opts.reps {
@@ -93,6 +99,9 @@ pub fn run(opts: &TrainBench) -> CliResult<String> {
         t.step()?; // returns once the step's loss and norm are read back
         times.push(at.elapsed().as_secs_f64());
     }
+    let held = free_before
+        .zip(backend.free_memory()?)
+        .map(|(before, after)| before.saturating_sub(after) as f64 / (1u64 << 30) as f64);
     times.sort_by(f64::total_cmp);
     let s = times[times.len() / 2];
     let tokens = opts.batch * opts.seq_len;
@@ -112,16 +121,23 @@ pub fn run(opts: &TrainBench) -> CliResult<String> {
                 "precision": opts.products.name(),
                 "median_s": s,
                 "tokens_per_s": tps,
+                "checkpoint_activations": opts.checkpoint_activations,
+                "device_memory_gib": held,
                 "reps": opts.reps,
             })
         )
     } else {
+        let memory = held.map_or("-".to_string(), |g| format!("{g:.2}"));
         format!(
-            "# Training steps (F32 weights, {} products, AdamW, clipping), {device}\n\n\
-             | shape | params | batch × seq | median s/step | tokens/s |\n\
-             |---|---:|---:|---:|---:|\n\
-             | {} | {params} | {} × {} | {s:.3} | {tps:.0} |\n",
+            "# Training steps (F32 weights, {} products, AdamW, clipping{}), {device}\n\n\
+             | shape | params | batch × seq | median s/step | tokens/s | device memory (GiB) |\n\
+             |---|---:|---:|---:|---:|---:|\n\
+             | {} | {params} | {} × {} | {s:.3} | {tps:.0} | {memory} |\n",
             opts.products.name(),
+            match opts.checkpoint_activations {
+                true => ", activation checkpointing",
+                false => "",
+            },
             opts.shape,
             opts.batch,
             opts.seq_len

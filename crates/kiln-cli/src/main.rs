@@ -157,6 +157,9 @@ struct BenchArgs {
     /// way; the others on CUDA; f16 with dynamic loss scaling).
     #[arg(long, default_value = "f32", value_parser = model_file::products_arg, requires = "train")]
     precision: kiln_core::Products,
+    /// With --train: activation checkpointing (each layer run again in the backward pass).
+    #[arg(long, requires = "train")]
+    checkpoint_activations: bool,
 }
 
 fn bench(a: BenchArgs) -> CliResult {
@@ -189,6 +192,7 @@ fn bench(a: BenchArgs) -> CliResult {
             batch: usize::from(a.batch),
             seq_len: a.seq_len,
             products: a.precision,
+            checkpoint_activations: a.checkpoint_activations,
             json: a.output == "json",
         })?
     } else if a.optimizer {

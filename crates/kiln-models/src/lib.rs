@@ -26,7 +26,7 @@ mod synthetic;
 pub mod tp;
 mod weights;
 
-pub use batch::{BatchItem, PagedKvCache, StepOutput, StepWant};
+pub use batch::{BatchItem, HiddenPass, PagedKvCache, StepOutput, StepWant};
 pub use checkpoint::Checkpoint;
 pub use config::{Arch, Ffn, Llama3Scaling, ModelConfig, Norm, Rope};
 pub use convert::convert_hf_to_gguf;

@@ -514,11 +514,18 @@ impl Model {
 
     /// The embedding and every layer: `s.x` holds the last layer's output.
     pub(crate) fn layers(&self, s: &mut Scratch, kv: &mut KvTarget) -> Result<()> {
+        self.embed(s)?;
+        for l in 0..self.weights.layers.len() {
+            self.layer(l, s, kv)?;
+        }
+        Ok(())
+    }
+
+    /// The embedding of `s.ids` (at `s.positions`) into `s.x`, the first layer's input.
+    pub(crate) fn embed(&self, s: &mut Scratch) -> Result<()> {
         let c = &self.config;
         let b = self.backend.as_ref();
         let w = &self.weights;
-        let n = s.n;
-
         match (self.split_embed(), &s.local_ids) {
             (Some((c, _)), Some(local)) => {
                 b.embedding(&w.embed, local, &mut s.x)?;
@@ -533,172 +540,179 @@ impl Model {
             b.embedding(pe, &s.positions, pos)?;
             b.add_assign(&mut s.x, pos)?;
         }
+        Ok(())
+    }
 
-        for (l, lw) in w.layers.iter().enumerate() {
-            // Attention block.
-            match &lw.qkv {
-                Qkv::Fused(qkv) => {
-                    self.norm(&lw.attn_norm, &s.x, &mut s.h)?;
-                    let buf = s.qkv.as_mut().expect("allocated for fused models");
-                    self.linear(qkv, &s.h, buf)?;
-                    b.slice_cols(buf, 0, &mut s.q)?;
-                    b.slice_cols(buf, c.q_dim(), &mut s.k)?;
-                    b.slice_cols(buf, c.q_dim() + c.kv_dim(), &mut s.v)?;
-                }
-                Qkv::Split { q, k, v } => {
-                    let (ws, outs) = (&[&q.w, &k.w, &v.w], &mut [&mut s.q, &mut s.k, &mut s.v]);
-                    match self.rms_norm(&lw.attn_norm, &s.x) {
-                        Some(norm) => b.rms_norm_matmul_many(&norm, &mut s.h, ws, outs)?,
-                        None => {
-                            self.norm(&lw.attn_norm, &s.x, &mut s.h)?;
-                            b.matmul_many(&s.h, ws, outs)?;
-                        }
+    /// Layer `l` over `s.x`, in place: its input is `s.x`, and so is its output.
+    pub(crate) fn layer(&self, l: usize, s: &mut Scratch, kv: &mut KvTarget) -> Result<()> {
+        let c = &self.config;
+        let b = self.backend.as_ref();
+        let lw = &self.weights.layers[l];
+        let w = &self.weights;
+        let n = s.n;
+        // Attention block.
+        match &lw.qkv {
+            Qkv::Fused(qkv) => {
+                self.norm(&lw.attn_norm, &s.x, &mut s.h)?;
+                let buf = s.qkv.as_mut().expect("allocated for fused models");
+                self.linear(qkv, &s.h, buf)?;
+                b.slice_cols(buf, 0, &mut s.q)?;
+                b.slice_cols(buf, c.q_dim(), &mut s.k)?;
+                b.slice_cols(buf, c.q_dim() + c.kv_dim(), &mut s.v)?;
+            }
+            Qkv::Split { q, k, v } => {
+                let (ws, outs) = (&[&q.w, &k.w, &v.w], &mut [&mut s.q, &mut s.k, &mut s.v]);
+                match self.rms_norm(&lw.attn_norm, &s.x) {
+                    Some(norm) => b.rms_norm_matmul_many(&norm, &mut s.h, ws, outs)?,
+                    None => {
+                        self.norm(&lw.attn_norm, &s.x, &mut s.h)?;
+                        b.matmul_many(&s.h, ws, outs)?;
                     }
-                    for (l, out) in [(q, &mut s.q), (k, &mut s.k), (v, &mut s.v)] {
-                        if let Some(bias) = &l.b {
-                            b.add_assign(out, bias)?;
-                        }
+                }
+                for (l, out) in [(q, &mut s.q), (k, &mut s.k), (v, &mut s.v)] {
+                    if let Some(bias) = &l.b {
+                        b.add_assign(out, bias)?;
                     }
                 }
             }
-            reshape(&mut s.q, &[n, c.n_heads, c.head_dim])?;
-            reshape(&mut s.k, &[n, c.n_kv_heads, c.head_dim])?;
-            reshape(&mut s.v, &[n, c.n_kv_heads, c.head_dim])?;
-            let rope = c
-                .rope
-                .as_ref()
-                .zip(w.inv_freq.as_ref())
-                .map(|(rope, inv_freq)| (inv_freq, rope.layout));
-            let params = AttentionParams {
-                scale: c.attn_scale,
-                softcap: c.attn_softcap,
-                window: c.layer_window(l),
-            };
-            match kv {
-                KvTarget::Contiguous(cache) => {
-                    let (k_cache, v_cache) = (&mut cache.k[l], &mut cache.v[l]);
-                    b.rope_write_kv(
-                        &mut s.q,
-                        &mut s.k,
-                        &s.v,
-                        &s.positions,
-                        None,
-                        rope,
-                        k_cache,
-                        v_cache,
-                    )?;
-                    b.attention(
-                        &s.q,
-                        &cache.k[l],
-                        &cache.v[l],
-                        &s.positions,
-                        &params,
-                        &mut s.attn,
-                    )?;
-                }
-                KvTarget::Paged { cache, rows } => {
-                    let (k_pool, v_pool) = (&mut cache.k[l], &mut cache.v[l]);
-                    b.rope_write_kv(
-                        &mut s.q,
-                        &mut s.k,
-                        &s.v,
-                        &s.positions,
-                        Some(rows.slots),
-                        rope,
-                        k_pool,
-                        v_pool,
-                    )?;
-                    b.paged_attention(
-                        &s.q,
-                        &cache.k[l],
-                        &cache.v[l],
-                        &s.positions,
-                        &rows.pages(cache.block),
-                        &params,
-                        &mut s.attn,
-                    )?;
-                }
+        }
+        reshape(&mut s.q, &[n, c.n_heads, c.head_dim])?;
+        reshape(&mut s.k, &[n, c.n_kv_heads, c.head_dim])?;
+        reshape(&mut s.v, &[n, c.n_kv_heads, c.head_dim])?;
+        let rope = c
+            .rope
+            .as_ref()
+            .zip(w.inv_freq.as_ref())
+            .map(|(rope, inv_freq)| (inv_freq, rope.layout));
+        let params = AttentionParams {
+            scale: c.attn_scale,
+            softcap: c.attn_softcap,
+            window: c.layer_window(l),
+        };
+        match kv {
+            KvTarget::Contiguous(cache) => {
+                let (k_cache, v_cache) = (&mut cache.k[l], &mut cache.v[l]);
+                b.rope_write_kv(
+                    &mut s.q,
+                    &mut s.k,
+                    &s.v,
+                    &s.positions,
+                    None,
+                    rope,
+                    k_cache,
+                    v_cache,
+                )?;
+                b.attention(
+                    &s.q,
+                    &cache.k[l],
+                    &cache.v[l],
+                    &s.positions,
+                    &params,
+                    &mut s.attn,
+                )?;
             }
-            reshape(&mut s.q, &[n, c.q_dim()])?;
-            reshape(&mut s.k, &[n, c.kv_dim()])?;
-            reshape(&mut s.v, &[n, c.kv_dim()])?;
-            reshape(&mut s.attn, &[n, c.q_dim()])?;
-            if let Some(pn) = &lw.post_attn_norm {
-                self.linear(&lw.o, &s.attn, &mut s.o)?;
-                self.norm(pn, &s.o, &mut s.h)?;
-                b.add_assign(&mut s.x, &s.h)?;
-            } else {
-                self.linear_add(&lw.o, &s.attn, &mut s.x, &mut s.o)?;
+            KvTarget::Paged { cache, rows } => {
+                let (k_pool, v_pool) = (&mut cache.k[l], &mut cache.v[l]);
+                b.rope_write_kv(
+                    &mut s.q,
+                    &mut s.k,
+                    &s.v,
+                    &s.positions,
+                    Some(rows.slots),
+                    rope,
+                    k_pool,
+                    v_pool,
+                )?;
+                b.paged_attention(
+                    &s.q,
+                    &cache.k[l],
+                    &cache.v[l],
+                    &s.positions,
+                    &rows.pages(cache.block),
+                    &params,
+                    &mut s.attn,
+                )?;
             }
-            reshape(&mut s.attn, &[n, c.n_heads, c.head_dim])?;
+        }
+        reshape(&mut s.q, &[n, c.q_dim()])?;
+        reshape(&mut s.k, &[n, c.kv_dim()])?;
+        reshape(&mut s.v, &[n, c.kv_dim()])?;
+        reshape(&mut s.attn, &[n, c.q_dim()])?;
+        if let Some(pn) = &lw.post_attn_norm {
+            self.linear(&lw.o, &s.attn, &mut s.o)?;
+            self.norm(pn, &s.o, &mut s.h)?;
+            b.add_assign(&mut s.x, &s.h)?;
+        } else {
+            self.linear_add(&lw.o, &s.attn, &mut s.x, &mut s.o)?;
+        }
+        reshape(&mut s.attn, &[n, c.n_heads, c.head_dim])?;
 
-            // Feed-forward block.
-            match &lw.ffn {
-                FfnWeights::Gated {
-                    gate_up: GateUp::Split { gate, up },
-                    ..
-                } if gate.b.is_none() && up.b.is_none() => {
-                    let gelu = c.ffn == Ffn::GeGlu;
-                    match self.rms_norm(&lw.ffn_norm, &s.x) {
-                        Some(norm) => b.rms_norm_gated_ffn(
-                            &norm,
-                            &mut s.h,
+        // Feed-forward block.
+        match &lw.ffn {
+            FfnWeights::Gated {
+                gate_up: GateUp::Split { gate, up },
+                ..
+            } if gate.b.is_none() && up.b.is_none() => {
+                let gelu = c.ffn == Ffn::GeGlu;
+                match self.rms_norm(&lw.ffn_norm, &s.x) {
+                    Some(norm) => b.rms_norm_gated_ffn(
+                        &norm,
+                        &mut s.h,
+                        &gate.w,
+                        &up.w,
+                        gelu,
+                        &mut s.act,
+                        &mut s.gate,
+                        &mut s.up,
+                    )?,
+                    None => {
+                        self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
+                        b.gated_ffn(
+                            &s.h,
                             &gate.w,
                             &up.w,
                             gelu,
                             &mut s.act,
                             &mut s.gate,
                             &mut s.up,
-                        )?,
-                        None => {
-                            self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
-                            b.gated_ffn(
-                                &s.h,
-                                &gate.w,
-                                &up.w,
-                                gelu,
-                                &mut s.act,
-                                &mut s.gate,
-                                &mut s.up,
-                            )?;
-                        }
+                        )?;
                     }
-                }
-                FfnWeights::Gated { gate_up, .. } => {
-                    self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
-                    match gate_up {
-                        GateUp::Fused(gu) => {
-                            let buf = s.gate_up.as_mut().expect("allocated for fused models");
-                            self.linear(gu, &s.h, buf)?;
-                            b.slice_cols(buf, 0, &mut s.gate)?;
-                            b.slice_cols(buf, c.ffn_dim, &mut s.up)?;
-                        }
-                        GateUp::Split { gate, up } => {
-                            self.linear(gate, &s.h, &mut s.gate)?;
-                            self.linear(up, &s.h, &mut s.up)?;
-                        }
-                    }
-                    match c.ffn {
-                        Ffn::GeGlu => b.gelu_mul(&s.gate, &s.up, &mut s.act)?,
-                        _ => b.silu_mul(&s.gate, &s.up, &mut s.act)?,
-                    }
-                }
-                FfnWeights::Plain { up, .. } => {
-                    self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
-                    self.linear(up, &s.h, &mut s.act)?;
-                    b.gelu(&mut s.act)?;
                 }
             }
-            let down = match &lw.ffn {
-                FfnWeights::Gated { down, .. } | FfnWeights::Plain { down, .. } => down,
-            };
-            if let Some(pn) = &lw.post_ffn_norm {
-                self.linear(down, &s.act, &mut s.down)?;
-                self.norm(pn, &s.down, &mut s.h)?;
-                b.add_assign(&mut s.x, &s.h)?;
-            } else {
-                self.linear_add(down, &s.act, &mut s.x, &mut s.down)?;
+            FfnWeights::Gated { gate_up, .. } => {
+                self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
+                match gate_up {
+                    GateUp::Fused(gu) => {
+                        let buf = s.gate_up.as_mut().expect("allocated for fused models");
+                        self.linear(gu, &s.h, buf)?;
+                        b.slice_cols(buf, 0, &mut s.gate)?;
+                        b.slice_cols(buf, c.ffn_dim, &mut s.up)?;
+                    }
+                    GateUp::Split { gate, up } => {
+                        self.linear(gate, &s.h, &mut s.gate)?;
+                        self.linear(up, &s.h, &mut s.up)?;
+                    }
+                }
+                match c.ffn {
+                    Ffn::GeGlu => b.gelu_mul(&s.gate, &s.up, &mut s.act)?,
+                    _ => b.silu_mul(&s.gate, &s.up, &mut s.act)?,
+                }
             }
+            FfnWeights::Plain { up, .. } => {
+                self.norm(&lw.ffn_norm, &s.x, &mut s.h)?;
+                self.linear(up, &s.h, &mut s.act)?;
+                b.gelu(&mut s.act)?;
+            }
+        }
+        let down = match &lw.ffn {
+            FfnWeights::Gated { down, .. } | FfnWeights::Plain { down, .. } => down,
+        };
+        if let Some(pn) = &lw.post_ffn_norm {
+            self.linear(down, &s.act, &mut s.down)?;
+            self.norm(pn, &s.down, &mut s.h)?;
+            b.add_assign(&mut s.x, &s.h)?;
+        } else {
+            self.linear_add(down, &s.act, &mut s.x, &mut s.down)?;
         }
         Ok(())
     }

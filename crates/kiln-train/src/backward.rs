@@ -207,15 +207,19 @@ impl<'a> Backward<'a> {
         }
     }
 
-    /// Walk `nodes` from the last; `whole(i, gradient)` is called for the parameters of
-    /// `first` before the walk and for those of `whole_after[n]` once node `n` is walked.
+    /// Walk `nodes` from the last, the gradient of value `seed.0` starting as `seed.1`;
+    /// `whole(i, gradient)` is called for the parameters of `first` before the walk and
+    /// for those of `whole_after[n]` once node `n` is walked. Returns the gradient of
+    /// `input` (an error when none reached it).
     pub fn run(
         mut self,
         nodes: Vec<Node>,
+        seed: Option<(ValueId, Tensor)>,
+        input: Option<ValueId>,
         first: &[usize],
         whole_after: &[Vec<usize>],
         whole: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<Option<Tensor>> {
         let mut report = |b: &Self, params: &[usize]| -> Result<()> {
             for &i in params {
                 let g = b.param_grads[i]
@@ -225,13 +229,24 @@ impl<'a> Backward<'a> {
             }
             Ok(())
         };
+        if let Some((v, grad)) = seed {
+            self.grads[v] = Some(grad);
+        }
         report(&self, first)?;
         for (n, node) in nodes.into_iter().enumerate().rev() {
             self.taken.clear();
             self.node(node)?;
             report(&self, &whole_after[n])?;
         }
-        Ok(())
+        let Some(v) = input else {
+            return Ok(None);
+        };
+        match self.grads[v].take() {
+            Some(t) => Ok(Some(t)),
+            None => Err(Error::Device(
+                "backward: no gradient reached the segment's input".into(),
+            )),
+        }
     }
 
     fn saved(&self, s: Saved) -> &'a Tensor {

@@ -16,6 +16,7 @@ pub mod data;
 pub mod init;
 pub mod lora;
 mod paged;
+mod recompute;
 pub mod rng;
 mod tape;
 mod trainer;

@@ -41,6 +41,18 @@ pub(crate) struct ValueInfo {
 #[derive(Default)]
 pub(crate) struct State {
     recording: bool,
+    /// Whether the recording keeps its nodes and the copies their backward needs. A
+    /// checkpointed pass's forward keeps nothing: it notes which segment first reads each
+    /// parameter, and each segment is recorded again, kept, just before its backward.
+    keep: bool,
+    /// The segment being recorded (0 outside checkpointed passes).
+    segment: usize,
+    /// Per parameter: the first segment of the pass that reads it. Its gradient is whole
+    /// once that segment's backward is done.
+    first_segment: HashMap<usize, usize>,
+    /// The pass's first backward walk is done: the parameters it never reads were
+    /// reported whole then.
+    walked: bool,
     /// Buffer → the value it holds now.
     current: HashMap<usize, ValueId>,
     pub values: Vec<ValueInfo>,
@@ -65,6 +77,7 @@ impl State {
         let op = match self.params.get(&k) {
             Some(&i) => {
                 self.first_read.entry(i).or_insert(self.nodes.len());
+                self.first_segment.entry(i).or_insert(self.segment);
                 Operand::Param(i)
             }
             None => match self.current.get(&k) {
@@ -234,14 +247,49 @@ impl Tape {
     /// Start recording a forward pass: what an earlier one recorded is dropped
     /// (parameter gradients are kept: they accumulate until [`Tape::zero_grads`]).
     pub fn begin(&self) {
+        self.begin_pass(true);
+    }
+
+    /// Start a checkpointed pass: its forward runs through, keeping no copies, as
+    /// segments (the first is 0, [`Tape::next_segment`] starts the next); before each
+    /// segment's backward, the caller runs it again under [`Tape::record_segment`].
+    pub(crate) fn begin_checkpointed(&self) {
+        self.begin_pass(false);
+    }
+
+    fn begin_pass(&self, keep: bool) {
+        let mut st = self.state();
+        st.first_segment.clear();
+        st.walked = false;
+        drop(st);
+        self.record_segment(0);
+        self.state().keep = keep;
+    }
+
+    /// The checkpointed forward pass goes on to its next segment.
+    pub(crate) fn next_segment(&self) {
+        self.state().segment += 1;
+    }
+
+    /// Record segment `segment` of a checkpointed pass, kept for its backward: what was
+    /// recorded before is dropped (the pass's notes of which segment reads what stay).
+    pub(crate) fn record_segment(&self, segment: usize) {
         let mut st = self.state();
         st.recording = true;
+        st.keep = true;
+        st.segment = segment;
         st.current.clear();
         st.values.clear();
         st.nodes.clear();
         st.saved.clear();
         st.saved_of.clear();
         st.first_read.clear();
+    }
+
+    /// While recording: `t` holds a segment's input, a value whose gradient
+    /// [`Tape::backward_segment`] returns.
+    pub(crate) fn input(&self, t: &Tensor) -> ValueId {
+        self.state().write(t, true).id
     }
 
     /// Stop recording and drop what was recorded: ops run through untouched (held-out
@@ -324,6 +372,10 @@ impl Tape {
         if !st.recording {
             drop(st);
             g.cross_entropy(h, w, &targets, softcap, scale, &mut losses, None, None)?;
+        } else if !st.keep {
+            return Err(Error::unsupported(
+                "a loss in the forward run of a checkpointed pass (record its segment)",
+            ));
         } else {
             let (hr, wr) = (st.read(h), st.read(w));
             let mut dh = match st.needs_grad(&hr) {
@@ -365,8 +417,9 @@ impl Tape {
     }
 
     /// Walk the recorded ops backwards from the losses, adding into the parameters'
-    /// gradients; `params` are the registered parameters, in order. The recording is
-    /// dropped after.
+    /// gradients; `params` are the registered parameters, in order, but the LoRA
+    /// adapters' (the last ones), which the tape holds itself. The recording is dropped
+    /// after.
     pub fn backward(&self, params: &[&Tensor]) -> Result<()> {
         self.backward_with(params, &mut |_, _| Ok(()))
     }
@@ -380,6 +433,31 @@ impl Tape {
         params: &[&Tensor],
         whole: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
     ) -> Result<()> {
+        let result = self.backward_segment(params, None, None, whole);
+        self.begin();
+        result.map(drop)
+    }
+
+    /// The backward walk of what was recorded, from the losses and from `seed` (a buffer
+    /// and the gradient of the value it holds now: the segment's output; dropped when no
+    /// trainable parameter made that value); returns the
+    /// gradient of `input` (see [`Tape::input`]). `whole` as in [`Tape::backward_with`]:
+    /// in a checkpointed pass, for the parameters whose first segment this is. The nodes
+    /// and copies are dropped; the caller records the next segment.
+    pub(crate) fn backward_segment(
+        &self,
+        params: &[&Tensor],
+        seed: Option<(&Tensor, Tensor)>,
+        input: Option<ValueId>,
+        whole: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<Option<Tensor>> {
+        // Adapters, then the state: the order `matmul` takes them in.
+        let adapters = self.adapters();
+        let params: Vec<&Tensor> = params
+            .iter()
+            .copied()
+            .chain(adapters.list.iter().flat_map(|ad| [&ad.a, &ad.b]))
+            .collect();
         let mut st = self.state();
         if params.len() != st.param_keys.len()
             || params.iter().zip(&st.param_keys).any(|(p, &k)| key(p) != k)
@@ -388,29 +466,48 @@ impl Tape {
                 "backward: the parameters differ from those the tape was given",
             ));
         }
+        let seed = match seed {
+            Some((t, grad)) => match st.current.get(&key(t)) {
+                Some(&v) => st.values[v].grad.then_some((v, grad)),
+                None => {
+                    return Err(Error::shape(
+                        "backward: the seed's buffer was not written in this recording",
+                    ))
+                }
+            },
+            None => None,
+        };
         let nodes = std::mem::take(&mut st.nodes);
         let mut param_grads = std::mem::take(&mut st.param_grads);
         // Per node, the parameters whose gradients are whole once it is walked.
         let mut whole_after: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
-        let mut never_read = Vec::new();
+        let mut first = Vec::new();
         for i in (0..param_grads.len()).filter(|&i| param_grads[i].is_some()) {
-            match st.first_read.get(&i) {
-                Some(&n) if n < nodes.len() => whole_after[n].push(i),
-                _ => never_read.push(i),
+            match st.first_segment.get(&i) {
+                Some(&s) if s == st.segment => match st.first_read.get(&i) {
+                    Some(&n) if n < nodes.len() => whole_after[n].push(i),
+                    _ => first.push(i),
+                },
+                // Whole in another segment's walk.
+                Some(_) => {}
+                // Never read: whole now, reported by the pass's first walk.
+                None if !st.walked => first.push(i),
+                None => {}
             }
         }
+        st.walked = true;
         let result = Backward::new(
             self.grad_ops(),
             self.inner.as_ref(),
-            params,
+            &params,
             &st.saved,
             &st.values,
             &mut param_grads,
         )
-        .run(nodes, &never_read, &whole_after, whole);
+        .run(nodes, seed, input, &first, &whole_after, whole);
         st.param_grads = param_grads;
-        drop(st);
-        self.begin();
+        st.saved.clear();
+        st.saved_of.clear();
         result
     }
 
@@ -454,6 +551,10 @@ impl Recorder<'_, '_> {
         if let Some(&s) = self.st.saved_of.get(&v) {
             return Ok(Saved::Copy(s));
         }
+        if !self.st.keep {
+            // The node it goes into is dropped (see `push`).
+            return Ok(Saved::Copy(usize::MAX));
+        }
         let mut copy = self.tape.inner.zeros(t.dtype(), t.shape().clone())?;
         self.tape.grad_ops().copy(t, &mut copy)?;
         self.st.saved.push(copy);
@@ -468,7 +569,9 @@ impl Recorder<'_, '_> {
     }
 
     fn push(&mut self, node: Node) {
-        self.st.nodes.push(node);
+        if self.st.keep {
+            self.st.nodes.push(node);
+        }
     }
 
     /// The output of an op whose input's value is written in place: saves `before` of

@@ -23,6 +23,7 @@
 use crate::checkpoint::{self, RunState};
 use crate::data::TextData;
 use crate::lora::{self, Adapter, LoraSettings};
+use crate::recompute::checkpointed_pass;
 use crate::rng::Rng;
 use crate::tape::Tape;
 use kiln_core::{Backend, Collective, DType, Error, GradOps, Products, Result, Shape, Tensor};
@@ -106,6 +107,9 @@ pub struct Trainer {
     /// Data parallelism's gradient buckets, summed while the backward pass goes on (see
     /// [`Trainer::bucket_bytes`]); `None`: one sum after it.
     buckets: Option<Buckets>,
+    /// Keep only each layer's input for the backward pass and run the layer again there
+    /// (see [`crate::recompute`]).
+    checkpoint_activations: bool,
     /// Per parameter of the tape: its place among the trainable tensors (the flat
     /// buffers' entries), `None` when frozen.
     flat_index: Vec<Option<usize>>,
@@ -309,6 +313,7 @@ impl Trainer {
             collective: None,
             shard: None,
             buckets: None,
+            checkpoint_activations: false,
             flat_index,
         })
     }
@@ -344,6 +349,15 @@ impl Trainer {
         self.buckets =
             (bytes > 0 && self.shard.is_none()).then(|| Buckets::new(self.opt.layout(), bytes));
         Ok(self)
+    }
+
+    /// Activation checkpointing: a micro-batch's backward pass runs each layer's forward
+    /// again instead of keeping its activations (about a third more compute, a layer's
+    /// activations held instead of every layer's). The results are the same either way:
+    /// a resumed run may choose again.
+    pub fn checkpoint_activations(mut self, on: bool) -> Trainer {
+        self.checkpoint_activations = on;
+        self
     }
 
     pub fn settings(&self) -> &Settings {
@@ -386,10 +400,14 @@ impl Trainer {
         last: bool,
     ) -> Result<f64> {
         let seq = self.settings.seq_len;
+        let kept = match self.checkpoint_activations {
+            true => "each layer's input and one layer's activations are kept for the backward pass",
+            false => "the activations of every layer are kept for the backward pass: --checkpoint-activations keeps one layer's, or",
+        };
         self.micro_batch(windows, scale, record, last)
             .map_err(|e| match e {
                 Error::Device(m) if m.starts_with("out of GPU memory") => Error::Device(format!(
-                    "{m}, running a micro-batch of {} sequences of {seq} tokens (the activations of all of them are kept for the backward pass): lower --batch, and raise --grad-accum to keep the step's sequences",
+                    "{m}, running a micro-batch of {} sequences of {seq} tokens ({kept}): lower --batch, and raise --grad-accum to keep the step's sequences",
                     windows.len()
                 )),
                 e => e,
@@ -427,55 +445,78 @@ impl Trainer {
             .iter()
             .flat_map(|w| w[1..].iter().copied())
             .collect();
-        if record {
-            self.tape.begin();
-        } else {
-            self.tape.stop();
-        }
         let tape = self.tape.clone();
         let softcap = self.model.config.final_softcap;
-        let losses = self
-            .model
-            .forward_hidden_batch(&items, &mut self.cache, |h, head| {
-                tape.cross_entropy(h, head, &targets, softcap, scale)
-            })?;
-        if record {
-            let adapters = self.tape.adapters();
-            let mut params: Vec<&Tensor> = self
+        let loss =
+            |h: &Tensor, head: &Tensor| tape.cross_entropy(h, head, &targets, softcap, scale);
+        if !record {
+            self.tape.stop();
+            let losses = self
                 .model
-                .parameters()
-                .into_iter()
-                .map(|(_, t)| t)
-                .collect();
-            params.extend(adapters.list.iter().flat_map(|ad| [&ad.a, &ad.b]));
-            match (&self.collective, &self.buckets) {
-                (Some(c), Some(b)) if last => {
-                    let entries = self.opt.layout().entries();
-                    let (grads, index) = (&mut self.grads, &self.flat_index);
-                    let grad_ops = self.tape.grad_ops();
-                    let mut left: Vec<usize> = b.spans.iter().map(|s| s.2).collect();
-                    self.tape.backward_with(&params, &mut |i, grad| {
-                        let j = index[i].ok_or_else(|| {
-                            Error::Device(format!("parameter {i} is frozen but has a gradient"))
-                        })?;
-                        let e = &entries[j];
-                        grad_ops.copy_span(grad, 0, grads, e.offset, e.len)?;
-                        let k = b.of[j];
-                        left[k] -= 1;
-                        if left[k] == 0 {
-                            c.start_sum(grads, b.spans[k].0, b.spans[k].1)?;
-                        }
-                        Ok(())
-                    })?;
-                    c.wait_started()?;
-                    if let Some(k) = left.iter().position(|&n| n > 0) {
-                        return Err(Error::Device(format!(
-                            "gradient bucket {k}: {} of its tensors never got a whole gradient",
-                            left[k]
-                        )));
-                    }
-                }
-                _ => self.tape.backward(&params)?,
+                .forward_hidden_batch(&items, &mut self.cache, loss)?;
+            return Ok(losses.iter().map(|&l| l as f64).sum());
+        }
+        // The model's (the tape holds the adapters).
+        let params: Vec<&Tensor> = self
+            .model
+            .parameters()
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect();
+        // With gradient buckets (a step's last micro-batch on a data-parallel rank), each
+        // gradient is written into the flat buffer as soon as it is whole, and a bucket's
+        // sum over the ranks starts once all of its tensors are.
+        let buckets = match (&self.collective, &self.buckets) {
+            (Some(c), Some(b)) if last => Some((c, b)),
+            _ => None,
+        };
+        let entries = self.opt.layout().entries();
+        let (grads, index) = (&mut self.grads, &self.flat_index);
+        let grad_ops = self.tape.grad_ops();
+        let mut left: Vec<usize> =
+            buckets.map_or(Vec::new(), |(_, b)| b.spans.iter().map(|s| s.2).collect());
+        let mut whole = |i: usize, grad: &Tensor| -> Result<()> {
+            let Some((c, b)) = buckets else {
+                return Ok(());
+            };
+            let j = index[i].ok_or_else(|| {
+                Error::Device(format!("parameter {i} is frozen but has a gradient"))
+            })?;
+            let e = &entries[j];
+            grad_ops.copy_span(grad, 0, grads, e.offset, e.len)?;
+            let k = b.of[j];
+            left[k] -= 1;
+            if left[k] == 0 {
+                c.start_sum(grads, b.spans[k].0, b.spans[k].1)?;
+            }
+            Ok(())
+        };
+        let losses = match self.checkpoint_activations {
+            true => checkpointed_pass(
+                &self.tape,
+                &self.model,
+                &mut self.cache,
+                &items,
+                &params,
+                loss,
+                &mut whole,
+            )?,
+            false => {
+                self.tape.begin();
+                let losses = self
+                    .model
+                    .forward_hidden_batch(&items, &mut self.cache, loss)?;
+                self.tape.backward_with(&params, &mut whole)?;
+                losses
+            }
+        };
+        if let Some((c, _)) = buckets {
+            c.wait_started()?;
+            if let Some(k) = left.iter().position(|&n| n > 0) {
+                return Err(Error::Device(format!(
+                    "gradient bucket {k}: {} of its tensors never got a whole gradient",
+                    left[k]
+                )));
             }
         }
         Ok(losses.iter().map(|&l| l as f64).sum())

@@ -433,9 +433,11 @@ fn dp_trainer(
     c: Arc<dyn kiln_core::Collective>,
     settings: Settings,
     sums: Sums,
+    recompute: bool,
 ) -> Trainer {
     let t = Trainer::new(&start(), text(), settings, b)
         .unwrap()
+        .checkpoint_activations(recompute)
         .data_parallel(c)
         .unwrap();
     match sums {
@@ -515,6 +517,16 @@ impl kiln_core::Collective for Spans {
 /// one-rank run's steps: the same losses and parameters, up to the order of the sums.
 /// Sharded (ZeRO-1), the same steps up to the rounding of the gradient's norm.
 fn data_parallel(world: usize, settings: Settings, sums: Sums) -> Vec<RankRun> {
+    data_parallel_run(world, settings, sums, false)
+}
+
+/// [`data_parallel`], each rank with activation checkpointing when `recompute`.
+fn data_parallel_run(
+    world: usize,
+    settings: Settings,
+    sums: Sums,
+    recompute: bool,
+) -> Vec<RankRun> {
     let steps = settings.steps;
     let backends: Vec<Arc<dyn Backend>> = (0..world).map(|_| cpu()).collect();
     let group = kiln_dist::host::group(backends.clone());
@@ -528,7 +540,7 @@ fn data_parallel(world: usize, settings: Settings, sums: Sums) -> Vec<RankRun> {
                     inner: c,
                     log: Default::default(),
                 });
-                let mut t = dp_trainer(b, c.clone(), settings, sums);
+                let mut t = dp_trainer(b, c.clone(), settings, sums, recompute);
                 let losses: Vec<f64> = (0..steps).map(|_| t.step().unwrap().loss).collect();
                 let spans = c.log.lock().unwrap().clone();
                 RankRun {
@@ -640,6 +652,93 @@ fn gradient_buckets_sum_each_gradient_once_from_the_last_layer() {
     }
 }
 
+/// Under activation checkpointing a gradient is whole only after the backward of the
+/// first layer that reads it: the tied embeddings (read by the embedding and the head)
+/// are summed after the embedding's. The buckets sum the same spans, and the run takes
+/// the steps of one sum after a kept backward pass, to the bit.
+#[test]
+fn gradient_buckets_under_activation_checkpointing_sum_whole_gradients() {
+    let after = data_parallel(2, settings(3, 1e-2), Sums::After);
+    let kept = data_parallel(2, settings(3, 1e-2), Sums::Buckets(4096));
+    let recomputed = data_parallel_run(2, settings(3, 1e-2), Sums::Buckets(4096), true);
+    assert_eq!(after[0].losses, recomputed[0].losses, "losses");
+    assert!(after[0].params == recomputed[0].params, "parameters differ");
+    assert_eq!(kept[0].spans, recomputed[0].spans, "spans summed");
+}
+
+/// A model of `arch` from scratch, 3 layers (so that one layer is run again between the
+/// first and the last), with the features of its family.
+fn start_of(arch: Arch) -> GgufFile {
+    let mut c = ModelConfig {
+        arch,
+        n_layers: 3,
+        sliding_layers: vec![false; 3],
+        ..config()
+    };
+    match arch {
+        Arch::Gemma2 => {
+            c.ffn = Ffn::GeGlu;
+            c.rope.as_mut().unwrap().layout = RopeLayout::Neox;
+            c.attn_softcap = Some(20.0);
+            c.final_softcap = Some(15.0);
+            c.sliding_window = Some(8);
+            c.sliding_layers = vec![true, false, true];
+            c.embed_scale = Some((c.dim as f32).sqrt());
+            c.post_norms = true;
+        }
+        Arch::Gpt2 => {
+            c.norm = Norm::Layer { eps: 1e-5 };
+            c.ffn = Ffn::Gelu;
+            c.rope = None;
+        }
+        _ => {}
+    }
+    let tokenizer_meta = tokenizer_file()
+        .metadata
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .collect();
+    scratch_start(
+        &c,
+        arch != Arch::Llama,
+        0.02,
+        1,
+        "test model",
+        tokenizer_meta,
+    )
+    .unwrap()
+}
+
+/// Activation checkpointing computes what the kept pass computes: the same losses and
+/// parameters after a few steps, to the bit on the CPU (every layer runs again on the
+/// same inputs in the same order, and the backward walks the same ops). LLaMA untied,
+/// Gemma 2 and GPT-2 with their embeddings tied, and a LoRA run.
+#[test]
+fn activation_checkpointing_takes_the_kept_passes_steps() {
+    let cases = [
+        ("llama", start_of(Arch::Llama), settings(3, 1e-2)),
+        ("gemma2", start_of(Arch::Gemma2), settings(3, 1e-2)),
+        ("gpt2", start_of(Arch::Gpt2), settings(3, 1e-2)),
+        ("lora", start(), lora_settings(3)),
+    ];
+    for (name, start, settings) in cases {
+        let run = |recompute: bool| {
+            let mut t = Trainer::new(&start, text(), settings.clone(), cpu())
+                .unwrap()
+                .checkpoint_activations(recompute);
+            let losses: Vec<f64> = (0..3).map(|_| t.step().unwrap().loss).collect();
+            (losses, t.parameters_flat().unwrap())
+        };
+        let ((want, want_params), (got, params)) = (run(false), run(true));
+        assert_eq!(want, got, "{name}: losses");
+        let worst = want_params
+            .iter()
+            .zip(&params)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst == 0.0, "{name}: parameters {worst} apart");
+    }
+}
+
 /// With LoRA the flat buffers hold the adapters alone (the tape's parameters are the
 /// model's frozen weights, then the adapters): buckets sum them as one sum after the
 /// backward pass does.
@@ -699,13 +798,20 @@ fn a_sharded_runs_checkpoint_resumes_on_one_rank() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_cuda_run_follows_the_cpu_run() {
-    cuda_follows_cpu(settings(12, 1e-2));
+    cuda_follows_cpu(settings(12, 1e-2), false);
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_cuda_lora_run_follows_the_cpu_run() {
-    cuda_follows_cpu(lora_settings(12));
+    cuda_follows_cpu(lora_settings(12), false);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_cuda_run_under_activation_checkpointing_follows_the_cpu_run() {
+    cuda_follows_cpu(settings(12, 1e-2), true);
+    cuda_follows_cpu(lora_settings(12), true);
 }
 
 /// TF32, BF16 and F16 products on CUDA (F16 under dynamic loss scaling, as `kiln train
@@ -810,11 +916,14 @@ fn rounded_products_are_refused_on_the_cpu() {
     }
 }
 
-fn cuda_follows_cpu(settings: Settings) {
+/// The CUDA run, with activation checkpointing when `recompute`, against the CPU run.
+fn cuda_follows_cpu(settings: Settings, recompute: bool) {
     let cuda: Arc<dyn Backend> =
         Arc::new(kiln_cuda::CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA: {e}")));
     let mut on_cpu = Trainer::new(&start(), text(), settings.clone(), cpu()).unwrap();
-    let mut on_gpu = Trainer::new(&start(), text(), settings, cuda).unwrap();
+    let mut on_gpu = Trainer::new(&start(), text(), settings, cuda)
+        .unwrap()
+        .checkpoint_activations(recompute);
     for step in 1..=12 {
         let (a, b) = (on_cpu.step().unwrap(), on_gpu.step().unwrap());
         eprintln!(
@@ -876,7 +985,7 @@ fn two_gpus_follow_the_cpu_run_in_buckets_sharded_or_not() {
                     s.spawn(move || {
                         let cuda = Arc::new(CudaBackend::new(rank).unwrap());
                         let c = Arc::new(cuda.communicator(id, rank, 2).unwrap());
-                        let mut t = dp_trainer(cuda, c, settings(8, 1e-2), sums);
+                        let mut t = dp_trainer(cuda, c, settings(8, 1e-2), sums, false);
                         (0..8).map(|_| t.step().unwrap().loss).collect()
                     })
                 })

@@ -74,6 +74,72 @@ impl<'a> PagedRows<'a> {
     }
 }
 
+/// The device tensors behind a step's [`PagedRows`].
+struct RowTensors {
+    slots: Tensor,
+    seq: Tensor,
+    tables: Tensor,
+}
+
+impl RowTensors {
+    fn rows<'a>(&'a self, runs: &'a [usize]) -> PagedRows<'a> {
+        PagedRows {
+            slots: &self.slots,
+            seq: &self.seq,
+            tables: &self.tables,
+            runs,
+        }
+    }
+}
+
+/// A micro-batch's forward pass run a part at a time over the [`PagedKvCache`] it was
+/// made for (see [`Model::hidden_pass`]). Every part reads and writes the residual
+/// stream, [`HiddenPass::hidden`]: `[tokens, dim]`, the items' rows in order.
+pub struct HiddenPass<'m> {
+    model: &'m Model,
+    s: Scratch,
+    rows: RowTensors,
+    runs: Vec<usize>,
+}
+
+impl HiddenPass<'_> {
+    /// The embedding of the items' tokens: the first layer's input.
+    pub fn embed(&mut self) -> Result<()> {
+        self.model.embed(&mut self.s)
+    }
+
+    /// Layer `l`, from the residual stream to the residual stream; its keys and values
+    /// are written to `cache`.
+    pub fn layer(&mut self, l: usize, cache: &mut PagedKvCache) -> Result<()> {
+        if l >= self.model.config.n_layers {
+            return Err(Error::shape(format!(
+                "layer {l} of a model of {}",
+                self.model.config.n_layers
+            )));
+        }
+        let rows = self.rows.rows(&self.runs);
+        self.model
+            .layer(l, &mut self.s, &mut KvTarget::Paged { cache, rows })
+    }
+
+    /// The residual stream: what the next part reads.
+    pub fn hidden(&self) -> &Tensor {
+        &self.s.x
+    }
+
+    /// The residual stream, to set a layer's input (a copy kept from an earlier run).
+    pub fn hidden_mut(&mut self) -> &mut Tensor {
+        &mut self.s.x
+    }
+
+    /// The final norm of the residual stream: `f` gets the normed hidden states and the
+    /// output matrix (see [`Model::forward_hidden_batch`]).
+    pub fn head<T>(&mut self, f: impl FnOnce(&Tensor, &Tensor) -> Result<T>) -> Result<T> {
+        self.model.head(&mut self.s, Output::Hidden)?;
+        f(&self.s.h, self.model.head_weight())
+    }
+}
+
 /// What a sequence wants from its part of a step.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StepWant {
@@ -289,9 +355,15 @@ impl Model {
 
     /// The step's inputs written and its layers run: `s.x` holds the last layer's output.
     fn paged_layers(&self, s: &mut Scratch, l: &Layout, cache: &mut PagedKvCache) -> Result<()> {
-        let n = l.ids.len();
-        let b = self.backend().clone();
-        let b = b.as_ref();
+        let inputs = self.paged_inputs(s, l)?;
+        let rows = inputs.rows(&l.runs);
+        self.layers(s, &mut KvTarget::Paged { cache, rows })
+    }
+
+    /// Write a step's token ids and positions into `s`, and upload where its rows' keys
+    /// and values go.
+    fn paged_inputs(&self, s: &mut Scratch, l: &Layout) -> Result<RowTensors> {
+        let b = self.backend().as_ref();
         let ints = |v: &[i32], dims: Vec<usize>| -> Result<Tensor> {
             let mut t = b.zeros(DType::I32, Shape::new(dims)?)?;
             b.write(&mut t, &i32_bytes(v))?;
@@ -299,16 +371,11 @@ impl Model {
         };
         self.write_ids(s, l.ids.iter().map(|&id| id as usize))?;
         b.write(&mut s.positions, &i32_bytes(&l.positions))?;
-        let slots = ints(&l.slots, vec![n])?;
-        let seq = ints(&l.seq, vec![n])?;
-        let tables = ints(&l.tables, vec![l.runs.len(), l.max_blocks])?;
-        let rows = PagedRows {
-            slots: &slots,
-            seq: &seq,
-            tables: &tables,
-            runs: &l.runs,
-        };
-        self.layers(s, &mut KvTarget::Paged { cache, rows })
+        Ok(RowTensors {
+            slots: ints(&l.slots, vec![l.ids.len()])?,
+            seq: ints(&l.seq, vec![l.ids.len()])?,
+            tables: ints(&l.tables, vec![l.runs.len(), l.max_blocks])?,
+        })
     }
 
     /// [`Model::forward_hidden`] for several sequences in one pass over `cache` (a
@@ -317,11 +384,23 @@ impl Model {
     /// item's tokens, concatenated in order, and the output matrix. The rows are not
     /// marked exact: products run over all of them at once.
     pub fn forward_hidden_batch<T>(
-        &mut self,
+        &self,
         items: &[BatchItem],
         cache: &mut PagedKvCache,
         f: impl FnOnce(&Tensor, &Tensor) -> Result<T>,
     ) -> Result<T> {
+        let mut pass = self.hidden_pass(items, cache)?;
+        pass.embed()?;
+        for l in 0..self.config.n_layers {
+            pass.layer(l, cache)?;
+        }
+        pass.head(f)
+    }
+
+    /// [`Model::forward_hidden_batch`] a part at a time, for a trainer that keeps only
+    /// each layer's input and runs a layer again during its backward pass (activation
+    /// checkpointing): the items checked and their inputs written, nothing run yet.
+    pub fn hidden_pass(&self, items: &[BatchItem], cache: &PagedKvCache) -> Result<HiddenPass<'_>> {
         if items.is_empty() {
             return Err(Error::shape("a forward pass of no sequences"));
         }
@@ -329,11 +408,15 @@ impl Model {
             self.check_item(it, cache)?;
         }
         let refs: Vec<&BatchItem> = items.iter().collect();
-        let l = self.layout(&refs, cache.block)?;
-        let mut s = self.new_scratch(l.ids.len())?;
-        self.paged_layers(&mut s, &l, cache)?;
-        self.head(&mut s, Output::Hidden)?;
-        f(&s.h, self.head_weight())
+        let layout = self.layout(&refs, cache.block)?;
+        let mut s = self.new_scratch(layout.ids.len())?;
+        let rows = self.paged_inputs(&mut s, &layout)?;
+        Ok(HiddenPass {
+            model: self,
+            s,
+            rows,
+            runs: layout.runs,
+        })
     }
 
     /// The logits of the rows that want a result (the final norm and the head over those
