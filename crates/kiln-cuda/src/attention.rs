@@ -2,7 +2,7 @@
 //! contiguous cache, or a pool of blocks shared by a server's sequences.
 //!
 //! Prompts: one block per (tile of queries, KV head), whole key range; on tensor cores
-//! where attention_tc.rs has a kernel (f16 caches, heads of 64 or 128), else on CUDA
+//! where attention_tc.rs has a kernel (f16 caches, or f32 ones under rounded products; heads of 64 or 128), else on CUDA
 //! cores. Queries on their own (decode, a server's paged rows) with heads of 64, 128 or
 //! 256: one block per (query, KV head, piece of the key range), keys read into registers
 //! (`attention_decode_*`); other head sizes take the prompt kernel with one query a tile.

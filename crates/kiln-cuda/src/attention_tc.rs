@@ -2,7 +2,10 @@
 //! own cache, or a server's prompt chunks over the paged pool, in tiles of one sequence's
 //! consecutive query rows, for f16 caches (the GPU default) and heads of 64 or 128. The
 //! queries and probabilities go in as two f16 parts each, so results keep the f32
-//! kernel's accuracy (attention.rs takes every other case).
+//! kernel's accuracy (attention.rs takes every other case). F32 caches (training's pool)
+//! come here too when the F32 products were asked to round their inputs
+//! (`GradOps::set_products`: TF32, BF16 or F16): their keys and values are rounded to f16
+//! as they are loaded, an input rounding like TF32's.
 //!
 //! It replaced, for prompts, attention.cu's tile kernel (f32 arithmetic on CUDA cores,
 //! 35% of an 8B model's 512-token prompt) and, for a server's prompt chunks, the decode
@@ -10,10 +13,15 @@
 
 use crate::kernels::{Arg, LaunchNeed};
 use crate::{ptr, to_i32, CudaBackend};
-use kiln_core::{AttentionParams, DType, Result, Tensor};
+use kiln_core::{AttentionParams, DType, Products, Result, Tensor};
 
-/// The kernels by head size.
-const KERNELS: [(usize, &str); 2] = [(64, "attention_tc_64"), (128, "attention_tc_128")];
+/// The kernels by cache type and head size.
+const KERNELS: [(DType, usize, &str); 4] = [
+    (DType::F16, 64, "attention_tc_64"),
+    (DType::F16, 128, "attention_tc_128"),
+    (DType::F32, 64, "attention_tc_f32_64"),
+    (DType::F32, 128, "attention_tc_f32_128"),
+];
 /// Keys a chunk holds (`ATC_KEYS`).
 const KEYS: usize = 64;
 /// Warps a block aims at: tiles of 16 rows are added until a block has this many.
@@ -22,12 +30,17 @@ const WARPS: usize = 4;
 const MAX_WARPS: usize = 8;
 
 /// The kernel for a cache of `kv`, heads of `d` dimensions and `group` query heads a KV
-/// head, if this GPU (sm_80 and later) has one.
+/// head, if this GPU (sm_80 and later) has one: an F32 cache only while products round
+/// their inputs.
 pub(crate) fn kernel(b: &CudaBackend, kv: DType, d: usize, group: usize) -> Option<&'static str> {
-    if kv != DType::F16 || group > MAX_WARPS || b.arch.0 < 8 {
+    let rounded = kv == DType::F16 || (kv == DType::F32 && b.blas.f32_products() != Products::F32);
+    if !rounded || group > MAX_WARPS || b.arch.0 < 8 {
         return None;
     }
-    KERNELS.iter().find(|&&(hd, _)| hd == d).map(|&(_, k)| k)
+    KERNELS
+        .iter()
+        .find(|&&(t, hd, _)| t == kv && hd == d)
+        .map(|&(_, _, k)| k)
 }
 
 /// Query rows a tile holds and warps a block has, for `group` heads a KV head.
@@ -44,7 +57,7 @@ fn shared_bytes(d: usize) -> usize {
 
 /// What the launch code needs of a kernel of this file (see `kernels::launch_need`).
 pub(crate) fn launch_need(name: &str) -> Option<LaunchNeed> {
-    let &(d, _) = KERNELS.iter().find(|&&(_, k)| k == name)?;
+    let &(_, d, _) = KERNELS.iter().find(|&&(_, _, k)| k == name)?;
     Some(LaunchNeed {
         threads: 32 * MAX_WARPS as u32,
         dynamic_shared: shared_bytes(d) as u32,
@@ -150,7 +163,7 @@ mod tests {
 
     #[test]
     fn every_kernel_has_a_need() {
-        for (d, name) in KERNELS {
+        for (_, d, name) in KERNELS {
             let need = launch_need(name).unwrap();
             assert_eq!(need.dynamic_shared as usize, shared_bytes(d));
             assert!(need.threads <= 256);

@@ -243,15 +243,17 @@ pub(crate) fn rope(
     if tokens * heads == 0 {
         return Ok(());
     }
+    let rows = to_i32(tokens * heads, "rows")?;
     b.launch(
         "rope",
-        (to_i32(tokens * heads, "rows")? as u32, 1, 1),
-        (64, 1, 1),
+        ((rows as u32).div_ceil(ROPE_ROWS), 1, 1),
+        (32, ROPE_ROWS, 1),
         0,
         &[
             Arg::Ptr(ptr(x)?),
             Arg::Ptr(ptr(pos)?),
             Arg::Ptr(ptr(inv_freq)?),
+            Arg::I32(rows),
             Arg::I32(heads as i32),
             Arg::I32(to_i32(head_dim, "head_dim")?),
             Arg::I32(rot_dim as i32),
@@ -259,6 +261,9 @@ pub(crate) fn rope(
         ],
     )
 }
+
+/// (Token, head) rows a block of `rope` and `grad_rope` turns, a warp each.
+pub(crate) const ROPE_ROWS: u32 = 8;
 
 pub(crate) fn argmax(b: &CudaBackend, x: &Tensor, out: &mut Tensor) -> Result<()> {
     expect(x, DType::F32, "argmax input")?;

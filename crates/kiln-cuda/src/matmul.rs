@@ -36,7 +36,7 @@ impl Blas {
             .store(i as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
-    fn f32_products(&self) -> Products {
+    pub(crate) fn f32_products(&self) -> Products {
         PRODUCTS[self.f32_products.load(std::sync::atomic::Ordering::Relaxed) as usize]
     }
 }

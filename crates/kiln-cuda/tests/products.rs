@@ -81,3 +81,153 @@ fn bf16_products_round_their_inputs_and_sum_in_f32() {
         "the products are F32's: the setting did nothing ({moved:e})"
     );
 }
+
+/// Causal grouped-query attention in float64 over `round`ed keys and values: `q` [n,
+/// heads, d] at `pos`, row t of sequence `seq[t]` seeing that sequence's keys 0..=pos[t]
+/// (`k`, `v` [sequence][position][kv_heads, d]).
+#[allow(clippy::too_many_arguments)]
+fn attention_reference(
+    q: &[f32],
+    k: &[Vec<f32>],
+    v: &[Vec<f32>],
+    pos: &[usize],
+    seq: &[usize],
+    (heads, kv_heads, d): (usize, usize, usize),
+    scale: f64,
+    round: fn(f32) -> f32,
+) -> Vec<f64> {
+    let mut out = Vec::with_capacity(q.len());
+    for (t, (&p, &s)) in pos.iter().zip(seq).enumerate() {
+        for h in 0..heads {
+            let kvh = h / (heads / kv_heads);
+            let qr = &q[(t * heads + h) * d..][..d];
+            let at = |j: usize| (j * kv_heads + kvh) * d;
+            let scores: Vec<f64> = (0..=p)
+                .map(|j| {
+                    let kr = &k[s][at(j)..][..d];
+                    scale
+                        * qr.iter()
+                            .zip(kr)
+                            .map(|(&a, &b)| a as f64 * round(b) as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+            let total: f64 = e.iter().sum();
+            for c in 0..d {
+                let sum: f64 = (0..=p).map(|j| e[j] * round(v[s][at(j) + c]) as f64).sum();
+                out.push(sum / total);
+            }
+        }
+    }
+    out
+}
+
+/// Training's attention over its F32 pool runs on tensor cores once the products round
+/// their inputs: keys and values rounded to f16 (the rest as F32's), so the result is
+/// float64's over rounded keys and values to F32 accuracy, and not float64's over the
+/// exact ones. Under F32 products the pool keeps the F32 kernel.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn attention_over_an_f32_pool_rounds_keys_and_values_only_under_rounded_products() {
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
+    let mut rng = StdRng::seed_from_u64(0xa77e);
+    let (heads, kv_heads, block) = (4, 2, 16);
+    for d in [64, 128] {
+        // Two prompts of awkward lengths, their blocks out of order in a pool of 12.
+        let runs = [70usize, 45];
+        let tables: [&[i32]; 2] = [&[7, 2, 9, 0, 5], &[3, 11, 1]];
+        let (pool_blocks, width) = (12, kv_heads * d);
+        let mut pool_k = vec![0f32; pool_blocks * block * width];
+        let mut pool_v = pool_k.clone();
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        let (mut pos, mut seq) = (Vec::new(), Vec::new());
+        for (s, &r) in runs.iter().enumerate() {
+            let ks: Vec<f32> = (0..r * width)
+                .map(|_| rng.random_range(-2.0..2.0))
+                .collect();
+            let vs: Vec<f32> = (0..r * width)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            for p in 0..r {
+                let row = tables[s][p / block] as usize * block + p % block;
+                pool_k[row * width..][..width].copy_from_slice(&ks[p * width..][..width]);
+                pool_v[row * width..][..width].copy_from_slice(&vs[p * width..][..width]);
+                pos.push(p);
+                seq.push(s);
+            }
+            k.push(ks);
+            v.push(vs);
+        }
+        let n = pos.len();
+        let q: Vec<f32> = (0..n * heads * d)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let ints = |v: Vec<i32>, dims: &[usize]| {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            b.upload(
+                DType::I32,
+                Shape::new(dims.to_vec()).unwrap(),
+                kiln_core::HostBytes::from_vec(bytes),
+            )
+            .unwrap()
+        };
+        let qt = upload(&b, &[n, heads, d], &q);
+        let kt = upload(&b, &[pool_blocks * block, kv_heads, d], &pool_k);
+        let vt = upload(&b, &[pool_blocks * block, kv_heads, d], &pool_v);
+        let pos_t = ints(pos.iter().map(|&p| p as i32).collect(), &[n]);
+        let seq_t = ints(seq.iter().map(|&s| s as i32).collect(), &[n]);
+        let mut flat_tables = vec![0i32; 2 * 5];
+        flat_tables[..5].copy_from_slice(tables[0]);
+        flat_tables[5..8].copy_from_slice(tables[1]);
+        let tables_t = ints(flat_tables, &[2, 5]);
+        let scale = 1.0 / (d as f32).sqrt();
+        let params = kiln_core::AttentionParams {
+            scale,
+            softcap: None,
+            window: None,
+        };
+        let run = |how: Products| {
+            b.grad().unwrap().set_products(how).unwrap();
+            let mut out = upload(&b, &[n, heads, d], &vec![f32::NAN; n * heads * d]);
+            let pages = kiln_core::Pages {
+                seq: &seq_t,
+                tables: &tables_t,
+                block,
+                runs: &runs,
+            };
+            let done = b.paged_attention(&qt, &kt, &vt, &pos_t, &pages, &params, &mut out);
+            b.grad().unwrap().set_products(Products::F32).unwrap();
+            done.unwrap();
+            read(&b, &out)
+        };
+        let shape = (heads, kv_heads, d);
+        let exact = attention_reference(&q, &k, &v, &pos, &seq, shape, scale as f64, |x| x);
+        let to_f16 = |x: f32| half::f16::from_f32(x).to_f32();
+        let rounded = attention_reference(&q, &k, &v, &pos, &seq, shape, scale as f64, to_f16);
+        let worst = |got: &[f32], want: &[f64]| {
+            got.iter()
+                .zip(want)
+                .map(|(&g, &w)| (g as f64 - w).abs())
+                .fold(0f64, f64::max)
+        };
+        let f32_run = run(Products::F32);
+        let tf32_run = run(Products::Tf32);
+        let (f32_err, tf32_err) = (worst(&f32_run, &exact), worst(&tf32_run, &rounded));
+        let tf32_exact_err = worst(&tf32_run, &exact);
+        eprintln!(
+            "d {d}: F32 products {f32_err:e} from float64; TF32 {tf32_err:e} from float64 over f16 keys and values, {tf32_exact_err:e} from the exact"
+        );
+        // Outputs are means of values in [-1, 1]: F32's sums leave ~1e-6.
+        assert!(f32_err < 1e-5, "d {d}: the F32 kernel is {f32_err:e} off");
+        assert!(
+            tf32_err < 1e-5,
+            "d {d}: tensor cores are {tf32_err:e} off the rounded reference"
+        );
+        assert!(
+            tf32_exact_err > 10.0 * tf32_err,
+            "d {d}: the keys and values were not rounded ({tf32_exact_err:e} from the exact result)"
+        );
+    }
+}

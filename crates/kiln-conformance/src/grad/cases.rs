@@ -124,6 +124,42 @@ pub fn matmul_gradients_over_many_tasks(t: &Target) {
     matmul_case(t, (70, 300, 41), 60);
 }
 
+/// A table wider than a block of columns and taller than a block of rows, ids repeated
+/// and at both ends: every element is its tokens' float64 sum, added to what was there.
+pub fn embedding_gradient_over_a_large_table(t: &Target) {
+    let g = t.grad();
+    let mut rng = t.rng(1);
+    let (vocab, dim, n) = (1000, 300, 600);
+    let ids: Vec<i32> = (0..n as i32)
+        .map(|i| match i % 7 {
+            0 => 0,
+            1 => vocab as i32 - 1,
+            2 => 129,
+            _ => (i * 37 + 11) % vocab as i32,
+        })
+        .collect();
+    let r = cotangent(&mut rng, n * dim);
+    let rt = t.upload(DType::F32, &[n, dim], &r);
+    let (mut dt, before) = t.grad_buffer(&mut rng, &[vocab, dim]);
+    g.embedding_backward(&rt, &t.ints(&ids), &mut dt).unwrap();
+    let mut want: Vec<f64> = before.iter().map(|&b| b as f64).collect();
+    for (i, &id) in ids.iter().enumerate() {
+        for c in 0..dim {
+            want[id as usize * dim + c] += r[i * dim + c] as f64;
+        }
+    }
+    let got = t.read(&dt);
+    for (e, (&g, &w)) in got.iter().zip(&want).enumerate() {
+        // ~90 f32 additions of values below 1 into one element.
+        assert!(
+            (g as f64 - w).abs() <= 1e-5 * w.abs().max(1.0),
+            "embedding dtable[{}, {}]: {g} against {w}",
+            e / dim,
+            e % dim
+        );
+    }
+}
+
 pub fn embedding_gradient_sums_repeated_ids(t: &Target) {
     let g = t.grad();
     let mut rng = t.rng(0);
@@ -664,9 +700,55 @@ pub fn cross_entropy_loss_and_gradients(t: &Target) {
     cross_entropy_case(t, (9, 13, 29), Some(3.0), usize::MAX);
 }
 
-/// A vocabulary large enough that backends take the rows a block at a time.
+/// A vocabulary large enough that backends take the rows a block at a time, and rows
+/// enough for more than one block of each (the CPU's blocks hold 26 of these rows,
+/// CUDA's 838): central differences at few rows, and every element of both gradients
+/// against their float64 formula at many (there the differences would measure the
+/// rounding of float64's sums of 40,000 terms).
 pub fn cross_entropy_over_blocks_of_rows(t: &Target) {
     cross_entropy_case(t, (30, 4, 40_000), None, 12);
+    let g = t.grad();
+    let mut rng = t.rng(3);
+    let (n, dim, vocab) = (850, 3, 40_000);
+    let scale = 0.37f32;
+    let h = random(&mut rng, n * dim, 1.0);
+    let w = random(&mut rng, vocab * dim, 1.0);
+    let targets: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % vocab) as i32).collect();
+    let (mut dh, bh) = t.grad_buffer(&mut rng, &[n, dim]);
+    let (mut dw, bw) = t.grad_buffer_of(&mut rng, &[vocab, dim], 0.02);
+    let mut losses = t.poisoned(&[n]);
+    g.cross_entropy(
+        &t.upload(DType::F32, &[n, dim], &h),
+        &t.upload(DType::F32, &[vocab, dim], &w),
+        &t.ints(&targets),
+        None,
+        scale,
+        &mut losses,
+        Some(&mut dh),
+        Some(&mut dw),
+    )
+    .unwrap();
+    let (h64, w64) = (widen(&h), widen(&w));
+    let want = r64::cross_entropy(&h64, &w64, &targets, dim, None);
+    for (i, (&got, want)) in t.read(&losses).iter().zip(&want).enumerate() {
+        assert!(
+            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+            "cross_entropy loss [{i}]: {got} vs {want}"
+        );
+    }
+    let (want_dh, want_dw) = r64::cross_entropy_grads(&h64, &w64, &targets, dim, scale as f64);
+    for (what, got, want) in [
+        ("dh", t.added(&dh, &bh), want_dh),
+        ("dw", t.added(&dw, &bw), want_dw),
+    ] {
+        let largest = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= super::TOL * largest,
+                "cross_entropy {what} [{i}]: {g} against {w} (largest {largest})"
+            );
+        }
+    }
 }
 
 /// Whether `f` panics (its message still printed: it shows what was caught).

@@ -46,6 +46,7 @@ macro_rules! with_grad_cases {
             matmul_gradients
             matmul_gradients_over_many_tasks
             embedding_gradient_sums_repeated_ids
+            embedding_gradient_over_a_large_table
             rms_norm_gradients
             layer_norm_gradients
             softmax_gradient

@@ -128,6 +128,34 @@ pub(crate) fn gelu(x: f64) -> f64 {
 }
 
 /// `Σ_i logsumexp(z_i) − z_i[t_i]` with `z = cap·tanh(h·wᵀ/cap)` (or `h·wᵀ`), per row.
+/// The gradients of `scale · Σ cross_entropy(h, w)` (no softcap), from their formula:
+/// `dz = scale · (softmax(z) − onehot)`, `dh = dz · w`, `dw = dzᵀ · h`. For shapes whose
+/// central differences drown in the rounding of a long float64 sum.
+pub(crate) fn cross_entropy_grads(
+    h: &[f64],
+    w: &[f64],
+    targets: &[i32],
+    dim: usize,
+    scale: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let (n, vocab) = (targets.len(), w.len() / dim);
+    let z = matmul(h, w, n, vocab, dim);
+    let (mut dh, mut dw) = (vec![0f64; n * dim], vec![0f64; vocab * dim]);
+    for (r, (zr, &t)) in z.chunks(vocab).zip(targets).enumerate() {
+        let max = zr.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let total: f64 = zr.iter().map(|v| (v - max).exp()).sum();
+        let hr = &h[r * dim..][..dim];
+        for (j, &v) in zr.iter().enumerate() {
+            let dz = scale * ((v - max).exp() / total - (j == t as usize) as u8 as f64);
+            for c in 0..dim {
+                dh[r * dim + c] += dz * w[j * dim + c];
+                dw[j * dim + c] += dz * hr[c];
+            }
+        }
+    }
+    (dh, dw)
+}
+
 pub(crate) fn cross_entropy(
     h: &[f64],
     w: &[f64],

@@ -2,7 +2,10 @@
 // prompt chunks): the scores Q·Kᵀ and the value sum P·V are mma.m16n8k16 products of f16
 // tiles with f32 sums, under the same online softmax as attention.cu.
 //
-// Keys and values are f16 already. The queries (times the scale) and the probabilities
+// Keys and values are f16 already, or (the attention_tc_f32_* kernels: an f32 cache, as
+// training's pool, when the products were asked to round their inputs) rounded to f16 on
+// their way into shared memory: a 10-bit mantissa, as TF32's, and f16's range, which keys
+// and values must then stay within. The queries (times the scale) and the probabilities
 // each go in as two f16 parts, hi + lo (mma.cuh's split_f16x2), two products each: the
 // results keep f32's accuracy, within the bounds the CUDA-core kernel meets, and cost
 // twice the tensor-core work, which is not what this kernel waits on.
@@ -46,10 +49,18 @@ struct KvRows {
     }
 };
 
+// Eight f32 values as eight f16 ones (16 bytes).
+__device__ __forceinline__ uint4 atc_f16x8(const float* p) {
+    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    return make_uint4(pack_f16x2(a.x, a.y), pack_f16x2(a.z, a.w), pack_f16x2(b.x, b.y),
+                      pack_f16x2(b.z, b.w));
+}
+
 // Positions c0 .. c0 + 63 of KV head kvh into chunk buffer `buf` (keys, values, and a
-// flag each: present and within [lo, hi]), 16-byte pieces by cp.async, zeros elsewhere;
-// the block's threads take the pieces in turn. Commits one group.
-template <int D>
+// flag each: present and within [lo, hi]), 16-byte pieces of f16, zeros elsewhere; the
+// block's threads take the pieces in turn. An f16 cache's pieces go by cp.async (and one
+// group is committed); an f32 cache's are loaded, rounded and stored by the threads.
+template <int D, bool F32KV>
 __device__ __forceinline__ void atc_load_chunk(u16* Ks, u16* Vs, int* seen, const u8* kc, const u8* vc,
                                                const KvRows& src, int kv_heads, int kvh, int c0,
                                                int lo, int hi, int buf) {
@@ -62,14 +73,20 @@ __device__ __forceinline__ void atc_load_chunk(u16* Ks, u16* Vs, int* seen, cons
         const size_t row = kp >= lo && kp <= hi ? src.row(kp) : KvRows::NO_ROW;
         const bool ok = row != KvRows::NO_ROW;
         const size_t e = ok ? (row * kv_heads + kvh) * D + 8 * part : 0;
-        cp_async16(kd + j * ROW + 8 * part, kc + 2 * e, ok ? 16 : 0);
-        cp_async16(vd + j * ROW + 8 * part, vc + 2 * e, ok ? 16 : 0);
+        if constexpr (F32KV) {
+            const uint4 zero = make_uint4(0, 0, 0, 0);
+            *(uint4*)(kd + j * ROW + 8 * part) = ok ? atc_f16x8((const float*)kc + e) : zero;
+            *(uint4*)(vd + j * ROW + 8 * part) = ok ? atc_f16x8((const float*)vc + e) : zero;
+        } else {
+            cp_async16(kd + j * ROW + 8 * part, kc + 2 * e, ok ? 16 : 0);
+            cp_async16(vd + j * ROW + 8 * part, vc + 2 * e, ok ? 16 : 0);
+        }
         if (part == 0) seen[buf * ATC_KEYS + j] = ok;
     }
     cp_async_commit();
 }
 
-template <int D>
+template <int D, bool F32KV>
 __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restrict__ kc,
                                   const u8* __restrict__ vc, const int* __restrict__ pos,
                                   float* __restrict__ out, const int* __restrict__ seq,
@@ -133,7 +150,7 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
         }
 
     auto load_chunk = [&](int c0, int buf) {
-        atc_load_chunk<D>(Ks, Vs, seen, kc, vc, src, kv_heads, kvh, c0, lo, hi, buf);
+        atc_load_chunk<D, F32KV>(Ks, Vs, seen, kc, vc, src, kv_heads, kvh, c0, lo, hi, buf);
     };
 
     float o[2 * KS][4];
@@ -262,14 +279,17 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
     }
 }
 
-// Named attention_tc_<head dimensions>; blocks of up to 8 warps.
-#define ATTENTION_TC(D)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) attention_tc_##D(                        \
+// Named attention_tc_<head dimensions> (f16 caches) and attention_tc_f32_<head
+// dimensions>; blocks of up to 8 warps.
+#define ATTENTION_TC(NAME, D, F32KV)                                                           \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                    \
         const float* q, const u8* kc, const u8* vc, const int* pos, float* out, const int* seq, \
         const int* tables, const int* tiles, int max_blocks, int block, int pool_rows, int n,   \
         int heads, int kv_heads, float scale, float cap, int window) {                          \
-        attention_tc_body<D>(q, kc, vc, pos, out, seq, tables, tiles, max_blocks, block,       \
-                             pool_rows, n, heads, kv_heads, scale, cap, window);               \
+        attention_tc_body<D, F32KV>(q, kc, vc, pos, out, seq, tables, tiles, max_blocks, block,\
+                                    pool_rows, n, heads, kv_heads, scale, cap, window);        \
     }
-ATTENTION_TC(64)
-ATTENTION_TC(128)
+ATTENTION_TC(attention_tc_64, 64, false)
+ATTENTION_TC(attention_tc_128, 128, false)
+ATTENTION_TC(attention_tc_f32_64, 64, true)
+ATTENTION_TC(attention_tc_f32_128, 128, true)

@@ -1,11 +1,15 @@
 // Rotary position embedding in place on x [tokens, heads, head_dim]; token t at position
 // pos[t]. Pair i (of rot_dim / 2) turns by pos * inv_freq[i]; interleaved pairs are
-// (2i, 2i+1), NeoX pairs (i, i + rot_dim/2).   Launch: grid (tokens * heads), block 64.
-extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads,
-                                int head_dim, int rot_dim, int neox) {
+// (2i, 2i+1), NeoX pairs (i, i + rot_dim/2). A warp a (token, head) row, 8 rows a block:
+// a block a row left most of a 16,384-token batch's time to block scheduling.
+// Launch: grid (ceil(rows / 8)), block (32, 8), rows = tokens * heads.
+extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int rows,
+                                int heads, int head_dim, int rot_dim, int neox) {
     follow_previous();
-    const int t = blockIdx.x / heads;
-    float* v = x + (size_t)blockIdx.x * head_dim;
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    const int t = row / heads;
+    float* v = x + (size_t)row * head_dim;
     const float p = (float)pos[t];
     const int half = rot_dim / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
