@@ -9,6 +9,14 @@
 
 use crate::{AttentionParams, Result, RopeLayout, Tensor};
 
+/// One sequence of a paged attention's backward (see [`GradOps::attention_backward_runs`]):
+/// its query rows and the pool rows of its keys, each as (first, count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionRun {
+    pub rows: (usize, usize),
+    pub keys: (usize, usize),
+}
+
 /// How the products of training (the forward pass's matmuls over F32 weights and the
 /// backward pass's) are computed. The weights, gradients and every sum stay F32: TF32
 /// and BF16 round the products' inputs only (PyTorch's `allow_tf32`, and BF16 compute
@@ -151,6 +159,29 @@ pub trait GradOps: Send + Sync {
         dk: &mut Tensor,
         dv: &mut Tensor,
     ) -> Result<()>;
+
+    /// [`GradOps::attention_backward`] of a paged attention whose sequences' keys each
+    /// lie in one span of the pool: each run's query rows and key rows taken as one
+    /// sequence's queries and cache (positions `0..keys.1` at pool rows `keys.0..`), the
+    /// gradients added into those rows of `dq`, `dk` and `dv`. Returns false, having done
+    /// nothing, where the backend has no such path: the caller then copies each run's
+    /// rows out and back around [`GradOps::attention_backward`].
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_runs(
+        &self,
+        _q: &Tensor,
+        _k_pool: &Tensor,
+        _v_pool: &Tensor,
+        _pos: &Tensor,
+        _runs: &[AttentionRun],
+        _params: &AttentionParams,
+        _dout: &Tensor,
+        _dq: &mut Tensor,
+        _dk: &mut Tensor,
+        _dv: &mut Tensor,
+    ) -> Result<bool> {
+        Ok(false)
+    }
 
     /// The gradients of `out = act(gate) · up`: SiLU, or GELU (tanh) when `gelu`.
     fn gated_backward(

@@ -8,7 +8,8 @@ use crate::kernels::Arg;
 use crate::matmul::{sgemm, sgemm_batched, Strided};
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{
-    AttentionParams, Backend, DType, Error, GradOps, Products, Result, RopeLayout, Shape, Tensor,
+    AttentionParams, AttentionRun, Backend, DType, Error, GradOps, Products, Result, RopeLayout,
+    Shape, Tensor,
 };
 
 /// Logits a block of the fused loss holds at once (128 MiB of f32): 1,048 rows of a
@@ -408,98 +409,77 @@ impl GradOps for CudaBackend {
                 dout.shape()
             )));
         }
-        if n == 0 || d == 0 {
-            return Ok(());
-        }
-        // Five cuBLAS products a head around one softmax-backward kernel (the scores of
-        // every query against every key of the cache are n × cap, as the forward's):
-        //   S = Q·Kᵀ, dP = dO·Vᵀ; (S, dP) → (P, dS) by rows; dQ += dS·K, dK += dSᵀ·Q,
-        //   dV += Pᵀ·dO.
-        // Row-major [rows, cols] with row stride `ld` is, to cuBLAS, a column-major
-        // cols × rows matrix of leading dimension `ld`: each product is written below as
-        // the transposed one cuBLAS computes.
-        let scores = n * heads * cap * 4;
-        let s_buf = self.scratch("grad_attention_p", scores)?;
-        let ds_buf = self.scratch("grad_attention_ds", scores)?;
-        let (q_ld, kv_ld, s_ld) = (heads * d, kv_heads * d, heads * cap);
-        let f = std::mem::size_of::<f32>() as u64;
-        let (q_p, k_p, v_p, do_p) = (ptr(q)?, ptr(k_cache)?, ptr(v_cache)?, ptr(dout)?);
-        let (dq_p, dk_p, dv_p) = (ptr(dq)?, ptr(dk)?, ptr(dv)?);
-        let head = |base: u64, h: usize, width: usize| base + (h * width) as u64 * f;
-        let group = heads / kv_heads;
-        // Each product runs for the heads `r, r + group, ...` (head `g·group + r` on KV
-        // head g) in one batched call: a query head's matrices lie `group` heads apart,
-        // its KV head's one apart.
-        let of_heads = |base: u64, r: usize, width: usize, ld: usize| Strided {
-            at: head(base, r, width),
-            ld,
-            stride: group * width,
-        };
-        let of_kv = |base: u64, width: usize, ld: usize| Strided {
-            at: base,
-            ld,
-            stride: width,
-        };
-        for r in 0..group {
-            // Sᵀ[cap, n] = K_g[cap, d] · Q_hᵀ[d, n]; dPᵀ likewise from V and dO.
-            for (keys, rows, out) in [(k_p, q_p, s_buf), (v_p, do_p, ds_buf)] {
-                sgemm_batched(
-                    self,
-                    (true, false),
-                    (cap, n, d),
-                    of_kv(keys, d, kv_ld),
-                    of_heads(rows, r, d, q_ld),
-                    0.0,
-                    of_heads(out, r, cap, s_ld),
-                    kv_heads,
-                )?;
-            }
-        }
-        let i = |v: usize, what| to_i32(v, what).map(Arg::I32);
-        let window = params.window.map_or(Ok(0), |w| to_i32(w, "window"))?;
-        self.launch_rows(
-            "grad_attention_rows",
-            n * heads,
-            256,
-            &[
-                Arg::Ptr(s_buf),
-                Arg::Ptr(ds_buf),
-                Arg::Ptr(ptr(pos)?),
-                i(heads, "heads")?,
-                i(cap, "capacity")?,
-                Arg::F32(params.scale),
-                Arg::F32(params.softcap.unwrap_or(0.0)),
-                Arg::I32(window),
-            ],
+        let ptrs = [ptr(q)?, ptr(k_cache)?, ptr(v_cache)?, ptr(dout)?, ptr(pos)?];
+        let grads = [ptr(dq)?, ptr(dk)?, ptr(dv)?];
+        self.attention_backward_at(ptrs, grads, (n, cap, heads, kv_heads, d), params)
+    }
+
+    fn attention_backward_runs(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        runs: &[AttentionRun],
+        params: &AttentionParams,
+        dout: &Tensor,
+        dq: &mut Tensor,
+        dk: &mut Tensor,
+        dv: &mut Tensor,
+    ) -> Result<bool> {
+        f32s(
+            &[q, k_pool, v_pool, dout, dq, dk, dv],
+            "paged attention gradient",
         )?;
-        for r in 0..group {
-            // dQ_hᵀ[d, n] += K_gᵀ[d, cap] · dS_hᵀ[cap, n].
-            sgemm_batched(
-                self,
-                (false, false),
-                (d, n, cap),
-                of_kv(k_p, d, kv_ld),
-                of_heads(ds_buf, r, cap, s_ld),
-                1.0,
-                of_heads(dq_p, r, d, q_ld),
-                kv_heads,
-            )?;
-            // dK_gᵀ[d, cap] += Q_hᵀ[d, n] · dS_h[n, cap]; dV_g from dO and P likewise.
-            // The heads of a group add into their KV head one call after another.
-            for (rows, weights, out) in [(q_p, ds_buf, dk_p), (do_p, s_buf, dv_p)] {
-                sgemm_batched(
-                    self,
-                    (false, true),
-                    (d, cap, n),
-                    of_heads(rows, r, d, q_ld),
-                    of_heads(weights, r, cap, s_ld),
-                    1.0,
-                    of_kv(out, d, kv_ld),
-                    kv_heads,
-                )?;
-            }
+        expect(pos, DType::I32, "attention positions")?;
+        let (&[n, heads, d], &[pool_rows, kv_heads, kd]) = (q.dims(), k_pool.dims()) else {
+            return Err(Error::shape(format!(
+                "paged attention gradient: q {}, pool {}",
+                q.shape(),
+                k_pool.shape()
+            )));
+        };
+        let fits = kd == d
+            && v_pool.dims() == k_pool.dims()
+            && dk.dims() == k_pool.dims()
+            && dv.dims() == k_pool.dims()
+            && dout.dims() == q.dims()
+            && dq.dims() == q.dims()
+            && pos.shape().numel() == n
+            && kv_heads > 0
+            && heads % kv_heads == 0
+            && runs
+                .iter()
+                .all(|r| r.rows.0 + r.rows.1 <= n && r.keys.0 + r.keys.1 <= pool_rows);
+        if !fits {
+            return Err(Error::shape(format!(
+                "paged attention gradient: q {}, pools {}, runs {runs:?}",
+                q.shape(),
+                k_pool.shape()
+            )));
         }
-        Ok(())
+        let f = std::mem::size_of::<f32>() as u64;
+        let (q_row, kv_row) = ((heads * d) as u64 * f, (kv_heads * d) as u64 * f);
+        let (q_p, k_p, v_p, do_p, pos_p) =
+            (ptr(q)?, ptr(k_pool)?, ptr(v_pool)?, ptr(dout)?, ptr(pos)?);
+        let (dq_p, dk_p, dv_p) = (ptr(dq)?, ptr(dk)?, ptr(dv)?);
+        // Each run in place: its query rows and its span of pool rows, by offsets.
+        for r in runs {
+            let (qo, ko) = (r.rows.0 as u64 * q_row, r.keys.0 as u64 * kv_row);
+            self.attention_backward_at(
+                [
+                    q_p + qo,
+                    k_p + ko,
+                    v_p + ko,
+                    do_p + qo,
+                    pos_p + r.rows.0 as u64 * 4,
+                ],
+                [dq_p + qo, dk_p + ko, dv_p + ko],
+                (r.rows.1, r.keys.1, heads, kv_heads, d),
+                params,
+            )?;
+        }
+        Ok(true)
     }
 
     fn gated_backward(
@@ -831,4 +811,108 @@ fn norm_backward(
         )?;
     }
     Ok(())
+}
+
+impl CudaBackend {
+    /// [`GradOps::attention_backward`] over device addresses: `n` queries at `q_p` (rows
+    /// of `heads · d`), `cap` keys and values at `k_p`, `v_p` (rows of `kv_heads · d`), the
+    /// queries' positions at `pos_p`; the gradients added at `dq_p`, `dk_p`, `dv_p`.
+    fn attention_backward_at(
+        &self,
+        [q_p, k_p, v_p, do_p, pos_p]: [u64; 5],
+        [dq_p, dk_p, dv_p]: [u64; 3],
+        (n, cap, heads, kv_heads, d): (usize, usize, usize, usize, usize),
+        params: &AttentionParams,
+    ) -> Result<()> {
+        if n == 0 || d == 0 || cap == 0 {
+            return Ok(());
+        }
+        // Five cuBLAS products a head around one softmax-backward kernel (the scores of
+        // every query against every key of the cache are n × cap, as the forward's):
+        //   S = Q·Kᵀ, dP = dO·Vᵀ; (S, dP) → (P, dS) by rows; dQ += dS·K, dK += dSᵀ·Q,
+        //   dV += Pᵀ·dO.
+        // Row-major [rows, cols] with row stride `ld` is, to cuBLAS, a column-major
+        // cols × rows matrix of leading dimension `ld`: each product is written below as
+        // the transposed one cuBLAS computes.
+        let scores = n * heads * cap * 4;
+        let s_buf = self.scratch("grad_attention_p", scores)?;
+        let ds_buf = self.scratch("grad_attention_ds", scores)?;
+        let (q_ld, kv_ld, s_ld) = (heads * d, kv_heads * d, heads * cap);
+        let f = std::mem::size_of::<f32>() as u64;
+        let head = |base: u64, h: usize, width: usize| base + (h * width) as u64 * f;
+        let group = heads / kv_heads;
+        // Each product runs for the heads `r, r + group, ...` (head `g·group + r` on KV
+        // head g) in one batched call: a query head's matrices lie `group` heads apart,
+        // its KV head's one apart.
+        let of_heads = |base: u64, r: usize, width: usize, ld: usize| Strided {
+            at: head(base, r, width),
+            ld,
+            stride: group * width,
+        };
+        let of_kv = |base: u64, width: usize, ld: usize| Strided {
+            at: base,
+            ld,
+            stride: width,
+        };
+        for r in 0..group {
+            // Sᵀ[cap, n] = K_g[cap, d] · Q_hᵀ[d, n]; dPᵀ likewise from V and dO.
+            for (keys, rows, out) in [(k_p, q_p, s_buf), (v_p, do_p, ds_buf)] {
+                sgemm_batched(
+                    self,
+                    (true, false),
+                    (cap, n, d),
+                    of_kv(keys, d, kv_ld),
+                    of_heads(rows, r, d, q_ld),
+                    0.0,
+                    of_heads(out, r, cap, s_ld),
+                    kv_heads,
+                )?;
+            }
+        }
+        let i = |v: usize, what| to_i32(v, what).map(Arg::I32);
+        let window = params.window.map_or(Ok(0), |w| to_i32(w, "window"))?;
+        self.launch_rows(
+            "grad_attention_rows",
+            n * heads,
+            256,
+            &[
+                Arg::Ptr(s_buf),
+                Arg::Ptr(ds_buf),
+                Arg::Ptr(pos_p),
+                i(heads, "heads")?,
+                i(cap, "capacity")?,
+                Arg::F32(params.scale),
+                Arg::F32(params.softcap.unwrap_or(0.0)),
+                Arg::I32(window),
+            ],
+        )?;
+        for r in 0..group {
+            // dQ_hᵀ[d, n] += K_gᵀ[d, cap] · dS_hᵀ[cap, n].
+            sgemm_batched(
+                self,
+                (false, false),
+                (d, n, cap),
+                of_kv(k_p, d, kv_ld),
+                of_heads(ds_buf, r, cap, s_ld),
+                1.0,
+                of_heads(dq_p, r, d, q_ld),
+                kv_heads,
+            )?;
+            // dK_gᵀ[d, cap] += Q_hᵀ[d, n] · dS_h[n, cap]; dV_g from dO and P likewise.
+            // The heads of a group add into their KV head one call after another.
+            for (rows, weights, out) in [(q_p, ds_buf, dk_p), (do_p, s_buf, dv_p)] {
+                sgemm_batched(
+                    self,
+                    (false, true),
+                    (d, cap, n),
+                    of_heads(rows, r, d, q_ld),
+                    of_heads(weights, r, cap, s_ld),
+                    1.0,
+                    of_kv(out, d, kv_ld),
+                    kv_heads,
+                )?;
+            }
+        }
+        Ok(())
+    }
 }

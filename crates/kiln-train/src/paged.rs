@@ -2,12 +2,21 @@
 //! pass), composed of the contiguous one: each sequence's queries and the keys and values
 //! its block table names are copied out, [`GradOps::attention_backward`] runs on them as
 //! on one sequence's cache, and the gradients go back to the rows they came from. No
-//! backend needs a paged backward kernel; the cost is a copy of each sequence's rows.
+//! backend needs a paged backward kernel; the cost is a copy of each sequence's rows. A
+//! backend with [`GradOps::attention_backward_runs`] (CUDA) runs the sequences in place
+//! instead where each one's keys lie in one span of the pool, as training's do.
 //!
 //! The block tables, the rows' sequences and their positions are read back to the host
 //! once per call: the copies are planned there.
 
-use kiln_core::{AttentionParams, Backend, DType, Error, GradOps, Pages, Result, Shape, Tensor};
+use std::ops::Range;
+
+use kiln_core::{
+    AttentionParams, AttentionRun, Backend, DType, Error, GradOps, Pages, Result, Shape, Tensor,
+};
+
+/// Rows of a tensor as (first row, rows) pieces.
+type Spans = Vec<(usize, usize)>;
 
 fn ints(b: &dyn Backend, t: &Tensor, what: &str) -> Result<Vec<i32>> {
     if t.dtype() != DType::I32 {
@@ -132,6 +141,7 @@ pub(crate) fn attention_backward(
             pages.block
         )));
     }
+    let pos_t = pos;
     let (pos, seq, tables) = (
         ints(b, pos, "attention positions")?,
         ints(b, pages.seq, "query sequences")?,
@@ -144,7 +154,8 @@ pub(crate) fn attention_backward(
             seq.len()
         )));
     }
-    let (q_width, kv_width) = (heads * d, kv_heads * d);
+    // Each run's rows, and the pool rows of its keys (positions 0..reach).
+    let mut plans: Vec<(Range<usize>, Spans)> = Vec::new();
     let mut r0 = 0;
     for &len in pages.runs {
         let rows = r0..r0 + len;
@@ -172,7 +183,26 @@ pub(crate) fn attention_backward(
                 max_blocks * pages.block
             )));
         }
-        let keys = key_spans(table, pages.block, reach, pool_rows)?;
+        plans.push((rows, key_spans(table, pages.block, reach, pool_rows)?));
+    }
+    // Where every sequence's keys lie in one span (training's: a block of seq_len each),
+    // the backend may run the runs in place.
+    if plans.iter().all(|(_, keys)| keys.len() == 1) {
+        let runs: Vec<AttentionRun> = plans
+            .iter()
+            .map(|(rows, keys)| AttentionRun {
+                rows: (rows.start, rows.len()),
+                keys: keys[0],
+            })
+            .collect();
+        if g.attention_backward_runs(q, k_pool, v_pool, pos_t, &runs, params, dout, dq, dk, dv)? {
+            return Ok(());
+        }
+    }
+    let (q_width, kv_width) = (heads * d, kv_heads * d);
+    for (rows, keys) in plans {
+        let len = rows.len();
+        let reach = keys.iter().map(|k| k.1).sum();
         let own = [(rows.start, len)];
         let q_dims = [len, heads, d];
         let kv_dims = [reach, kv_heads, d];

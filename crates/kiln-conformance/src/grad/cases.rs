@@ -451,6 +451,95 @@ fn attention_case(t: &Target, params: AttentionParams, kernel_window: Option<usi
     );
 }
 
+/// Two sequences' runs over their spans of a shared pool, in place
+/// ([`kiln_core::GradOps::attention_backward_runs`]), where the backend has that path: each
+/// run's gradients against central differences of the contiguous attention of its rows
+/// over its span, pool rows outside every span untouched. A backend without it composes
+/// the paged backward from the contiguous one (checked by kiln-train's model gradients).
+pub fn attention_gradients_of_runs_in_place(t: &Target) {
+    use kiln_core::AttentionRun;
+    let g = t.grad();
+    let mut rng = t.rng(11);
+    let (heads, kvh, hd, pool) = (4, 2, 8, 20);
+    let runs = [
+        AttentionRun {
+            rows: (0, 5),
+            keys: (3, 6),
+        },
+        AttentionRun {
+            rows: (5, 7),
+            keys: (11, 7),
+        },
+    ];
+    let pos: Vec<i32> = vec![1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6];
+    let n = pos.len();
+    let (qw, kw) = (heads * hd, kvh * hd);
+    let q = random(&mut rng, n * qw, 1.0);
+    let k = random(&mut rng, pool * kw, 1.0);
+    let v = random(&mut rng, pool * kw, 1.0);
+    let r = cotangent(&mut rng, n * qw);
+    let (mut dq, bq) = t.grad_buffer(&mut rng, &[n, heads, hd]);
+    let (mut dk, bk) = t.grad_buffer(&mut rng, &[pool, kvh, hd]);
+    let (mut dv, bv) = t.grad_buffer(&mut rng, &[pool, kvh, hd]);
+    let params = AttentionParams {
+        scale: 0.4,
+        softcap: None,
+        window: None,
+    };
+    let ran = g
+        .attention_backward_runs(
+            &t.upload(DType::F32, &[n, heads, hd], &q),
+            &t.upload(DType::F32, &[pool, kvh, hd], &k),
+            &t.upload(DType::F32, &[pool, kvh, hd], &v),
+            &t.ints(&pos),
+            &runs,
+            &params,
+            &t.upload(DType::F32, &[n, heads, hd], &r),
+            &mut dq,
+            &mut dk,
+            &mut dv,
+        )
+        .unwrap();
+    if !ran {
+        eprintln!("skipped: this backend has no in-place paged attention backward");
+        assert_eq!(t.read(&dq), bq, "a backend that declined wrote dq");
+        return;
+    }
+    let a = Attn {
+        heads,
+        kv_heads: kvh,
+        hd,
+        scale: params.scale as f64,
+        softcap: None,
+        window: None,
+    };
+    let forward = |q: &[f64], k: &[f64], v: &[f64]| -> Vec<f64> {
+        runs.iter()
+            .flat_map(|run| {
+                let (r0, rn) = run.rows;
+                let (k0, kn) = run.keys;
+                r64::attention(
+                    &q[r0 * qw..(r0 + rn) * qw],
+                    &k[k0 * kw..(k0 + kn) * kw],
+                    &v[k0 * kw..(k0 + kn) * kw],
+                    &pos[r0..r0 + rn],
+                    a,
+                )
+            })
+            .collect()
+    };
+    let (q64, k64, v64, r) = (widen(&q), widen(&k), widen(&v), widen(&r));
+    check("runs dq", &t.added(&dq, &bq), &q, Elements::All, |q| {
+        weighted(&forward(q, &k64, &v64), &r)
+    });
+    check("runs dk", &t.added(&dk, &bk), &k, Elements::All, |k| {
+        weighted(&forward(&q64, k, &v64), &r)
+    });
+    check("runs dv", &t.added(&dv, &bv), &v, Elements::All, |v| {
+        weighted(&forward(&q64, &k64, v), &r)
+    });
+}
+
 pub fn attention_gradients(t: &Target) {
     let params = AttentionParams {
         scale: 1.0 / 3.0,

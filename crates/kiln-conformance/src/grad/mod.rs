@@ -54,6 +54,7 @@ macro_rules! with_grad_cases {
             attention_gradients
             attention_gradients_softcapped_and_windowed
             attention_gradients_at_a_real_head_layout
+            attention_gradients_of_runs_in_place
             gated_gradients
             gelu_and_softcap_gradients
             slice_cols_and_write_rows_gradients

@@ -55,16 +55,24 @@ extern "C" __global__ void grad_sum_rows(const float* x, float* acc, int rows, i
 // side by side (one thread a column for the whole table was 7 ms over 16,384 tokens).
 // Launch: grid (ceil(dim / 256), ceil(vocab / EMB_ROWS)), block 256.
 #define EMB_ROWS 128
-extern "C" __global__ void grad_embedding(const float* dy, const int* ids, float* dtable, int n,
-                                          int dim, int vocab) {
+#define EMB_IDS 2048
+extern "C" __global__ void grad_embedding(const float* __restrict__ dy, const int* __restrict__ ids,
+                                          float* __restrict__ dtable, int n, int dim, int vocab) {
     follow_previous();
+    // The ids a chunk at a time in shared memory: read by every thread, they are the loop.
+    __shared__ int chunk[EMB_IDS];
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int r0 = blockIdx.y * EMB_ROWS, r1 = min(vocab, r0 + EMB_ROWS);
-    if (c >= dim) return;
-#pragma unroll 8
-    for (int i = 0; i < n; i++) {
-        const int id = ids[i];
-        if (id >= r0 && id < r1) dtable[(size_t)id * dim + c] += dy[(size_t)i * dim + c];
+    for (int i0 = 0; i0 < n; i0 += EMB_IDS) {
+        const int m = min(EMB_IDS, n - i0);
+        __syncthreads();
+        for (int j = threadIdx.x; j < m; j += blockDim.x) chunk[j] = ids[i0 + j];
+        __syncthreads();
+        if (c >= dim) continue;
+        for (int j = 0; j < m; j++) {
+            const int id = chunk[j];
+            if (id >= r0 && id < r1) dtable[(size_t)id * dim + c] += dy[(size_t)(i0 + j) * dim + c];
+        }
     }
 }
 
