@@ -24,6 +24,22 @@ pub(crate) struct Blas {
     /// How F32 products are computed (`GradOps::set_products`): an index into
     /// [`F32_COMPUTE`].
     f32_products: std::sync::atomic::AtomicU8,
+    /// What each of the two 16-bit work buffers of [`f32_gemm`] holds.
+    half_copies: Mutex<[Option<HalfCopy>; 2]>,
+}
+
+/// An F32 operand rounded to 16 bits in a work buffer, and the stream's `queued` count
+/// right after the product that read it: while nothing else has been queued, neither the
+/// operand nor the buffer has changed, and the next product over the same operand (the
+/// key and value projections after the query's, a weight gradient after its input
+/// gradient) reads the buffer instead of rounding again.
+#[derive(Clone, Copy, PartialEq)]
+struct HalfCopy {
+    src: u64,
+    span: usize,
+    bf16: bool,
+    dst: u64,
+    queued_at: u64,
 }
 
 /// The arithmetic of F32 products, in [`Products`]' order.
@@ -65,6 +81,7 @@ impl Blas {
         let blas = Blas {
             handle: Mutex::new(BlasHandle(handle)),
             f32_products: std::sync::atomic::AtomicU8::new(0),
+            half_copies: Mutex::new([None; 2]),
         };
         // Opt-in, as PyTorch's `allow_tf32`: F32 products (F32 weights, and every product
         // of training) on tensor cores with TF32 inputs (10-bit mantissas), F32 sums.
@@ -638,12 +655,13 @@ pub(crate) fn sgemm_batched(
 /// whole span it covers converted so the same `ld` addresses the copy.
 fn half_operand(
     b: &CudaBackend,
-    slot: &'static str,
+    slot: usize,
     (p, ld): (u64, i32),
     trans: blas_sys::cublasOperation_t,
     (rows, cols): (i32, i32),
     bf16: bool,
-) -> Result<u64> {
+    last: Option<HalfCopy>,
+) -> Result<HalfCopy> {
     let (r, c) = match trans {
         blas_sys::cublasOperation_t::CUBLAS_OP_N => (rows, cols),
         _ => (cols, rows),
@@ -653,12 +671,15 @@ fn half_operand(
     } else {
         ld as usize * (c as usize - 1) + r as usize
     };
+    if let Some(h) = last.filter(|h| h.src == p && h.span == span && h.bf16 == bf16) {
+        return Ok(h);
+    }
     if !p.is_multiple_of(16) {
         return Err(Error::unsupported(format!(
             "a 16-bit product over an operand at {p:#x} (it reads 16-byte aligned F32)"
         )));
     }
-    let dst = b.scratch(slot, 2 * span.max(1))?;
+    let dst = b.scratch(["half_a", "half_b"][slot], 2 * span.max(1))?;
     b.launch_1d(
         "f32_to_half",
         span.div_ceil(4),
@@ -669,7 +690,13 @@ fn half_operand(
             Arg::I32(bf16 as i32),
         ],
     )?;
-    Ok(dst)
+    Ok(HalfCopy {
+        src: p,
+        span,
+        bf16,
+        dst,
+        queued_at: 0,
+    })
 }
 
 /// An F32 product through cuBLAS (column-major terms, as [`sgemm`]), in the arithmetic
@@ -689,14 +716,26 @@ fn f32_gemm(
     use blas_sys::cublasComputeType_t as Compute;
     let alpha = 1.0f32;
     let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
+    let mut rounded = None;
     let (a, bm, in_type, compute) = match b.blas.f32_products() {
         Products::F32 => (a, bm, f32_type, Compute::CUBLAS_COMPUTE_32F),
         Products::Tf32 => (a, bm, f32_type, Compute::CUBLAS_COMPUTE_32F_FAST_TF32),
         half @ (Products::Bf16 | Products::F16) => {
             let bf16 = half == Products::Bf16;
+            // Which copies are still whole is decided before either rounding is queued.
+            let now = b.queued.load(std::sync::atomic::Ordering::Relaxed);
+            let last = b
+                .blas
+                .half_copies
+                .lock()
+                .expect("half copies lock")
+                .map(|h| h.filter(|h| h.queued_at == now));
+            let ha = half_operand(b, 0, (a, lda), ta, (m, k), bf16, last[0])?;
+            let hb = half_operand(b, 1, (bm, ldb), tb, (k, n), bf16, last[1])?;
+            rounded = Some([ha, hb]);
             (
-                half_operand(b, "half_a", (a, lda), ta, (m, k), bf16)?,
-                half_operand(b, "half_b", (bm, ldb), tb, (k, n), bf16)?,
+                ha.dst,
+                hb.dst,
                 if bf16 {
                     blas_sys::cudaDataType::CUDA_R_16BF
                 } else {
@@ -732,7 +771,17 @@ fn f32_gemm(
             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
-    .map_err(|e| Error::Device(format!("cuBLAS F32 GEMM {m}x{n}x{k}: {e:?}")))
+    .map_err(|e| Error::Device(format!("cuBLAS F32 GEMM {m}x{n}x{k}: {e:?}")))?;
+    if let Some(copies) = rounded {
+        let after = b.queued.load(std::sync::atomic::Ordering::Relaxed);
+        *b.blas.half_copies.lock().expect("half copies lock") = copies.map(|h| {
+            Some(HalfCopy {
+                queued_at: after,
+                ..h
+            })
+        });
+    }
+    Ok(())
 }
 
 fn gemm(

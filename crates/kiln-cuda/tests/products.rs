@@ -82,6 +82,60 @@ fn bf16_products_round_their_inputs_and_sum_in_f32() {
     );
 }
 
+/// A product's rounded operand is reused by the next product over the same operand (the
+/// key projection after the query's), but never once anything has been queued since: an
+/// operand scaled in place by a kernel, or written from the host, is rounded again.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_rounded_operand_is_reused_only_while_nothing_else_ran() {
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
+    let mut rng = StdRng::seed_from_u64(0x5eed);
+    let (n, m, k) = (37, 53, 301);
+    let mut x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let w1: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let w2: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let mut xt = upload(&b, &[n, k], &x);
+    let (w1t, w2t) = (upload(&b, &[m, k], &w1), upload(&b, &[m, k], &w2));
+    let grad = b.grad().expect("CUDA trains");
+    let round = |v: f32| bf16::from_f32(v).to_f32();
+    let check = |what: &str, got: &[f32], x: &[f32], w: &[f32]| {
+        let (want, abs) = reference(x, w, k, round);
+        for i in 0..n * m {
+            assert!(
+                (got[i] as f64 - want[i]).abs() <= 1e-5 * abs[i],
+                "{what} [{i}]: {} against {}",
+                got[i],
+                want[i]
+            );
+        }
+    };
+    grad.set_products(Products::Bf16).unwrap();
+    let product = |x: &kiln_core::Tensor, w: &kiln_core::Tensor| {
+        let mut out = upload(&b, &[n, m], &vec![f32::NAN; n * m]);
+        b.matmul(x, w, &mut out).unwrap();
+        read(&b, &out)
+    };
+    let first = product(&xt, &w1t);
+    let second = product(&xt, &w2t);
+    // A kernel scales x in place: the next product must see it.
+    b.scale(&mut xt, 2.0).unwrap();
+    let scaled = product(&xt, &w2t);
+    // The host writes new values: likewise.
+    for v in x.iter_mut() {
+        *v = -*v * 0.5;
+    }
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    b.write(&mut xt, &bytes).unwrap();
+    let written = product(&xt, &w2t);
+    grad.set_products(Products::F32).unwrap();
+    let x0: Vec<f32> = x.iter().map(|v| -2.0 * v).collect();
+    check("first", &first, &x0, &w1);
+    check("second, the operand reused", &second, &x0, &w2);
+    let doubled: Vec<f32> = x0.iter().map(|v| 2.0 * v).collect();
+    check("after a kernel scaled x", &scaled, &doubled, &w2);
+    check("after the host wrote x", &written, &x, &w2);
+}
+
 /// Causal grouped-query attention in float64 over `round`ed keys and values: `q` [n,
 /// heads, d] at `pos`, row t of sequence `seq[t]` seeing that sequence's keys 0..=pos[t]
 /// (`k`, `v` [sequence][position][kv_heads, d]).
