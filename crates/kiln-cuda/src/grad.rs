@@ -411,7 +411,14 @@ impl GradOps for CudaBackend {
         }
         let ptrs = [ptr(q)?, ptr(k_cache)?, ptr(v_cache)?, ptr(dout)?, ptr(pos)?];
         let grads = [ptr(dq)?, ptr(dk)?, ptr(dv)?];
-        self.attention_backward_at(ptrs, grads, (n, cap, heads, kv_heads, d), params)
+        let (q_len, kv_len) = (n * heads * d, cap * kv_heads * d);
+        let half = self.attention_half_copies([
+            (ptrs[0], q_len),
+            (ptrs[1], kv_len),
+            (ptrs[2], kv_len),
+            (ptrs[3], q_len),
+        ])?;
+        self.attention_backward_at(ptrs, grads, (n, cap, heads, kv_heads, d), params, half)
     }
 
     fn attention_backward_runs(
@@ -459,13 +466,30 @@ impl GradOps for CudaBackend {
             )));
         }
         let f = std::mem::size_of::<f32>() as u64;
-        let (q_row, kv_row) = ((heads * d) as u64 * f, (kv_heads * d) as u64 * f);
         let (q_p, k_p, v_p, do_p, pos_p) =
             (ptr(q)?, ptr(k_pool)?, ptr(v_pool)?, ptr(dout)?, ptr(pos)?);
         let (dq_p, dk_p, dv_p) = (ptr(dq)?, ptr(dk)?, ptr(dv)?);
+        // The 16-bit copies (under BF16 / F16 products) of all rows at once.
+        let (q_len, kv_len) = (n * heads * d, pool_rows * kv_heads * d);
+        let half = self.attention_half_copies([
+            (q_p, q_len),
+            (k_p, kv_len),
+            (v_p, kv_len),
+            (do_p, q_len),
+        ])?;
         // Each run in place: its query rows and its span of pool rows, by offsets.
         for r in runs {
-            let (qo, ko) = (r.rows.0 as u64 * q_row, r.keys.0 as u64 * kv_row);
+            let (q_el, kv_el) = (
+                (r.rows.0 * heads * d) as u64,
+                (r.keys.0 * kv_heads * d) as u64,
+            );
+            let (qo, ko) = (q_el * f, kv_el * f);
+            let half_at = half.map(|(bf16, [hq, hk, hv, hd])| {
+                (
+                    bf16,
+                    [hq + 2 * q_el, hk + 2 * kv_el, hv + 2 * kv_el, hd + 2 * q_el],
+                )
+            });
             self.attention_backward_at(
                 [
                     q_p + qo,
@@ -477,6 +501,7 @@ impl GradOps for CudaBackend {
                 [dq_p + qo, dk_p + ko, dv_p + ko],
                 (r.rows.1, r.keys.1, heads, kv_heads, d),
                 params,
+                half_at,
             )?;
         }
         Ok(true)
@@ -814,15 +839,52 @@ fn norm_backward(
 }
 
 impl CudaBackend {
+    /// Under BF16 / F16 products, whether BF16 and 16-bit copies of `spans` (address and
+    /// F32 count each: the attention backward's q, k, v and dout) in work buffers; the
+    /// products then read those.
+    fn attention_half_copies(&self, spans: [(u64, usize); 4]) -> Result<Option<(bool, [u64; 4])>> {
+        let bf16 = match self.blas.f32_products() {
+            Products::Bf16 => true,
+            Products::F16 => false,
+            Products::F32 | Products::Tf32 => return Ok(None),
+        };
+        let slots = [
+            "attention_half_q",
+            "attention_half_k",
+            "attention_half_v",
+            "attention_half_do",
+        ];
+        let mut out = [0u64; 4];
+        for ((&(src, len), slot), dst) in spans.iter().zip(slots).zip(&mut out) {
+            *dst = self.scratch(slot, 2 * len.max(1))?;
+            self.launch_1d(
+                "f32_to_half",
+                len.div_ceil(4),
+                &[
+                    Arg::Ptr(src),
+                    Arg::Ptr(*dst),
+                    Arg::U64(len as u64),
+                    Arg::I32(bf16 as i32),
+                ],
+            )?;
+        }
+        Ok(Some((bf16, out)))
+    }
+
     /// [`GradOps::attention_backward`] over device addresses: `n` queries at `q_p` (rows
     /// of `heads · d`), `cap` keys and values at `k_p`, `v_p` (rows of `kv_heads · d`), the
-    /// queries' positions at `pos_p`; the gradients added at `dq_p`, `dk_p`, `dv_p`.
+    /// queries' positions at `pos_p`; the gradients added at `dq_p`, `dk_p`, `dv_p`. With
+    /// `half` (whether BF16, and 16-bit copies of q, k, v and dout at the same element
+    /// offsets), the five products read 16-bit operands: the scores from the rounded
+    /// queries and keys, and the probabilities and score gradients that the softmax
+    /// backward writes rounded; their sums stay F32.
     fn attention_backward_at(
         &self,
         [q_p, k_p, v_p, do_p, pos_p]: [u64; 5],
         [dq_p, dk_p, dv_p]: [u64; 3],
         (n, cap, heads, kv_heads, d): (usize, usize, usize, usize, usize),
         params: &AttentionParams,
+        half: Option<(bool, [u64; 4])>,
     ) -> Result<()> {
         if n == 0 || d == 0 || cap == 0 {
             return Ok(());
@@ -834,18 +896,16 @@ impl CudaBackend {
         // Row-major [rows, cols] with row stride `ld` is, to cuBLAS, a column-major
         // cols × rows matrix of leading dimension `ld`: each product is written below as
         // the transposed one cuBLAS computes.
-        let scores = n * heads * cap * 4;
-        let s_buf = self.scratch("grad_attention_p", scores)?;
-        let ds_buf = self.scratch("grad_attention_ds", scores)?;
+        let scores = n * heads * cap;
+        let s_buf = self.scratch("grad_attention_p", scores * 4)?;
+        let ds_buf = self.scratch("grad_attention_ds", scores * 4)?;
         let (q_ld, kv_ld, s_ld) = (heads * d, kv_heads * d, heads * cap);
-        let f = std::mem::size_of::<f32>() as u64;
-        let head = |base: u64, h: usize, width: usize| base + (h * width) as u64 * f;
         let group = heads / kv_heads;
         // Each product runs for the heads `r, r + group, ...` (head `g·group + r` on KV
         // head g) in one batched call: a query head's matrices lie `group` heads apart,
-        // its KV head's one apart.
-        let of_heads = |base: u64, r: usize, width: usize, ld: usize| Strided {
-            at: head(base, r, width),
+        // its KV head's one apart. `bytes`: of an element.
+        let of_heads = |base: u64, r: usize, width: usize, ld: usize, bytes: u64| Strided {
+            at: base + (r * width) as u64 * bytes,
             ld,
             stride: group * width,
         };
@@ -854,17 +914,31 @@ impl CudaBackend {
             ld,
             stride: width,
         };
+        // The operands the products read: F32, or the 16-bit copies.
+        let kind = half.map(|(bf16, _)| bf16);
+        let ([qi, ki, vi, doi], in_bytes) = match half {
+            Some((_, copies)) => (copies, 2),
+            None => ([q_p, k_p, v_p, do_p], 4),
+        };
+        let (p_half, ds_half) = match half {
+            Some(_) => (
+                self.scratch("grad_attention_p_half", scores * 2)?,
+                self.scratch("grad_attention_ds_half", scores * 2)?,
+            ),
+            None => (0, 0),
+        };
         for r in 0..group {
             // Sᵀ[cap, n] = K_g[cap, d] · Q_hᵀ[d, n]; dPᵀ likewise from V and dO.
-            for (keys, rows, out) in [(k_p, q_p, s_buf), (v_p, do_p, ds_buf)] {
+            for (keys, rows, out) in [(ki, qi, s_buf), (vi, doi, ds_buf)] {
                 sgemm_batched(
                     self,
+                    kind,
                     (true, false),
                     (cap, n, d),
                     of_kv(keys, d, kv_ld),
-                    of_heads(rows, r, d, q_ld),
+                    of_heads(rows, r, d, q_ld, in_bytes),
                     0.0,
-                    of_heads(out, r, cap, s_ld),
+                    of_heads(out, r, cap, s_ld, 4),
                     kv_heads,
                 )?;
             }
@@ -884,29 +958,42 @@ impl CudaBackend {
                 Arg::F32(params.scale),
                 Arg::F32(params.softcap.unwrap_or(0.0)),
                 Arg::I32(window),
+                Arg::Ptr(p_half),
+                Arg::Ptr(ds_half),
+                Arg::I32(match kind {
+                    None => 0,
+                    Some(true) => 1,
+                    Some(false) => 2,
+                }),
             ],
         )?;
+        let (p_in, ds_in, s_bytes) = match half {
+            Some(_) => (p_half, ds_half, 2),
+            None => (s_buf, ds_buf, 4),
+        };
         for r in 0..group {
             // dQ_hᵀ[d, n] += K_gᵀ[d, cap] · dS_hᵀ[cap, n].
             sgemm_batched(
                 self,
+                kind,
                 (false, false),
                 (d, n, cap),
-                of_kv(k_p, d, kv_ld),
-                of_heads(ds_buf, r, cap, s_ld),
+                of_kv(ki, d, kv_ld),
+                of_heads(ds_in, r, cap, s_ld, s_bytes),
                 1.0,
-                of_heads(dq_p, r, d, q_ld),
+                of_heads(dq_p, r, d, q_ld, 4),
                 kv_heads,
             )?;
             // dK_gᵀ[d, cap] += Q_hᵀ[d, n] · dS_h[n, cap]; dV_g from dO and P likewise.
             // The heads of a group add into their KV head one call after another.
-            for (rows, weights, out) in [(q_p, ds_buf, dk_p), (do_p, s_buf, dv_p)] {
+            for (rows, weights, out) in [(qi, ds_in, dk_p), (doi, p_in, dv_p)] {
                 sgemm_batched(
                     self,
+                    kind,
                     (false, true),
                     (d, cap, n),
-                    of_heads(rows, r, d, q_ld),
-                    of_heads(weights, r, cap, s_ld),
+                    of_heads(rows, r, d, q_ld, in_bytes),
+                    of_heads(weights, r, cap, s_ld, s_bytes),
                     1.0,
                     of_kv(out, d, kv_ld),
                     kv_heads,

@@ -586,12 +586,13 @@ pub(crate) struct Strided {
 
 /// `count` products of [`sgemm`]'s form in one cuBLAS call, the i-th over `a`, `b` and
 /// `c` advanced by i strides: the backward of attention runs a product for every head
-/// of a KV group at once. F32 products are F32, TF32 ones TF32; under BF16 or F16
-/// products these run TF32 too: rounding each strided operand would take a launch of its
-/// own, for operands (scores, their gradients) that are made in the same pass.
+/// of a KV group at once. F32 operands: F32 products are F32, the others TF32. With
+/// `half` (whether BF16), `a` and `b` are 16-bit operands the caller rounded (addresses,
+/// leading dimensions and strides in their elements), summed in F32; `c` is F32 always.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn sgemm_batched(
     b: &CudaBackend,
+    half: Option<bool>,
     (ta, tb): (bool, bool),
     (m, n, k): (usize, usize, usize),
     a: Strided,
@@ -608,11 +609,19 @@ pub(crate) fn sgemm_batched(
     let stride = |v: usize| {
         i64::try_from(v).map_err(|_| Error::shape(format!("a product's stride {v} does not fit")))
     };
-    let compute = match b.blas.f32_products() {
-        Products::F32 => Compute::CUBLAS_COMPUTE_32F,
-        Products::Tf32 | Products::Bf16 | Products::F16 => Compute::CUBLAS_COMPUTE_32F_FAST_TF32,
-    };
     let (alpha, f32_type) = (1.0f32, blas_sys::cudaDataType::CUDA_R_32F);
+    let (in_type, compute) = match (half, b.blas.f32_products()) {
+        (Some(true), _) => (
+            blas_sys::cudaDataType::CUDA_R_16BF,
+            Compute::CUBLAS_COMPUTE_32F,
+        ),
+        (Some(false), _) => (
+            blas_sys::cudaDataType::CUDA_R_16F,
+            Compute::CUBLAS_COMPUTE_32F,
+        ),
+        (None, Products::F32) => (f32_type, Compute::CUBLAS_COMPUTE_32F),
+        (None, _) => (f32_type, Compute::CUBLAS_COMPUTE_32F_FAST_TF32),
+    };
     let handle = b.blas.handle.lock().expect("cuBLAS lock");
     b.fence_before_library_kernel()?;
     b.queued_other_work();
@@ -626,11 +635,11 @@ pub(crate) fn sgemm_batched(
             i(k)?,
             &alpha as *const f32 as *const _,
             a.at as *const _,
-            f32_type,
+            in_type,
             i(a.ld)?,
             stride(a.stride)?,
             bm.at as *const _,
-            f32_type,
+            in_type,
             i(bm.ld)?,
             stride(bm.stride)?,
             &beta as *const f32 as *const _,
@@ -643,11 +652,7 @@ pub(crate) fn sgemm_batched(
             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
-    .map_err(|e| {
-        Error::Device(format!(
-            "cuBLAS batched F32 GEMM {count} x {m}x{n}x{k}: {e:?}"
-        ))
-    })
+    .map_err(|e| Error::Device(format!("cuBLAS batched GEMM {count} x {m}x{n}x{k}: {e:?}")))
 }
 
 /// The stored operand of a column-major product rounded to BF16 (or F16) into the scratch

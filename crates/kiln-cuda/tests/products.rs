@@ -285,3 +285,79 @@ fn attention_over_an_f32_pool_rounds_keys_and_values_only_under_rounded_products
         );
     }
 }
+
+/// The attention backward under BF16 and F16 products reads 16-bit operands (the scores
+/// from rounded queries and keys, the probabilities and score gradients rounded by the
+/// softmax backward): its gradients stay within a 16-bit format's error of the F32
+/// products' (a few of its 8 or 11 significant bits), and are not the F32 ones.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_attention_backward_under_16_bit_products_stays_near_f32() {
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
+    let mut rng = StdRng::seed_from_u64(0xa77);
+    let (n, heads, kv_heads, d) = (70, 4, 2, 64);
+    let values = |rng: &mut StdRng, len: usize| -> Vec<f32> {
+        (0..len).map(|_| rng.random_range(-1.0..1.0)).collect()
+    };
+    let (q, k, v, dout) = (
+        values(&mut rng, n * heads * d),
+        values(&mut rng, n * kv_heads * d),
+        values(&mut rng, n * kv_heads * d),
+        values(&mut rng, n * heads * d),
+    );
+    let pos: Vec<u8> = (0..n as i32).flat_map(|p| p.to_le_bytes()).collect();
+    let pos = b
+        .upload(
+            DType::I32,
+            Shape::new(vec![n]).unwrap(),
+            kiln_core::HostBytes::from_vec(pos),
+        )
+        .unwrap();
+    let params = kiln_core::AttentionParams {
+        scale: 0.125,
+        softcap: None,
+        window: None,
+    };
+    let grad = b.grad().expect("CUDA trains");
+    let run = |how: Products| {
+        grad.set_products(how).unwrap();
+        let (qd, kd) = ([n, heads, d], [n, kv_heads, d]);
+        let (mut dq, mut dk, mut dv) = (
+            upload(&b, &qd, &vec![0.0; n * heads * d]),
+            upload(&b, &kd, &vec![0.0; n * kv_heads * d]),
+            upload(&b, &kd, &vec![0.0; n * kv_heads * d]),
+        );
+        let done = grad.attention_backward(
+            &upload(&b, &qd, &q),
+            &upload(&b, &kd, &k),
+            &upload(&b, &kd, &v),
+            &pos,
+            &params,
+            &upload(&b, &qd, &dout),
+            &mut dq,
+            &mut dk,
+            &mut dv,
+        );
+        grad.set_products(Products::F32).unwrap();
+        done.unwrap();
+        [read(&b, &dq), read(&b, &dk), read(&b, &dv)]
+    };
+    let exact = run(Products::F32);
+    for (how, bits) in [(Products::Bf16, 8), (Products::F16, 11)] {
+        let got = run(how);
+        for (name, (g, e)) in ["dq", "dk", "dv"].iter().zip(got.iter().zip(&exact)) {
+            let largest = e.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let off = g
+                .iter()
+                .zip(e)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                / largest;
+            eprintln!("{} {name}: {off:e} of the largest gradient off F32's", how.name());
+            // Each operand rounded once, sums of up to 70 terms: a few units of the
+            // format's last place.
+            let unit = 2f32.powi(-bits);
+            assert!(off <= 16.0 * unit, "{} {name}: {off:e} off F32's", how.name());
+            assert!(off > 1e-3 * unit, "{} {name}: the operands were not rounded", how.name());
+        }
+    }
+}

@@ -288,11 +288,13 @@ extern "C" __global__ void grad_zero_rows(float* ddst, const int* pos, int rows,
 // key and DS holds dO.v. With z = softcap(scale * s) over the keys it sees (the causal
 // limit pos[i] and the window), p = softmax(z), and ds = p * (dp - sum_j p_j dp_j) * dz/ds;
 // S and DS are overwritten in place with p and ds, zeros for keys it does not see (whose
-// scores are never read: the cache past the filled rows may hold anything).
+// scores are never read: the cache past the filled rows may hold anything). With `half`
+// (1 BF16, 2 F16), p and ds go rounded to 16 bits into PH and DSH instead, rows of cap,
+// for products on 16-bit tensor cores.
 // Launch: grid (n * heads), block 256.
 extern "C" __global__ void grad_attention_rows(float* S, float* DS, const int* pos, int heads,
                                                int cap, float scale, float softcap,
-                                               int window) {
+                                               int window, u16* PH, u16* DSH, int half) {
     follow_previous();
     __shared__ float scratch[32];
     const int row = blockIdx.x, i = row / heads;
@@ -310,6 +312,16 @@ extern "C" __global__ void grad_attention_rows(float* S, float* DS, const int* p
         *dz = scale;
         return s;
     };
+    auto put = [&](int j, float pj, float dsj) {
+        if (half == 0) {
+            Sr[j] = pj;
+            DSr[j] = dsj;
+        } else {
+            const size_t at = (size_t)row * cap + j;
+            PH[at] = half == 1 ? f32_to_bf16(pj) : f32_to_f16(pj);
+            DSH[at] = half == 1 ? f32_to_bf16(dsj) : f32_to_f16(dsj);
+        }
+    };
     float dz;
     float m = NEG_INF;
     for (int j = first + threadIdx.x; j <= p; j += blockDim.x) m = fmaxf(m, z_of(j, &dz));
@@ -323,13 +335,11 @@ extern "C" __global__ void grad_attention_rows(float* S, float* DS, const int* p
     delta = block_sum(delta, scratch);
     for (int j = threadIdx.x; j < cap; j += blockDim.x) {
         if (j < first || j > p) {
-            Sr[j] = 0.0f;
-            DSr[j] = 0.0f;
+            put(j, 0.0f, 0.0f);
             continue;
         }
         const float pj = expf(z_of(j, &dz) - lse);
-        DSr[j] = pj * (DSr[j] - delta) * dz;
-        Sr[j] = pj;
+        put(j, pj, pj * (DSr[j] - delta) * dz);
     }
 }
 
