@@ -347,17 +347,24 @@ fn the_attention_backward_under_16_bit_products_stays_near_f32() {
         let got = run(how);
         for (name, (g, e)) in ["dq", "dk", "dv"].iter().zip(got.iter().zip(&exact)) {
             let largest = e.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let off = g
-                .iter()
-                .zip(e)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-                / largest;
-            eprintln!("{} {name}: {off:e} of the largest gradient off F32's", how.name());
+            let off = g.iter().zip(e).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / largest;
+            eprintln!(
+                "{} {name}: {off:e} of the largest gradient off F32's",
+                how.name()
+            );
             // Each operand rounded once, sums of up to 70 terms: a few units of the
             // format's last place.
             let unit = 2f32.powi(-bits);
-            assert!(off <= 16.0 * unit, "{} {name}: {off:e} off F32's", how.name());
-            assert!(off > 1e-3 * unit, "{} {name}: the operands were not rounded", how.name());
+            assert!(
+                off <= 16.0 * unit,
+                "{} {name}: {off:e} off F32's",
+                how.name()
+            );
+            assert!(
+                off > 1e-3 * unit,
+                "{} {name}: the operands were not rounded",
+                how.name()
+            );
         }
     }
 }
