@@ -90,6 +90,9 @@ pub struct Communicator {
     aborted: std::sync::atomic::AtomicBool,
     /// Why it was aborted.
     why: Mutex<Option<String>>,
+    /// The backend's count of work queued on its stream (see `CudaBackend::queued`):
+    /// every call here counts, since it may write tensors whose copies the backend keeps.
+    queued: Arc<std::sync::atomic::AtomicU64>,
     /// The one-shot path and the backend it launches on, where the ranks set it up.
     one_shot: Option<(Arc<CudaBackend>, OneShot)>,
 }
@@ -135,6 +138,7 @@ impl CudaBackend {
             calls: Mutex::new(()),
             aborted: std::sync::atomic::AtomicBool::new(false),
             why: Mutex::new(None),
+            queued: self.queued.clone(),
             one_shot: None,
         })
     }
@@ -328,6 +332,8 @@ impl Communicator {
         self.check_live()?;
         let guard = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         self.check_live()?;
+        self.queued
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(guard)
     }
 

@@ -72,9 +72,10 @@ pub struct CudaBackend {
     /// may the next kernel launch programmatically (its wait covers a kernel before it,
     /// not a copy, a memset or a library call).
     follows_kernel: std::sync::atomic::AtomicBool,
-    /// Work queued on the stream so far (kernels, copies, library calls): a tag that
-    /// tells whether anything ran after a given op.
-    queued: std::sync::atomic::AtomicU64,
+    /// Work queued on the stream so far (kernels, copies, library calls, and the calls
+    /// of its collectives, which share it): a tag that tells whether anything ran after
+    /// a given op.
+    queued: Arc<std::sync::atomic::AtomicU64>,
     /// A tensor whose last writer also wrote it as int8 rows; current only while
     /// nothing else has been queued since.
     int8_copy: Mutex<Option<Int8Copy>>,
@@ -158,7 +159,7 @@ impl CudaBackend {
             outgrown: Mutex::new(Vec::new()),
             cache_outcome,
             follows_kernel: std::sync::atomic::AtomicBool::new(false),
-            queued: std::sync::atomic::AtomicU64::new(0),
+            queued: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             int8_copy: Mutex::new(None),
             attention_rows: Mutex::new(None),
         })
