@@ -305,3 +305,45 @@ fn tokens_per_row_and_errors_per_item() {
     let drawn = kiln_core::sampling::pick(&mut row, &[], &params);
     assert_eq!(outs[4].as_ref().unwrap(), &StepOutput::Token(drawn));
 }
+
+/// A micro-batch's forward pass run a layer at a time (`Model::hidden_pass`, what
+/// activation checkpointing drives) ends where the whole pass does, to the bit, and
+/// refuses a layer over a KV cache other than the one its items were checked against.
+#[test]
+fn a_pass_run_a_layer_at_a_time_is_the_whole_pass() {
+    let model = load(
+        "llama/llama-f32.gguf",
+        Arc::new(CpuBackend::new(Some(2)).unwrap()),
+    );
+    let b = model.backend().clone();
+    let (x, y) = ([1u32, 2, 3, 4, 5], [7u32, 8, 9]);
+    let items = [
+        BatchItem {
+            tokens: &x,
+            pos0: 0,
+            blocks: &[2],
+            want: StepWant::Nothing,
+        },
+        BatchItem {
+            tokens: &y,
+            pos0: 0,
+            blocks: &[0],
+            want: StepWant::Nothing,
+        },
+    ];
+    let read = |t: &kiln_core::Tensor| b.download(t).unwrap();
+    let mut cache = model.new_paged_cache(4, BLOCK, DType::F32).unwrap();
+    let whole = model
+        .forward_hidden_batch(&items, &mut cache, |h, _| Ok(read(h)))
+        .unwrap();
+    let mut cache = model.new_paged_cache(4, BLOCK, DType::F32).unwrap();
+    let mut pass = model.hidden_pass(&items, &cache).unwrap();
+    pass.embed().unwrap();
+    for l in 0..model.config.n_layers {
+        pass.layer(l, &mut cache).unwrap();
+    }
+    assert_eq!(pass.head(|h, _| Ok(read(h))).unwrap(), whole);
+    let mut other = model.new_paged_cache(4, BLOCK, DType::F32).unwrap();
+    let err = pass.layer(0, &mut other).unwrap_err().to_string();
+    assert!(err.contains("another KV cache"), "{err}");
+}

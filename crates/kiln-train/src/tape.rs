@@ -440,10 +440,10 @@ impl Tape {
 
     /// The backward walk of what was recorded, from the losses and from `seed` (a buffer
     /// and the gradient of the value it holds now: the segment's output; dropped when no
-    /// trainable parameter made that value); returns the
-    /// gradient of `input` (see [`Tape::input`]). `whole` as in [`Tape::backward_with`]:
-    /// in a checkpointed pass, for the parameters whose first segment this is. The nodes
-    /// and copies are dropped; the caller records the next segment.
+    /// trainable parameter made that value); returns the gradient of `input` (see
+    /// [`Tape::input`]). `whole` as in [`Tape::backward_with`]: in a checkpointed pass,
+    /// for the parameters whose first segment this is. The nodes and copies are dropped;
+    /// the caller records the next segment.
     pub(crate) fn backward_segment(
         &self,
         params: &[&Tensor],

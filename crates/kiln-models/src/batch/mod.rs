@@ -100,6 +100,8 @@ pub struct HiddenPass<'m> {
     s: Scratch,
     rows: RowTensors,
     runs: Vec<usize>,
+    /// The cache the items' blocks were checked against ([`PagedKvCache::id`]).
+    cache: u64,
 }
 
 impl HiddenPass<'_> {
@@ -116,6 +118,11 @@ impl HiddenPass<'_> {
                 "layer {l} of a model of {}",
                 self.model.config.n_layers
             )));
+        }
+        if cache.id != self.cache {
+            return Err(Error::shape(
+                "a forward pass's layer over another KV cache than the one it was made for",
+            ));
         }
         let rows = self.rows.rows(&self.runs);
         self.model
@@ -416,6 +423,7 @@ impl Model {
             s,
             rows,
             runs: layout.runs,
+            cache: cache.id,
         })
     }
 
