@@ -5,7 +5,7 @@
 //! sequence, not the tiled, memory-flat kernel of FlashAttention-2 (that is still to come).
 
 use crate::kernels::Arg;
-use crate::matmul::{sgemm, sgemm_batched, Strided};
+use crate::matmul::{rounded_copy, sgemm, sgemm_batched, Strided};
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{
     AttentionParams, AttentionRun, Backend, DType, Error, GradOps, Products, Result, RopeLayout,
@@ -856,17 +856,7 @@ impl CudaBackend {
         ];
         let mut out = [0u64; 4];
         for ((&(src, len), slot), dst) in spans.iter().zip(slots).zip(&mut out) {
-            *dst = self.scratch(slot, 2 * len.max(1))?;
-            self.launch_1d(
-                "f32_to_half",
-                len.div_ceil(4),
-                &[
-                    Arg::Ptr(src),
-                    Arg::Ptr(*dst),
-                    Arg::U64(len as u64),
-                    Arg::I32(bf16 as i32),
-                ],
-            )?;
+            *dst = rounded_copy(self, slot, src, len, bf16)?;
         }
         Ok(Some((bf16, out)))
     }

@@ -658,6 +658,34 @@ pub(crate) fn sgemm_batched(
 /// The stored operand of a column-major product rounded to BF16 (or F16) into the scratch
 /// `slot`: `rows` × `cols` (op(A) = A when `trans` is N) with leading dimension `ld`, the
 /// whole span it covers converted so the same `ld` addresses the copy.
+/// `span` F32 values at `src` rounded to BF16 (or F16) into work buffer `slot`; its
+/// address.
+pub(crate) fn rounded_copy(
+    b: &CudaBackend,
+    slot: &'static str,
+    src: u64,
+    span: usize,
+    bf16: bool,
+) -> Result<u64> {
+    if !src.is_multiple_of(16) {
+        return Err(Error::unsupported(format!(
+            "a 16-bit product over an operand at {src:#x} (it reads 16-byte aligned F32)"
+        )));
+    }
+    let dst = b.scratch(slot, 2 * span.max(1))?;
+    b.launch_1d(
+        "f32_to_half",
+        span.div_ceil(4),
+        &[
+            Arg::Ptr(src),
+            Arg::Ptr(dst),
+            Arg::U64(span as u64),
+            Arg::I32(bf16 as i32),
+        ],
+    )?;
+    Ok(dst)
+}
+
 fn half_operand(
     b: &CudaBackend,
     slot: usize,
@@ -679,22 +707,7 @@ fn half_operand(
     if let Some(h) = last.filter(|h| h.src == p && h.span == span && h.bf16 == bf16) {
         return Ok(h);
     }
-    if !p.is_multiple_of(16) {
-        return Err(Error::unsupported(format!(
-            "a 16-bit product over an operand at {p:#x} (it reads 16-byte aligned F32)"
-        )));
-    }
-    let dst = b.scratch(["half_a", "half_b"][slot], 2 * span.max(1))?;
-    b.launch_1d(
-        "f32_to_half",
-        span.div_ceil(4),
-        &[
-            Arg::Ptr(p),
-            Arg::Ptr(dst),
-            Arg::U64(span as u64),
-            Arg::I32(bf16 as i32),
-        ],
-    )?;
+    let dst = rounded_copy(b, ["half_a", "half_b"][slot], p, span, bf16)?;
     Ok(HalfCopy {
         src: p,
         span,

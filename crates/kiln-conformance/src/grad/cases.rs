@@ -717,6 +717,66 @@ pub fn slice_cols_and_write_rows_gradients(t: &Target) {
     );
 }
 
+/// The scale of the fused loss's sum in its cases.
+const CE_SCALE: f32 = 0.37;
+
+/// One run of the fused loss over random inputs, its losses checked against float64.
+struct CrossEntropyRun {
+    h: Vec<f32>,
+    w: Vec<f32>,
+    targets: Vec<i32>,
+    losses: Vec<f32>,
+    /// What the kernel added to each gradient.
+    dh: Vec<f64>,
+    dw: Vec<f64>,
+}
+
+/// The fused loss of `n` rows of `dim` against a vocabulary of `vocab`, with gradients.
+fn cross_entropy_run(
+    t: &Target,
+    rng: &mut StdRng,
+    (n, dim, vocab): (usize, usize, usize),
+    softcap: Option<f32>,
+) -> CrossEntropyRun {
+    let h = random(rng, n * dim, 1.0);
+    let w = random(rng, vocab * dim, 1.0);
+    let targets: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % vocab) as i32).collect();
+    let (mut dh, bh) = t.grad_buffer(rng, &[n, dim]);
+    // Each of dw's elements sums n rows of probabilities about 1/vocab.
+    let dw_size = (n as f32 / vocab as f32).min(0.5);
+    let (mut dw, bw) = t.grad_buffer_of(rng, &[vocab, dim], dw_size);
+    let mut losses = t.poisoned(&[n]);
+    t.grad()
+        .cross_entropy(
+            &t.upload(DType::F32, &[n, dim], &h),
+            &t.upload(DType::F32, &[vocab, dim], &w),
+            &t.ints(&targets),
+            softcap,
+            CE_SCALE,
+            &mut losses,
+            Some(&mut dh),
+            Some(&mut dw),
+        )
+        .unwrap();
+    let cap = softcap.map(|c| c as f64);
+    let want = r64::cross_entropy(&widen(&h), &widen(&w), &targets, dim, cap);
+    let losses = t.read(&losses);
+    for (i, (&got, want)) in losses.iter().zip(&want).enumerate() {
+        assert!(
+            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+            "cross_entropy loss [{i}]: {got} vs {want}"
+        );
+    }
+    CrossEntropyRun {
+        dh: t.added(&dh, &bh),
+        dw: t.added(&dw, &bw),
+        h,
+        w,
+        targets,
+        losses,
+    }
+}
+
 /// The fused loss of `n` rows of `dim` against a vocabulary of `vocab`: the losses
 /// against the float64 ones, and both gradients at up to `sample` elements each.
 fn cross_entropy_case(
@@ -725,74 +785,42 @@ fn cross_entropy_case(
     softcap: Option<f32>,
     sample: usize,
 ) {
-    let g = t.grad();
     let mut rng = t.rng(vocab as u64 + softcap.is_some() as u64);
-    let scale = 0.37f32;
-    let h = random(&mut rng, n * dim, 1.0);
-    let w = random(&mut rng, vocab * dim, 1.0);
-    let targets: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % vocab) as i32).collect();
-    let (mut dh, bh) = t.grad_buffer(&mut rng, &[n, dim]);
-    // Each of dw's elements sums n rows of probabilities about 1/vocab.
-    let dw_size = (n as f32 / vocab as f32).min(0.5);
-    let (mut dw, bw) = t.grad_buffer_of(&mut rng, &[vocab, dim], dw_size);
-    let mut losses = t.poisoned(&[n]);
-    g.cross_entropy(
-        &t.upload(DType::F32, &[n, dim], &h),
-        &t.upload(DType::F32, &[vocab, dim], &w),
-        &t.ints(&targets),
-        softcap,
-        scale,
-        &mut losses,
-        Some(&mut dh),
-        Some(&mut dw),
-    )
-    .unwrap();
-    let (h64, w64) = (widen(&h), widen(&w));
+    let run = cross_entropy_run(t, &mut rng, (n, dim, vocab), softcap);
+    let (h64, w64) = (widen(&run.h), widen(&run.w));
     let cap = softcap.map(|c| c as f64);
-    let want = r64::cross_entropy(&h64, &w64, &targets, dim, cap);
-    for (i, (&got, want)) in t.read(&losses).iter().zip(&want).enumerate() {
-        assert!(
-            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-            "cross_entropy loss [{i}]: {got} vs {want}"
-        );
-    }
     let total = |h: &[f64], w: &[f64]| {
-        scale as f64
-            * r64::cross_entropy(h, w, &targets, dim, cap)
+        CE_SCALE as f64
+            * r64::cross_entropy(h, w, &run.targets, dim, cap)
                 .iter()
                 .sum::<f64>()
     };
-    check(
-        "cross_entropy dh",
-        &t.added(&dh, &bh),
-        &h,
-        Elements::Sample(sample, &mut rng),
-        |h| total(h, &w64),
-    );
-    check(
-        "cross_entropy dw",
-        &t.added(&dw, &bw),
-        &w,
-        Elements::Sample(sample, &mut rng),
-        |w| total(&h64, w),
-    );
+    let pick = Elements::Sample(sample, &mut rng);
+    check("cross_entropy dh", &run.dh, &run.h, pick, |h| {
+        total(h, &w64)
+    });
+    let pick = Elements::Sample(sample, &mut rng);
+    check("cross_entropy dw", &run.dw, &run.w, pick, |w| {
+        total(&h64, w)
+    });
 
     // Without gradients asked: the same losses, and nothing else touched.
     let mut again = t.poisoned(&[n]);
-    g.cross_entropy(
-        &t.upload(DType::F32, &[n, dim], &h),
-        &t.upload(DType::F32, &[vocab, dim], &w),
-        &t.ints(&targets),
-        softcap,
-        scale,
-        &mut again,
-        None,
-        None,
-    )
-    .unwrap();
+    t.grad()
+        .cross_entropy(
+            &t.upload(DType::F32, &[n, dim], &run.h),
+            &t.upload(DType::F32, &[vocab, dim], &run.w),
+            &t.ints(&run.targets),
+            softcap,
+            CE_SCALE,
+            &mut again,
+            None,
+            None,
+        )
+        .unwrap();
     assert_eq!(
         t.read(&again),
-        t.read(&losses),
+        run.losses,
         "cross_entropy without gradients"
     );
 }
@@ -809,40 +837,12 @@ pub fn cross_entropy_loss_and_gradients(t: &Target) {
 /// rounding of float64's sums of 40,000 terms).
 pub fn cross_entropy_over_blocks_of_rows(t: &Target) {
     cross_entropy_case(t, (30, 4, 40_000), None, 12);
-    let g = t.grad();
-    let mut rng = t.rng(3);
     let (n, dim, vocab) = (850, 3, 40_000);
-    let scale = 0.37f32;
-    let h = random(&mut rng, n * dim, 1.0);
-    let w = random(&mut rng, vocab * dim, 1.0);
-    let targets: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % vocab) as i32).collect();
-    let (mut dh, bh) = t.grad_buffer(&mut rng, &[n, dim]);
-    let (mut dw, bw) = t.grad_buffer_of(&mut rng, &[vocab, dim], 0.02);
-    let mut losses = t.poisoned(&[n]);
-    g.cross_entropy(
-        &t.upload(DType::F32, &[n, dim], &h),
-        &t.upload(DType::F32, &[vocab, dim], &w),
-        &t.ints(&targets),
-        None,
-        scale,
-        &mut losses,
-        Some(&mut dh),
-        Some(&mut dw),
-    )
-    .unwrap();
-    let (h64, w64) = (widen(&h), widen(&w));
-    let want = r64::cross_entropy(&h64, &w64, &targets, dim, None);
-    for (i, (&got, want)) in t.read(&losses).iter().zip(&want).enumerate() {
-        assert!(
-            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-            "cross_entropy loss [{i}]: {got} vs {want}"
-        );
-    }
-    let (want_dh, want_dw) = r64::cross_entropy_grads(&h64, &w64, &targets, dim, scale as f64);
-    for (what, got, want) in [
-        ("dh", t.added(&dh, &bh), want_dh),
-        ("dw", t.added(&dw, &bw), want_dw),
-    ] {
+    let run = cross_entropy_run(t, &mut t.rng(3), (n, dim, vocab), None);
+    let (h64, w64) = (widen(&run.h), widen(&run.w));
+    let (want_dh, want_dw) =
+        r64::cross_entropy_grads(&h64, &w64, &run.targets, dim, CE_SCALE as f64);
+    for (what, got, want) in [("dh", &run.dh, want_dh), ("dw", &run.dw, want_dw)] {
         let largest = want.iter().fold(0f64, |m, v| m.max(v.abs()));
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!(
