@@ -5,6 +5,12 @@
 //! with a dynamic offset), written once per submission; bind groups of storage buffers
 //! are made once per (kernel, buffers) and kept, since a model reuses the same buffers
 //! every step.
+//!
+//! Recording costs the CPU about as much as a small dispatch costs the GPU (wgpu tracks
+//! every dispatch's buffers): a step is submitted in pieces of `SUBMIT_EVERY` dispatches,
+//! so that the GPU runs the first while the rest are recorded. The arena's slots are
+//! taken in a ring across submissions, so a piece never rewrites the parameters of one
+//! the GPU may still be reading.
 
 use crate::kernels::Kernel;
 use crate::profile::Profiler;
@@ -14,8 +20,11 @@ use std::sync::{Arc, Mutex};
 
 /// Bytes of one dispatch's parameters: 16 words.
 pub(crate) const PARAMS_BYTES: u64 = 64;
-/// Dispatches per submission before the arena is flushed.
+/// Slots of the parameter arena (a ring).
 const PARAMS_SLOTS: u64 = 4096;
+/// Dispatches recorded before they are submitted (16-96 measured on an H100: 32-48
+/// best, BENCHMARKS.md).
+const SUBMIT_EVERY: u64 = 48;
 
 /// A range of a storage buffer bound to a kernel.
 #[derive(Clone, Copy)]
@@ -33,7 +42,10 @@ type BindKey = (String, Vec<(u64, u64, u64)>);
 struct Recording {
     encoder: Option<wgpu::CommandEncoder>,
     pass: Option<wgpu::ComputePass<'static>>,
+    /// The parameters of the slots from `first_slot` on, written at submission.
     params: Vec<u8>,
+    first_slot: u64,
+    /// Dispatches recorded since the last submission.
     dispatches: u64,
 }
 
@@ -105,6 +117,7 @@ impl Stream {
                 encoder: None,
                 pass: None,
                 params: Vec::new(),
+                first_slot: 0,
                 dispatches: 0,
             }),
             bind_groups: Mutex::new(HashMap::new()),
@@ -182,16 +195,21 @@ impl Stream {
             .profiler
             .as_ref()
             .is_some_and(|p| p.lock().unwrap().full());
-        if rec.dispatches == PARAMS_SLOTS || profile_full {
+        let ring_end = rec.first_slot + rec.dispatches == PARAMS_SLOTS;
+        if ring_end || rec.dispatches == SUBMIT_EVERY || profile_full {
             drop(rec);
             self.flush()?;
             rec = self.rec.lock().unwrap();
+            if ring_end {
+                rec.first_slot = 0;
+            }
         }
-        let offset = rec.dispatches * self.slot;
-        rec.params.resize(offset as usize, 0);
+        let at = rec.dispatches * self.slot;
+        let offset = rec.first_slot * self.slot + at;
+        rec.params.resize(at as usize, 0);
         rec.params
             .extend(params.iter().flat_map(|w| w.to_le_bytes()));
-        rec.params.resize((offset + PARAMS_BYTES) as usize, 0);
+        rec.params.resize((at + PARAMS_BYTES) as usize, 0);
         rec.dispatches += 1;
         if rec.pass.is_none() {
             let encoder = rec.encoder.get_or_insert_with(|| {
@@ -246,7 +264,9 @@ impl Stream {
         rec.pass = None;
         if let Some(mut encoder) = rec.encoder.take() {
             if !rec.params.is_empty() {
-                self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
+                let at = rec.first_slot * self.slot;
+                self.queue
+                    .write_buffer(&self.params_buffer, at, &rec.params);
             }
             if let Some(p) = &self.profiler {
                 p.lock().unwrap().resolve(&mut encoder);
@@ -257,6 +277,7 @@ impl Stream {
             }
         }
         rec.params.clear();
+        rec.first_slot += rec.dispatches;
         rec.dispatches = 0;
         drop(rec);
         let dropped: Vec<u64> = std::mem::take(&mut *self.dropped.lock().unwrap());

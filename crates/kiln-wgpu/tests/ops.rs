@@ -91,3 +91,32 @@ fn a_missing_adapter_is_an_error() {
         .to_string();
     assert!(err.contains("no wgpu adapter"), "{err}");
 }
+
+/// More dispatches than the parameter arena has slots, none read back between: each
+/// keeps its own parameters (the step goes out in pieces, the arena's slots a ring).
+#[test]
+fn a_long_run_of_ops_keeps_each_its_parameters() {
+    if !adapter() {
+        return;
+    }
+    let g = WgpuBackend::new(0).unwrap();
+    let start: Vec<f32> = (0..37).map(|i| 1.0 + i as f32 / 8.0).collect();
+    let bytes: Vec<u8> = start.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let shape = kiln_core::Shape::new(vec![start.len()]).unwrap();
+    let mut x = g
+        .upload(DType::F32, shape, kiln_core::HostBytes::from_vec(bytes))
+        .unwrap();
+    let mut want = start;
+    for i in 0..9_000u32 {
+        let s = 1.0 + ((i * 7919) % 61) as f32 / 256.0 * if i % 2 == 0 { 1.0 } else { -1.0 };
+        g.scale(&mut x, s).unwrap();
+        want.iter_mut().for_each(|v| *v *= s);
+    }
+    let got: Vec<f32> = g
+        .download(&x)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(got, want);
+}
