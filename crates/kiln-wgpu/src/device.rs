@@ -224,6 +224,8 @@ pub(crate) struct Caps {
     pub max_groups: u32,
     /// Bytes of workgroup memory a workgroup may use.
     pub workgroup_memory: u32,
+    /// Storage buffers one kernel may bind.
+    pub storage_bindings: u32,
 }
 
 pub(crate) struct Opened {
@@ -321,6 +323,7 @@ pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
         uniform_align: u64::from(limits.min_uniform_buffer_offset_alignment),
         max_groups: limits.max_compute_workgroups_per_dimension,
         workgroup_memory: limits.max_compute_workgroup_storage_size,
+        storage_bindings: limits.max_storage_buffers_per_shader_stage,
     };
     Ok(Opened {
         summary,

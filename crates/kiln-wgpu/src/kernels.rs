@@ -52,10 +52,20 @@ pub(crate) const EMBEDDING: KernelSpec = spec("embedding", "embedding", &[Read, 
 const MATVEC_BINDINGS: &[Access] = &[Read, Read, Read, Write, Read, Read, Write];
 pub(crate) const MATVEC: KernelSpec = spec("matvec", "matvec", MATVEC_BINDINGS);
 pub(crate) const MATVEC1: KernelSpec = spec("matvec", "matvec1", MATVEC_BINDINGS);
-/// x rounded, weight quants, weight scales, out, aux (the gate).
-const ITEM_BINDINGS: &[Access] = &[Read, Read, Read, Write, Read];
+/// x rounded, weight quants, weight scales, out, aux (the gate), then the quants, scales
+/// and out of a second and a third weight (shaders/matvec_items.wgsl).
+const ITEM_BINDINGS: &[Access] = &[
+    Read, Read, Read, Write, Read, Read, Read, Write, Read, Read, Write,
+];
+/// Storage bindings the item kernels take: an adapter with fewer keeps decode's products
+/// on the float kernels.
+pub(crate) const ITEM_BINDING_COUNT: u32 = ITEM_BINDINGS.len() as u32;
 pub(crate) const MATVEC_Q8: KernelSpec = spec("matvec_q8", "matvec_items", ITEM_BINDINGS);
 pub(crate) const MATVEC_F16: KernelSpec = spec("matvec_f16", "matvec_items", ITEM_BINDINGS);
+pub(crate) const MATVEC_Q8_GATED: KernelSpec =
+    spec("matvec_q8", "matvec_items_gated", ITEM_BINDINGS);
+pub(crate) const MATVEC_F16_GATED: KernelSpec =
+    spec("matvec_f16", "matvec_items_gated", ITEM_BINDINGS);
 /// x, norm weight, normed row, x rounded.
 const ROUND_BINDINGS: &[Access] = &[Read, Read, Write, Write];
 pub(crate) const QUANTIZE_ROW: KernelSpec = spec("quantize_row", "quantize_row", ROUND_BINDINGS);

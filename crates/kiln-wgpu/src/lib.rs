@@ -287,10 +287,7 @@ impl Backend for WgpuBackend {
         }
         if let Some(form) = rounded_row::shared_form(self, x, ws)? {
             let row = rounded_row::round_row(self, x, None, form)?;
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                rounded_row::matvec(self, &row, w, out, Epilogue::Store)?;
-            }
-            return Ok(());
+            return rounded_row::matvec_many(self, &row, ws, outs);
         }
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             self.matmul(x, w, out)?;
@@ -322,10 +319,7 @@ impl Backend for WgpuBackend {
         if let Some(form) = rounded_row::shared_form(self, norm.x, ws)? {
             // One rounding of the normed row for every product.
             let row = rounded_row::round_row(self, norm.x, Some(&with_normed), form)?;
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                rounded_row::matvec(self, &row, w, out, Epilogue::Store)?;
-            }
-            return Ok(());
+            return rounded_row::matvec_many(self, &row, ws, outs);
         }
         // Each product normalises its own copy of the row; the first also writes it.
         for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
@@ -362,12 +356,7 @@ impl Backend for WgpuBackend {
         };
         if let Some(form) = rounded_row::shared_form(self, norm.x, &[gate, up])? {
             let row = rounded_row::round_row(self, norm.x, Some(&with_normed), form)?;
-            rounded_row::matvec(self, &row, gate, tmp_gate, Epilogue::Store)?;
-            let epilogue = Epilogue::Gated {
-                gate: tmp_gate,
-                gelu,
-            };
-            return rounded_row::matvec(self, &row, up, out, epilogue);
+            return rounded_row::matvec_gated(self, &row, gate, up, gelu, out, tmp_gate);
         }
         matmul::matmul(
             self,

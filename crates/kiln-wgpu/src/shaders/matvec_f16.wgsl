@@ -12,13 +12,24 @@ struct Halves8 {
 
 @group(0) @binding(0) var<storage, read> xq: array<Halves8>;
 @group(0) @binding(1) var<storage, read> wq: array<Halves8>;
+@group(0) @binding(5) var<storage, read> wq1: array<Halves8>;
+@group(0) @binding(8) var<storage, read> wq2: array<Halves8>;
+
+// Item i of weight j (see matvec_items.wgsl).
+fn w_item(j: u32, i: u32) -> Halves8 {
+    switch j {
+        case 1u: { return wq1[i]; }
+        case 2u: { return wq2[i]; }
+        default: { return wq[i]; }
+    }
+}
 
 fn items_per_row() -> u32 {
     return wp.k / 8u;
 }
 
-fn item_dot(r: u32, i: u32) -> f32 {
-    let w = wq[wp.q_base / 4u + r * items_per_row() + i];
+fn item_dot(j: u32, r: u32, i: u32) -> f32 {
+    let w = w_item(j, w_q_base(j) / 4u + r * items_per_row() + i);
     let x = xq[i];
     return f32(dot(w.lo, x.lo)) + f32(dot(w.hi, x.hi));
 }
