@@ -269,17 +269,19 @@ pub fn attention_output_feeds_a_product(t: &Target) {
             window: None,
         };
         let (k, m) = (heads * hd, 72);
-        for dtype in [DType::Q4_K, DType::Q8_0, DType::Q6_K] {
+        for dtype in [DType::Q4_K, DType::Q8_0, DType::Q6_K, DType::F16] {
             let wv = random(&mut rng, m * k, 1.0);
             let (w, wd) = (t.upload(dtype, &[m, k], &wv), stored(dtype, &wv));
             let rounding = t.rounding(dtype, n, k);
             let what = format!("{dtype} n={n} hd={hd} over a {kv} cache");
             let mut attn = t.poisoned(&[n, heads, hd]);
+            // Made first, as a model's scratch is, so that nothing runs between the two
+            // ops (a backend may hand the output over only then).
+            let mut out = t.poisoned(&[n, m]);
             t.backend
                 .attention(&q, &kc, &vc, &pos, &params, &mut attn)
                 .unwrap();
             attn.reshape(Shape::new(vec![n, k]).unwrap()).unwrap();
-            let mut out = t.poisoned(&[n, m]);
             t.backend.matmul(&attn, &w, &mut out).unwrap();
             let seen = t.read(&attn);
             assert_products(&t.read(&out), &products(&seen, &wd, k, rounding), &what);
