@@ -87,6 +87,15 @@ pub(crate) const ATTENTION: KernelSpec = spec("attention", "attention", ATTENTIO
 pub(crate) const ATTENTION_TILES: KernelSpec =
     spec("attention", "attention_tiles", ATTENTION_BINDINGS);
 
+/// params, grads, three states, the compute copy.
+pub(crate) const OPTIM_UPDATE: KernelSpec = spec(
+    "optim",
+    "optim_update",
+    &[Write, Read, Write, Write, Write, Write],
+);
+/// grads, the workgroups' partial statistics.
+pub(crate) const GRAD_STATS: KernelSpec = spec("optim_stats", "grad_stats", &[Read, Write]);
+
 /// Every shader file with kernels: its name and text.
 const SHADERS: &[(&str, &str)] = &[
     ("elementwise", include_str!("shaders/elementwise.wgsl")),
@@ -107,6 +116,8 @@ const SHADERS: &[(&str, &str)] = &[
     ("gemm_coop", include_str!("shaders/gemm_coop.wgsl")),
     ("attention", include_str!("shaders/attention.wgsl")),
     ("sample", include_str!("shaders/sample.wgsl")),
+    ("optim", include_str!("shaders/optim.wgsl")),
+    ("optim_stats", include_str!("shaders/optim_stats.wgsl")),
 ];
 
 fn source(file: &str) -> &'static str {

@@ -16,6 +16,7 @@ mod kv_cache;
 mod matmul;
 mod memory;
 mod norm;
+mod optim;
 mod pipeline_cache;
 mod profile;
 mod rounded_row;
@@ -541,6 +542,10 @@ impl Backend for WgpuBackend {
         draws: &[kiln_core::RowDraw<'_>],
     ) -> Result<Vec<u32>> {
         sample::sample_rows(self, logits, draws)
+    }
+
+    fn optim(&self) -> Option<&dyn kiln_core::OptimKernels> {
+        Some(self)
     }
 
     fn kernel_profile(&self) -> Option<Vec<KernelTime>> {
