@@ -2,9 +2,9 @@
 //!
 //! Weights stay on the device in their stored format (quantized ones split into quants and
 //! scales, `kiln_core::quant::gpu_layout`, so that WGSL reads them as words); every op is
-//! a WGSL compute shader from `src/shaders/`. Ops are recorded into one command encoder and
-//! submitted together when something is read back, so a decode step is one submission and
-//! only the sampled id comes back. Reductions use subgroups where the adapter has them and
+//! a WGSL compute shader from `src/shaders/`. Ops are recorded into command encoders,
+//! submitted every few dozen dispatches and when something is read back (`stream`), so
+//! the GPU runs a step while the rest of it is recorded; only the sampled id comes back. Reductions use subgroups where the adapter has them and
 //! workgroup memory otherwise (`KILN_WGPU_NO_SUBGROUPS=1` forces the latter); F16 weights
 //! meet x in f16 arithmetic where the adapter has `SHADER_F16` (`KILN_WGPU_NO_F16=1`: f32).
 

@@ -1,5 +1,5 @@
-//! Recording ops into one command encoder and submitting them together: a decode step is
-//! one submission, and nothing waits for the GPU until something is read back.
+//! Recording ops into command encoders and submitting them: nothing waits for the GPU
+//! until something is read back.
 //!
 //! Each dispatch's parameters go into one uniform arena at its own 256-byte slot (bound
 //! with a dynamic offset), written once per submission; bind groups of storage buffers
