@@ -7,8 +7,9 @@
 //! every step.
 //!
 //! Recording costs the CPU about as much as a small dispatch costs the GPU (wgpu tracks
-//! every dispatch's buffers): a step is submitted in pieces of `SUBMIT_EVERY` dispatches,
-//! so that the GPU runs the first while the rest are recorded. The arena's slots are
+//! every dispatch's buffers): a step is submitted in pieces, so that the GPU runs the first
+//! while the rest are recorded. After a wait the GPU is idle: the first piece is small
+//! (`FIRST_PIECE`), and each next one twice the last, up to `SUBMIT_EVERY`. The arena's slots are
 //! taken in a ring across submissions, so a piece never rewrites the parameters of one
 //! the GPU may still be reading.
 
@@ -22,9 +23,11 @@ use std::sync::{Arc, Mutex};
 pub(crate) const PARAMS_BYTES: u64 = 64;
 /// Slots of the parameter arena (a ring).
 const PARAMS_SLOTS: u64 = 4096;
-/// Dispatches recorded before they are submitted (16-96 measured on an H100: 32-48
-/// best, BENCHMARKS.md).
+/// Dispatches recorded before they are submitted, at most (16-96 measured on an H100:
+/// 32-48 best, BENCHMARKS.md).
 const SUBMIT_EVERY: u64 = 48;
+/// The first piece after the GPU went idle.
+const FIRST_PIECE: u64 = 8;
 
 /// A range of a storage buffer bound to a kernel.
 #[derive(Clone, Copy)]
@@ -47,6 +50,8 @@ struct Recording {
     first_slot: u64,
     /// Dispatches recorded since the last submission.
     dispatches: u64,
+    /// Dispatches at which this piece is submitted.
+    piece: u64,
 }
 
 pub(crate) struct Stream {
@@ -119,6 +124,7 @@ impl Stream {
                 params: Vec::new(),
                 first_slot: 0,
                 dispatches: 0,
+                piece: FIRST_PIECE,
             }),
             bind_groups: Mutex::new(HashMap::new()),
             dropped: Arc::default(),
@@ -196,7 +202,8 @@ impl Stream {
             .as_ref()
             .is_some_and(|p| p.lock().unwrap().full());
         let ring_end = rec.first_slot + rec.dispatches == PARAMS_SLOTS;
-        if ring_end || rec.dispatches == SUBMIT_EVERY || profile_full {
+        if ring_end || rec.dispatches == rec.piece || profile_full {
+            rec.piece = (2 * rec.piece).min(SUBMIT_EVERY);
             drop(rec);
             self.flush()?;
             rec = self.rec.lock().unwrap();
@@ -302,6 +309,7 @@ impl Stream {
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| Error::Device(format!("wgpu: waiting for the GPU: {e}")))?;
+        self.rec.lock().unwrap().piece = FIRST_PIECE;
         self.check()
     }
 }
