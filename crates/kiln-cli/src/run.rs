@@ -226,6 +226,22 @@ pub fn run(a: RunArgs, quiet: bool) -> CliResult {
         });
         let _ = writeln!(stdout, "{json}");
     }
+    // A model may have more output rows than its tokenizer has tokens (padding, or a
+    // tokenizer of another model): an id past them has no text, so nothing was shown.
+    let known = tokenizer.vocab_size();
+    let past: Vec<u32> = g
+        .tokens
+        .iter()
+        .copied()
+        .filter(|&t| t as usize >= known)
+        .collect();
+    if let Some(first) = past.first() {
+        tracing::warn!(
+            "{} of the {} tokens generated (the first: id {first}) are past the tokenizer's {known} tokens: they have no text, and nothing was shown for them",
+            past.len(),
+            g.tokens.len()
+        );
+    }
     Ok(())
 }
 

@@ -702,3 +702,62 @@ fn impossible_host_settings_are_refused_naming_the_flag() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// A tokenizer that knows fewer tokens than the model has output rows: the ids past it have
+/// no text, and a warning on stderr says how many there were.
+#[test]
+fn ids_past_the_tokenizers_tokens_are_named_in_a_warning() {
+    use kiln_io::gguf::{Array, GgufFile, GgufWriter, Value};
+    let src = GgufFile::open(repo().join("tests/fixtures/llama/llama-f32.gguf")).unwrap();
+    let keep = 200;
+    let mut w = GgufWriter::new();
+    w.set_alignment(src.alignment as u32).unwrap();
+    for (key, value) in &src.metadata {
+        let value = match (key.as_str(), value) {
+            ("tokenizer.ggml.tokens", Value::Array(Array::String(v))) => {
+                Value::Array(Array::String(v[..keep].to_vec()))
+            }
+            ("tokenizer.ggml.scores", Value::Array(Array::F32(v))) => {
+                Value::Array(Array::F32(v[..keep].to_vec()))
+            }
+            ("tokenizer.ggml.token_type", Value::Array(Array::I32(v))) => {
+                Value::Array(Array::I32(v[..keep].to_vec()))
+            }
+            _ => value.clone(),
+        };
+        w.set(key, value).unwrap();
+    }
+    for t in &src.tensors {
+        w.add_raw_tensor(
+            &t.name,
+            t.ggml_type,
+            t.ne.clone(),
+            src.tensor_data(t).to_vec(),
+        )
+        .unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("short-vocabulary.gguf");
+    w.write_file(&path).unwrap();
+    let model = path.to_str().unwrap();
+    let o = kiln(&[
+        "run", "-m", model, "-p", "the", "-n", "48", "--temp", "1.5", "--seed", "7", "-o", "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let json: serde_json::Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
+    let past = json["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t.as_u64().unwrap() >= keep as u64)
+        .count();
+    assert!(
+        past > 0,
+        "the run drew no id past {keep}: pick another seed"
+    );
+    let err = stderr(&o);
+    assert!(
+        err.contains(&format!("{past} of the ")) && err.contains("past the tokenizer's 200 tokens"),
+        "{err}"
+    );
+}
