@@ -112,3 +112,51 @@ fn the_compute_copy_rounds_as_half_does() {
         assert!(bad.is_empty(), "{dtype}: {}", bad.join("; "));
     }
 }
+
+/// A state restored into the same optimizer (its control block written over) is what the
+/// next steps go on from: the steps after it equal the steps that first followed it.
+#[test]
+fn a_restored_state_is_where_the_next_steps_start() {
+    use kiln_core::Backend;
+    use kiln_optim::{Optimizer, ParamLayout, Rule, Schedule, StepConfig};
+    let Some(gpu) = gpu() else {
+        return;
+    };
+    let layout = ParamLayout::new([("w", vec![3000]), ("b", vec![7])]).unwrap();
+    let n = layout.numel();
+    let config = StepConfig {
+        rule: Rule::adamw(0.1),
+        schedule: Schedule::Cosine {
+            lr: 1e-2,
+            min_lr: 1e-3,
+            warmup: 1,
+            total: 6,
+        },
+        max_grad_norm: None,
+        loss_scaling: None,
+    };
+    let grads: Vec<_> = (0..5)
+        .map(|k| common::upload(&gpu, &common::values(n, 20 + k)))
+        .collect();
+    let mut params = common::upload(&gpu, &common::values(n, 1));
+    let mut opt = Optimizer::new(&gpu, layout, config).unwrap();
+    for g in &grads[..3] {
+        opt.step(&gpu, &mut params, g, None).unwrap();
+    }
+    let (saved, saved_params) = (opt.save(&gpu).unwrap(), gpu.download(&params).unwrap());
+    for g in &grads[3..] {
+        opt.step(&gpu, &mut params, g, None).unwrap();
+    }
+    let first = common::download(&gpu, &params);
+    opt.load(&gpu, &saved).unwrap();
+    gpu.write(&mut params, &saved_params).unwrap();
+    for g in &grads[3..] {
+        opt.step(&gpu, &mut params, g, None).unwrap();
+    }
+    let again = common::download(&gpu, &params);
+    assert!(
+        first.iter().zip(&again).all(|(a, b)| common::same(*a, *b)),
+        "steps 4 and 5 after the restore differ from the first time"
+    );
+    assert_eq!(opt.status(&gpu).unwrap().steps, 5.0);
+}

@@ -51,6 +51,9 @@ pub struct WgpuBackend {
     drawn: std::sync::Mutex<Option<Tensor>>,
     /// Decode's row of x rounded for the products (`rounded_row`), kept and grown.
     rounded_row: std::sync::Mutex<Option<WgpuStorage>>,
+    /// The optimizer's control block as the last step left it on the device (`optim`):
+    /// the storage id it lives in, and its value. A write to that tensor drops it.
+    optim_control: std::sync::Mutex<Option<(u64, kiln_core::optim::StepControl)>>,
     _adapter: wgpu::Adapter,
 }
 
@@ -90,6 +93,7 @@ impl WgpuBackend {
             draw_records: Default::default(),
             drawn: Default::default(),
             rounded_row: Default::default(),
+            optim_control: Default::default(),
             _adapter: opened.adapter,
         })
     }
@@ -258,6 +262,7 @@ impl Backend for WgpuBackend {
                 s.bytes
             )));
         }
+        self.forget_optim_control(s.id);
         match gpu_layout::split(t.dtype(), data) {
             Some(split) => memory::write(&self.stream, s, &split),
             None => memory::write(&self.stream, s, data),
@@ -265,6 +270,7 @@ impl Backend for WgpuBackend {
     }
 
     fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        self.forget_optim_control(storage(t, "the tensor to fill")?.id);
         elementwise::fill(self, t, value)
     }
 

@@ -4,9 +4,11 @@
 //!
 //! WGSL has no f64, and the control block's clock, learning rate and bias corrections are
 //! f64 (so that every backend rounds PyTorch's Python floats the same way): here the host
-//! prepares each step. It reads the control block back, and with clipping or loss scaling
-//! the workgroups' partial sums of the gradients' squares, summed in f64 in order; two
-//! small reads a step, where the CPU and CUDA read nothing back. The element-wise formulas
+//! prepares each step, from the control block as the last step left it (kept on the host;
+//! read back only when the tensor was written since, a restored state say). With clipping
+//! or loss scaling it reads back the workgroups' partial sums of the gradients' squares,
+//! summed in f64 in order: one small read a step, where the CPU and CUDA read nothing
+//! back. The element-wise formulas
 //! are the CPU's; a GPU's division and square root may differ from IEEE's by an ulp or two,
 //! so results follow the CPU's closely rather than to the bit.
 
@@ -36,11 +38,15 @@ impl OptimKernels for WgpuBackend {
         let what = "optimizer step";
         count(n, what)?;
         let control_store = storage(bufs.control, "the control block")?;
-        let mut control = StepControl::from_bytes(&memory::read(
-            &self.stream,
-            control_store,
-            control_store.bytes,
-        )?)?;
+        let kept = *self.optim_control.lock().unwrap();
+        let mut control = match kept {
+            Some((id, control)) if id == control_store.id => control,
+            _ => StepControl::from_bytes(&memory::read(
+                &self.stream,
+                control_store,
+                control_store.bytes,
+            )?)?,
+        };
         let stats = if config.needs_grad_stats() {
             self.grad_stats(bufs.grads, n, config, control.unscale_factor())?
         } else {
@@ -48,6 +54,7 @@ impl OptimKernels for WgpuBackend {
         };
         control.prepare(config, stats);
         memory::write(&self.stream, control_store, &control.to_bytes())?;
+        *self.optim_control.lock().unwrap() = Some((control_store.id, control));
         if control.skipped != 0 || n == 0 {
             return Ok(());
         }
@@ -110,6 +117,14 @@ impl OptimKernels for WgpuBackend {
 }
 
 impl WgpuBackend {
+    /// Drop the kept control block if it lives in storage `id`, which is being written.
+    pub(crate) fn forget_optim_control(&self, id: u64) {
+        let mut kept = self.optim_control.lock().unwrap();
+        if kept.is_some_and(|(kept_id, _)| kept_id == id) {
+            *kept = None;
+        }
+    }
+
     /// Σ (g·unscale)² and whether any g is inf/NaN: a partial a workgroup on the device,
     /// summed here in f64.
     fn grad_stats(
