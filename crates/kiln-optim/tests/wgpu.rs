@@ -2,35 +2,46 @@
 //! 1e-5, and the CPU's results on large buffers within 1e-4. Not to the bit: a driver may
 //! compute `fma` as a product and a sum (lavapipe does), and its division and square root
 //! may be an ulp or two from IEEE's; a centered RMSprop's variance, a difference of two
-//! close numbers, shows that most (2.9e-5 of a momentum buffer on lavapipe).
+//! close numbers, shows that most (2.9e-5 of a momentum buffer on lavapipe). The gradients'
+//! statistics are summed by subgroups or in workgroup memory: both are run.
 
 mod common;
 
-use kiln_wgpu::WgpuBackend;
+use kiln_wgpu::{Options, WgpuBackend};
 use std::sync::OnceLock;
 
 /// The adapter, if there is one (`KILN_REQUIRE_WGPU=1` makes its absence a failure).
 fn gpu() -> Option<WgpuBackend> {
+    adapter().then(|| WgpuBackend::new(0).expect("a wgpu adapter"))
+}
+
+/// The adapter on its portable paths (workgroup-memory reductions, no f16 arithmetic).
+fn portable_gpu() -> Option<WgpuBackend> {
+    let portable = Options {
+        subgroups: false,
+        f16: false,
+        cooperative_matrices: false,
+    };
+    adapter().then(|| WgpuBackend::with_options(0, portable).expect("a wgpu adapter"))
+}
+
+fn adapter() -> bool {
     static FOUND: OnceLock<bool> = OnceLock::new();
-    FOUND
-        .get_or_init(kiln_wgpu::adapter_for_tests)
-        .then(|| WgpuBackend::new(0).expect("a wgpu adapter"))
+    *FOUND.get_or_init(kiln_wgpu::adapter_for_tests)
 }
 
 #[test]
 fn every_rule_follows_pytorch_on_wgpu() {
-    let Some(gpu) = gpu() else {
-        return;
-    };
-    common::check_all_within(&gpu, 1e-5);
+    for gpu in [gpu(), portable_gpu()].into_iter().flatten() {
+        common::check_all_within(&gpu, 1e-5);
+    }
 }
 
 #[test]
 fn wgpu_steps_follow_the_cpus_on_large_buffers() {
-    let Some(gpu) = gpu() else {
-        return;
-    };
-    common::steps_follow_the_cpus(&gpu, 1 << 20, 1e-4, 1e-4);
+    for gpu in [gpu(), portable_gpu()].into_iter().flatten() {
+        common::steps_follow_the_cpus(&gpu, 1 << 20, 1e-4, 1e-4);
+    }
 }
 
 /// The compute copy of values over the whole f32 range (f16's subnormals, ties, values
