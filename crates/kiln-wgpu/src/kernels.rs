@@ -77,6 +77,9 @@ pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
 );
 pub(crate) const GEMM: KernelSpec = spec("gemm", "gemm", &[Read, Read, Read, Write]);
 pub(crate) const GEMM_COOP: KernelSpec = spec("gemm_coop", "gemm_coop", &[Read, Read, Read, Write]);
+/// x rounded to f16, the weight (as its quants and scales: F16 has none), out.
+pub(crate) const GEMM_COOP_F16: KernelSpec =
+    spec("gemm_coop_f16", "gemm_coop_f16", &[Read, Read, Read, Write]);
 /// logits, penalized ids, ids drawn, the draws' records.
 pub(crate) const SAMPLE_ROWS: KernelSpec =
     spec("sample", "sample_rows", &[Write, Read, Write, Read]);
@@ -114,6 +117,7 @@ const SHADERS: &[(&str, &str)] = &[
     ("quantize_row", include_str!("shaders/quantize_row.wgsl")),
     ("gemm", include_str!("shaders/gemm.wgsl")),
     ("gemm_coop", include_str!("shaders/gemm_coop.wgsl")),
+    ("gemm_coop_f16", include_str!("shaders/gemm_coop_f16.wgsl")),
     ("attention", include_str!("shaders/attention.wgsl")),
     ("sample", include_str!("shaders/sample.wgsl")),
     ("optim", include_str!("shaders/optim.wgsl")),
@@ -144,6 +148,7 @@ fn module_source(file: &str, subgroups: bool) -> String {
         "matvec" => &[WPARAMS, WEIGHTS, EPILOGUE, MATVEC_IO],
         "matvec_q8" | "matvec_f16" => &[WPARAMS, EPILOGUE, MATVEC_ITEMS],
         "gemm" | "gemm_coop" | "embedding" => &[WPARAMS, WEIGHTS],
+        "gemm_coop_f16" => &[WPARAMS],
         "attention" | "rope_kv" | "kv_rows" => &[KV_CACHE],
         _ => &[],
     };
@@ -151,7 +156,7 @@ fn module_source(file: &str, subgroups: bool) -> String {
     // anything else.
     let enable = match file {
         "matvec_f16" => "enable f16;\n",
-        "gemm_coop" => "enable f16;\nenable wgpu_cooperative_matrix;\n",
+        "gemm_coop" | "gemm_coop_f16" => "enable f16;\nenable wgpu_cooperative_matrix;\n",
         _ => "",
     };
     format!(
@@ -352,8 +357,10 @@ mod tests {
     use super::*;
     use wgpu::naga;
 
-    /// Every module parses and validates with naga, with both reductions, whatever this
-    /// machine's adapter can run (the f16 and cooperative-matrix kernels included).
+    /// Every module parses, validates and translates to SPIR-V with naga, with both
+    /// reductions, whatever this machine's adapter can run (the f16 and cooperative-matrix
+    /// kernels included: lavapipe builds no cooperative-matrix pipeline, and naga's SPIR-V
+    /// writer has panicked on a module its validator accepted).
     #[test]
     fn every_shader_module_validates() {
         for (file, _) in SHADERS {
@@ -361,12 +368,25 @@ mod tests {
                 let text = module_source(file, subgroups);
                 let module = naga::front::wgsl::parse_str(&text)
                     .unwrap_or_else(|e| panic!("{file}.wgsl: {}", e.emit_to_string(&text)));
-                naga::valid::Validator::new(
+                let info = naga::valid::Validator::new(
                     naga::valid::ValidationFlags::all(),
                     naga::valid::Capabilities::all(),
                 )
                 .validate(&module)
                 .unwrap_or_else(|e| panic!("{file}.wgsl (subgroups {subgroups}): {e:?}"));
+                let options = naga::back::spv::Options {
+                    lang_version: (1, 4),
+                    ..Default::default()
+                };
+                let (module, info) = naga::back::pipeline_constants::process_overrides(
+                    &module,
+                    &info,
+                    None,
+                    &Default::default(),
+                )
+                .unwrap_or_else(|e| panic!("{file}.wgsl overrides: {e:?}"));
+                naga::back::spv::write_vec(&module, &info, &options, None)
+                    .unwrap_or_else(|e| panic!("{file}.wgsl to SPIR-V: {e:?}"));
             }
         }
     }

@@ -6,7 +6,7 @@
 //! down to the adapter's alignment and the shader steps over the difference.
 
 use crate::elementwise::count;
-use crate::kernels::{EMBEDDING, GEMM, GEMM_COOP, MATVEC, MATVEC1};
+use crate::kernels::{EMBEDDING, GEMM, GEMM_COOP, GEMM_COOP_F16, MATVEC, MATVEC1, ROW_TO_F16};
 use crate::rounded_row;
 use crate::stream::Binding;
 use crate::{f32_tensor, i32_tensor, storage, WgpuBackend};
@@ -208,6 +208,9 @@ pub(crate) fn matmul(
     // One row: a lane per block; up to 8 rows: weights read once for all; the tiled
     // kernel past that, on tensor cores for the weights `tensor_cores_take`.
     let small = n <= MATVEC_MAX_ROWS;
+    if !small && coop_f16(b, x, w, out, mode)? {
+        return Ok(());
+    }
     let spec = match n {
         1 if k.is_multiple_of(4) => &MATVEC1,
         _ if small => &MATVEC,
@@ -250,6 +253,75 @@ pub(crate) fn matmul(
         b.stream.dispatch(&kernel, used, &params, groups)?;
     }
     Ok(())
+}
+
+/// x's rows times F16 weights on cooperative matrices in tiles of 128 × 128
+/// (shaders/gemm_coop_f16.wgsl), x rounded to f16 first into the backend's rounding
+/// scratch, its rows padded to the tile's 128 (the extra rows are read but never stored).
+/// `false`, with nothing done, where the device or the shapes do not suit it: k a multiple
+/// of 32, every chunk starting on 16 bytes (the kernel loads 16-byte items), output rows
+/// of whole 16-byte words (the matrices' stores).
+fn coop_f16(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &Tensor, mode: u32) -> Result<bool> {
+    let (n, k) = (x.shape().rows(), x.shape().row_len());
+    let m = w.shape().rows();
+    if !(b.caps.cooperative_matrices && b.caps.f16 && w.dtype() == DType::F16)
+        || !k.is_multiple_of(32)
+        || !m.is_multiple_of(4)
+    {
+        return Ok(false);
+    }
+    let parts = chunks(b, w)?;
+    if !parts.iter().all(|c| c.q_base.is_multiple_of(4)) {
+        return Ok(false);
+    }
+    let what = "matmul";
+    let padded = n.div_ceil(128) * 128;
+    let values = count(padded * k, what)?;
+    let ob = f32_tensor(out, "matmul output")?;
+    let xb = f32_tensor(x, "matmul input")?;
+    let mut scratch = b.rounded_row.lock().unwrap();
+    let bytes = 2 * values as usize;
+    if scratch.as_ref().is_none_or(|s| (s.bytes as usize) < bytes) {
+        *scratch = Some(b.alloc(bytes)?);
+    }
+    let xh = scratch.as_ref().unwrap().binding();
+    // x's n·k values rounded as one long row (the rows past n keep whatever they held).
+    let round = b.kernel(&ROW_TO_F16, &[])?;
+    let (groups, groups_x) = b.grid((n * k).div_ceil(4 * 256))?;
+    b.stream.dispatch(
+        &round,
+        &[xb, xb, xh, xh],
+        &[count(n * k, what)?, 0, 0, 0, groups_x],
+        groups,
+    )?;
+    let kernel = b.kernel(&GEMM_COOP_F16, &[])?;
+    for c in parts {
+        let gx = c.rows.div_ceil(128);
+        let gy = padded / 128;
+        if gx > b.caps.max_groups as usize || gy > b.caps.max_groups as usize {
+            return Err(Error::Device(format!(
+                "matmul of {n}×{k} by {m}×{k} needs more workgroups than this adapter launches"
+            )));
+        }
+        let mut params = [0u32; 11];
+        params[..7].copy_from_slice(&[
+            count(k, what)?,
+            count(c.rows, what)?,
+            count(n, what)?,
+            c.q_base,
+            0,
+            count(c.row0, what)?,
+            count(m, what)?,
+        ]);
+        params[10] = mode;
+        b.stream.dispatch(
+            &kernel,
+            &[xh, c.quants, c.scales, ob],
+            &params,
+            (gx as u32, gy as u32, 1),
+        )?;
+    }
+    Ok(true)
 }
 
 pub(crate) fn embedding(

@@ -103,9 +103,13 @@ pub fn prompt_products_at_model_widths(t: &Target) {
     let mut shapes: Vec<(DType, usize, usize, usize)> =
         DType::ALL.iter().map(|&d| (d, 77, 300, 2048)).collect();
     shapes.extend([(DType::Q6_K, 20, 64, 14336), (DType::F16, 20, 64, 14336)]);
+    // Rows of both operands in whole tiles of 64 × 128 and past them (kiln-wgpu's F16
+    // kernel stores whole tiles straight into the output and the edges element by element).
+    shapes.push((DType::F16, 130, 272, 2048));
     for (s, (dtype, n, m, k)) in shapes.into_iter().enumerate() {
         check_matmul_add(t, dtype, n, m, k, s as u64);
     }
+    check_matmul(t, DType::F16, 130, 272, 2048, 99);
 }
 
 /// The bound is worth something only if a wrong kernel fails it: a weight with one block
