@@ -264,10 +264,12 @@ pub(crate) fn matmul(
 fn coop_f16(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &Tensor, mode: u32) -> Result<bool> {
     let (n, k) = (x.shape().rows(), x.shape().row_len());
     let m = w.shape().rows();
-    if !(b.caps.cooperative_matrices && b.caps.f16 && w.dtype() == DType::F16)
-        || !k.is_multiple_of(32)
-        || !m.is_multiple_of(4)
-    {
+    let suits = b.caps.cooperative_matrices
+        && b.caps.f16
+        && w.dtype() == DType::F16
+        && k.is_multiple_of(32)
+        && m.is_multiple_of(4);
+    if !suits {
         return Ok(false);
     }
     let parts = chunks(b, w)?;
