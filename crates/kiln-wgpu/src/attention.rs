@@ -2,7 +2,7 @@
 //! sequence's contiguous cache, or a pool of blocks shared by a server's sequences.
 
 use crate::elementwise::count;
-use crate::kernels::{ATTENTION, ATTENTION_TILES, ROPE, ROPE_WRITE_KV};
+use crate::kernels::{ATTENTION, ATTENTION_COOP, ATTENTION_TILES, ROPE, ROPE_WRITE_KV};
 use crate::kv_cache::kv_tensor;
 use crate::{f32_tensor, i32_tensor, WgpuBackend};
 use kiln_core::{AttentionParams, Error, Pages, Result, RopeLayout, Tensor};
@@ -11,6 +11,11 @@ use kiln_core::{AttentionParams, Error, Pages, Result, RopeLayout, Tensor};
 const TILE_QUERIES: usize = 16;
 /// Its workgroup memory: q, k (padded) and v tiles and the scores.
 const TILES_WORKGROUP_BYTES: usize = 4 * (2048 + 2064 + 2048 + 256);
+/// Queries a workgroup of `attention_coop` takes (shaders/attention_coop.wgsl, `TQA`).
+const COOP_QUERIES: usize = 64;
+/// Its workgroup memory: the f16 tiles of q (then k and v), f32 scores, the f16
+/// probabilities' two parts, the rows' sums.
+const COOP_WORKGROUP_BYTES: usize = 2 * 8704 + 4 * 2304 + 2 * 2 * 2560 + 4 * 128;
 
 pub(crate) fn rope(
     b: &WgpuBackend,
@@ -175,20 +180,32 @@ fn run(
         tables,
     ];
     let what = "attention";
-    // Prompts: tiles of 16 queries where the heads and workgroup memory fit (the tile
-    // kernel's 25.1 KiB); decode and the rest: a workgroup a query and head.
-    let tiled = paged.is_none()
-        && n >= TILE_QUERIES
-        && hd <= 128
-        && hd.is_multiple_of(4)
-        && b.caps.workgroup_memory as usize >= TILES_WORKGROUP_BYTES;
-    let (spec, tasks) = if tiled {
+    // Prompts: on tensor cores in tiles of 64 queries where the adapter has cooperative
+    // matrices, the cache is f16 (whose keys and values the matrices take exactly) and
+    // the heads fit (36.5 KiB of workgroup memory), else in tiles of 16
+    // where the heads and workgroup memory fit (25.1 KiB); decode and the rest: a
+    // workgroup a query and head.
+    let prompt = paged.is_none() && n >= TILE_QUERIES && hd <= 128;
+    let coop = prompt
+        && b.caps.cooperative_matrices
+        && k_cache.dtype() == kiln_core::DType::F16
+        && hd.is_multiple_of(16)
+        && b.caps.workgroup_memory as usize >= COOP_WORKGROUP_BYTES;
+    let tiled =
+        prompt && hd.is_multiple_of(4) && b.caps.workgroup_memory as usize >= TILES_WORKGROUP_BYTES;
+    let (spec, tasks) = if coop {
+        (&ATTENTION_COOP, n.div_ceil(COOP_QUERIES) * heads)
+    } else if tiled {
         (&ATTENTION_TILES, n.div_ceil(TILE_QUERIES) * heads)
     } else {
         (&ATTENTION, n * heads)
     };
     let (groups, groups_x) = b.grid(tasks)?;
-    let kernel = b.kernel(spec, &[("KV", kv)])?;
+    let kernel = if coop {
+        b.kernel(spec, &[("KV", kv), ("HD", hd as f64)])?
+    } else {
+        b.kernel(spec, &[("KV", kv)])?
+    };
     // The shaders index the caches' values in u32.
     count(capacity * kv_heads * hd, what)?;
     b.stream.dispatch(

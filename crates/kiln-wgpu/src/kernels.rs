@@ -89,6 +89,8 @@ const ATTENTION_BINDINGS: &[Access] = &[Read, Read, Read, Read, Write, Read, Rea
 pub(crate) const ATTENTION: KernelSpec = spec("attention", "attention", ATTENTION_BINDINGS);
 pub(crate) const ATTENTION_TILES: KernelSpec =
     spec("attention", "attention_tiles", ATTENTION_BINDINGS);
+pub(crate) const ATTENTION_COOP: KernelSpec =
+    spec("attention_coop", "attention_coop", ATTENTION_BINDINGS);
 
 /// params, grads, three states, the compute copy.
 pub(crate) const OPTIM_UPDATE: KernelSpec = spec(
@@ -119,6 +121,10 @@ const SHADERS: &[(&str, &str)] = &[
     ("gemm_coop", include_str!("shaders/gemm_coop.wgsl")),
     ("gemm_coop_f16", include_str!("shaders/gemm_coop_f16.wgsl")),
     ("attention", include_str!("shaders/attention.wgsl")),
+    (
+        "attention_coop",
+        include_str!("shaders/attention_coop.wgsl"),
+    ),
     ("sample", include_str!("shaders/sample.wgsl")),
     ("optim", include_str!("shaders/optim.wgsl")),
     ("optim_stats", include_str!("shaders/optim_stats.wgsl")),
@@ -149,14 +155,17 @@ fn module_source(file: &str, subgroups: bool) -> String {
         "matvec_q8" | "matvec_f16" => &[WPARAMS, EPILOGUE, MATVEC_ITEMS],
         "gemm" | "gemm_coop" | "embedding" => &[WPARAMS, WEIGHTS],
         "gemm_coop_f16" => &[WPARAMS],
-        "attention" | "rope_kv" | "kv_rows" => &[KV_CACHE],
+        "attention" | "attention_coop" => &[KV_CACHE, ATTENTION_IO],
+        "rope_kv" | "kv_rows" => &[KV_CACHE],
         _ => &[],
     };
     // f16 arithmetic and cooperative matrices are WGSL extensions, declared before
     // anything else.
     let enable = match file {
         "matvec_f16" => "enable f16;\n",
-        "gemm_coop" | "gemm_coop_f16" => "enable f16;\nenable wgpu_cooperative_matrix;\n",
+        "gemm_coop" | "gemm_coop_f16" | "attention_coop" => {
+            "enable f16;\nenable wgpu_cooperative_matrix;\n"
+        }
         _ => "",
     };
     format!(
@@ -176,6 +185,7 @@ pub(crate) fn all_sources() -> Vec<&'static str> {
         MATVEC_IO,
         MATVEC_ITEMS,
         KV_CACHE,
+        ATTENTION_IO,
         REDUCE_SUBGROUP,
         REDUCE_WORKGROUP,
     ];
@@ -190,6 +200,7 @@ const EPILOGUE: &str = include_str!("shaders/epilogue.wgsl");
 const MATVEC_IO: &str = include_str!("shaders/matvec_io.wgsl");
 const MATVEC_ITEMS: &str = include_str!("shaders/matvec_items.wgsl");
 const KV_CACHE: &str = include_str!("shaders/kv_cache.wgsl");
+const ATTENTION_IO: &str = include_str!("shaders/attention_io.wgsl");
 const REDUCE_SUBGROUP: &str = include_str!("shaders/reduce_subgroup.wgsl");
 const REDUCE_WORKGROUP: &str = include_str!("shaders/reduce_workgroup.wgsl");
 
