@@ -76,10 +76,12 @@ pub(crate) const ROPE_WRITE_KV: KernelSpec = spec(
     &[Write, Write, Read, Read, Read, Write, Write],
 );
 pub(crate) const GEMM: KernelSpec = spec("gemm", "gemm", &[Read, Read, Read, Write]);
-pub(crate) const GEMM_COOP: KernelSpec = spec("gemm_coop", "gemm_coop", &[Read, Read, Read, Write]);
-/// x rounded to f16, the weight (as its quants and scales: F16 has none), out.
+/// x rounded to f16, the weight's quants and scales, out (shaders/gemm_tiles.wgsl): F16
+/// weights as stored, or any type decoded.
 pub(crate) const GEMM_COOP_F16: KernelSpec =
-    spec("gemm_coop_f16", "gemm_coop_f16", &[Read, Read, Read, Write]);
+    spec("gemm_coop_f16", "gemm_tiles", &[Read, Read, Read, Write]);
+pub(crate) const GEMM_COOP_Q: KernelSpec =
+    spec("gemm_coop_q", "gemm_tiles", &[Read, Read, Read, Write]);
 /// logits, penalized ids, ids drawn, the draws' records.
 pub(crate) const SAMPLE_ROWS: KernelSpec =
     spec("sample", "sample_rows", &[Write, Read, Write, Read]);
@@ -118,8 +120,8 @@ const SHADERS: &[(&str, &str)] = &[
     ("matvec_f16", include_str!("shaders/matvec_f16.wgsl")),
     ("quantize_row", include_str!("shaders/quantize_row.wgsl")),
     ("gemm", include_str!("shaders/gemm.wgsl")),
-    ("gemm_coop", include_str!("shaders/gemm_coop.wgsl")),
     ("gemm_coop_f16", include_str!("shaders/gemm_coop_f16.wgsl")),
+    ("gemm_coop_q", include_str!("shaders/gemm_coop_q.wgsl")),
     ("attention", include_str!("shaders/attention.wgsl")),
     (
         "attention_coop",
@@ -153,8 +155,9 @@ fn module_source(file: &str, subgroups: bool) -> String {
     let shared: &[&str] = match file {
         "matvec" => &[WPARAMS, WEIGHTS, EPILOGUE, MATVEC_IO],
         "matvec_q8" | "matvec_f16" => &[WPARAMS, EPILOGUE, MATVEC_ITEMS],
-        "gemm" | "gemm_coop" | "embedding" => &[WPARAMS, WEIGHTS],
-        "gemm_coop_f16" => &[WPARAMS],
+        "gemm" | "embedding" => &[WPARAMS, WEIGHTS],
+        "gemm_coop_f16" => &[WPARAMS, GEMM_TILES],
+        "gemm_coop_q" => &[WPARAMS, WEIGHTS, GEMM_TILES],
         "attention" | "attention_coop" => &[KV_CACHE, ATTENTION_IO],
         "rope_kv" | "kv_rows" => &[KV_CACHE],
         _ => &[],
@@ -163,7 +166,7 @@ fn module_source(file: &str, subgroups: bool) -> String {
     // anything else.
     let enable = match file {
         "matvec_f16" => "enable f16;\n",
-        "gemm_coop" | "gemm_coop_f16" | "attention_coop" => {
+        "gemm_coop_f16" | "gemm_coop_q" | "attention_coop" => {
             "enable f16;\nenable wgpu_cooperative_matrix;\n"
         }
         _ => "",
@@ -186,6 +189,7 @@ pub(crate) fn all_sources() -> Vec<&'static str> {
         MATVEC_ITEMS,
         KV_CACHE,
         ATTENTION_IO,
+        GEMM_TILES,
         REDUCE_SUBGROUP,
         REDUCE_WORKGROUP,
     ];
@@ -201,6 +205,7 @@ const MATVEC_IO: &str = include_str!("shaders/matvec_io.wgsl");
 const MATVEC_ITEMS: &str = include_str!("shaders/matvec_items.wgsl");
 const KV_CACHE: &str = include_str!("shaders/kv_cache.wgsl");
 const ATTENTION_IO: &str = include_str!("shaders/attention_io.wgsl");
+const GEMM_TILES: &str = include_str!("shaders/gemm_tiles.wgsl");
 const REDUCE_SUBGROUP: &str = include_str!("shaders/reduce_subgroup.wgsl");
 const REDUCE_WORKGROUP: &str = include_str!("shaders/reduce_workgroup.wgsl");
 

@@ -6,7 +6,7 @@
 //! down to the adapter's alignment and the shader steps over the difference.
 
 use crate::elementwise::count;
-use crate::kernels::{EMBEDDING, GEMM, GEMM_COOP, GEMM_COOP_F16, MATVEC, MATVEC1, ROW_TO_F16};
+use crate::kernels::{EMBEDDING, GEMM, GEMM_COOP_F16, GEMM_COOP_Q, MATVEC, MATVEC1, ROW_TO_F16};
 use crate::rounded_row;
 use crate::stream::Binding;
 use crate::{f32_tensor, i32_tensor, storage, WgpuBackend};
@@ -208,13 +208,12 @@ pub(crate) fn matmul(
     // One row: a lane per block; up to 8 rows: weights read once for all; the tiled
     // kernel past that, on tensor cores for the weights `tensor_cores_take`.
     let small = n <= MATVEC_MAX_ROWS;
-    if !small && coop_f16(b, x, w, out, mode)? {
+    if !small && tensor_core_tiles(b, x, w, out, mode)? {
         return Ok(());
     }
     let spec = match n {
         1 if k.is_multiple_of(4) => &MATVEC1,
         _ if small => &MATVEC,
-        _ if b.caps.cooperative_matrices && tensor_cores_take(w.dtype()) => &GEMM_COOP,
         _ => &GEMM,
     };
     let kernel = b.kernel(spec, &constants)?;
@@ -255,27 +254,28 @@ pub(crate) fn matmul(
     Ok(())
 }
 
-/// x's rows times F16 weights on cooperative matrices in tiles of 128 × 128
-/// (shaders/gemm_coop_f16.wgsl), x rounded to f16 first into the backend's rounding
-/// scratch, its rows padded to the tile's 128 (the extra rows are read but never stored).
-/// `false`, with nothing done, where the device or the shapes do not suit it: k a multiple
-/// of 32, every chunk starting on 16 bytes (the kernel loads 16-byte items), output rows
-/// of whole 16-byte words (the matrices' stores).
-fn coop_f16(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &Tensor, mode: u32) -> Result<bool> {
+/// x's rows times the weights on cooperative matrices in tiles of 128 × 128
+/// (shaders/gemm_tiles.wgsl) where the adapter has them and `tensor_cores_take` the
+/// weight: F16 weights read as stored, 16 bytes a load, where every chunk starts on
+/// 16 bytes, other types decoded to f16 as they are loaded. x is rounded to f16 first into
+/// the backend's rounding scratch, its rows padded to the tile's 128 (the extra rows are
+/// read but never stored). `false`, with nothing done, where the device or the weight do
+/// not suit it.
+fn tensor_core_tiles(
+    b: &WgpuBackend,
+    x: &Tensor,
+    w: &Tensor,
+    out: &Tensor,
+    mode: u32,
+) -> Result<bool> {
     let (n, k) = (x.shape().rows(), x.shape().row_len());
     let m = w.shape().rows();
-    let suits = b.caps.cooperative_matrices
-        && b.caps.f16
-        && w.dtype() == DType::F16
-        && k.is_multiple_of(32)
-        && m.is_multiple_of(4);
+    let suits = b.caps.cooperative_matrices && b.caps.f16 && tensor_cores_take(w.dtype(), k);
     if !suits {
         return Ok(false);
     }
     let parts = chunks(b, w)?;
-    if !parts.iter().all(|c| c.q_base.is_multiple_of(4)) {
-        return Ok(false);
-    }
+    let as_stored = w.dtype() == DType::F16 && parts.iter().all(|c| c.q_base.is_multiple_of(4));
     let what = "matmul";
     let padded = n.div_ceil(128) * 128;
     let values = count(padded * k, what)?;
@@ -296,7 +296,11 @@ fn coop_f16(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &Tensor, mode: u32) ->
         &[count(n * k, what)?, 0, 0, 0, groups_x],
         groups,
     )?;
-    let kernel = b.kernel(&GEMM_COOP_F16, &[])?;
+    let kernel = if as_stored {
+        b.kernel(&GEMM_COOP_F16, &[])?
+    } else {
+        b.kernel(&GEMM_COOP_Q, &[("WTYPE", wtype(w.dtype())?)])?
+    };
     for c in parts {
         let gx = c.rows.div_ceil(128);
         let gy = padded / 128;
@@ -311,7 +315,7 @@ fn coop_f16(b: &WgpuBackend, x: &Tensor, w: &Tensor, out: &Tensor, mode: u32) ->
             count(c.rows, what)?,
             count(n, what)?,
             c.q_base,
-            0,
+            c.m_base,
             count(c.row0, what)?,
             count(m, what)?,
         ]);
@@ -368,11 +372,12 @@ pub(crate) fn embedding(
     Ok(())
 }
 
-/// Whether prompts' products with `dtype` weights run on the tensor-core GEMM, whose
-/// operands are f16: F16 weights as stored, and quantized blocks decoded to f16 (as kiln-cuda
-/// and llama.cpp decode them for their prompt GEMMs). F32 weights would lose 13 bits of
-/// every value there (on the H200, F32 fixtures' prompt logits moved 2-5e-3 from
+/// Whether prompts' products with `dtype` weights of rows of `k` run on the tensor-core
+/// GEMM (where the adapter has cooperative matrices), whose operands are f16: F16 weights
+/// as stored, and quantized blocks decoded to f16 (as kiln-cuda and llama.cpp decode them
+/// for their prompt GEMMs), k in the kernel's steps of 32. F32 weights would lose 13 bits
+/// of every value there (on the H200, F32 fixtures' prompt logits moved 2-5e-3 from
 /// transformers') and BF16 ones f16's range: those stay in f32 arithmetic.
-pub fn tensor_cores_take(dtype: DType) -> bool {
-    dtype == DType::F16 || dtype.is_quantized()
+pub fn tensor_cores_take(dtype: DType, k: usize) -> bool {
+    (dtype == DType::F16 || dtype.is_quantized()) && k.is_multiple_of(32)
 }

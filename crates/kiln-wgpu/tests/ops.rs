@@ -14,7 +14,10 @@ use std::sync::OnceLock;
 /// arithmetic; f32 otherwise.
 fn rounding(g: &WgpuBackend, weight: DType, rows: usize, k: usize) -> Rounding {
     match weight {
-        _ if rows > 8 && g.uses_cooperative_matrices() && kiln_wgpu::tensor_cores_take(weight) => {
+        _ if rows > 8
+            && g.uses_cooperative_matrices()
+            && kiln_wgpu::tensor_cores_take(weight, k) =>
+        {
             Rounding::F16
         }
         _ if rows != 1 => Rounding::None,
