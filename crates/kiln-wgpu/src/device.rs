@@ -296,8 +296,9 @@ pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
         required_features: wanted,
         required_limits: limits.clone(),
         // SAFETY: of the experimental features only cooperative matrices are asked for,
-        // and only by gemm_tiles.wgsl and attention_coop.wgsl, which the op tests check against the CPU on every
-        // adapter that offers them; KILN_WGPU_NO_COOP=1 turns them off.
+        // and only by gemm_tiles.wgsl and attention_coop.wgsl, which the op tests check
+        // against float64 on every adapter that offers them; KILN_WGPU_NO_COOP=1 turns
+        // them off.
         experimental_features: if cooperative_matrices {
             unsafe { wgpu::ExperimentalFeatures::enabled() }
         } else {
