@@ -460,6 +460,14 @@ async fn bad_requests_get_openai_errors() {
     let key = Some("sesame");
     let (status, e, _) = send(r#"{"prompt": "x", "max_tokens": 1}"#, key).await;
     assert_eq!(status, 200, "{e}");
+    // The same fields asking for nothing are accepted, as clients send them by default.
+    let (status, e, _) = send(
+        r#"{"prompt": "x", "max_tokens": 1, "response_format": {"type": "text"}, "tools": [],
+            "best_of": 1, "logit_bias": {}, "suffix": ""}"#,
+        key,
+    )
+    .await;
+    assert_eq!(status, 200, "{e}");
     let (status, e, _) = send("{not json", key).await;
     assert_eq!(status, 400);
     assert_eq!(e["error"]["type"], "invalid_request_error");
@@ -472,6 +480,21 @@ async fn bad_requests_get_openai_errors() {
         (r#"{"prompt": [999999]}"#, "prompt"),
         (r#"{"max_tokens": 1}"#, "prompt"),
         (r#"{"prompt": "x", "stop": 3}"#, "stop"),
+        // OpenAI fields kiln does not implement, asked for: refused, not ignored.
+        (
+            r#"{"prompt": "x", "response_format": {"type": "json_object"}}"#,
+            "response_format",
+        ),
+        (
+            r#"{"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}"#,
+            "tools",
+        ),
+        (r#"{"prompt": "x", "best_of": 3}"#, "best_of"),
+        (
+            r#"{"prompt": "x", "logit_bias": {"50256": -100}}"#,
+            "logit_bias",
+        ),
+        (r#"{"prompt": "x", "suffix": "end"}"#, "suffix"),
     ];
     for (body, param) in cases {
         let (status, e, _) = send(body, key).await;

@@ -1,6 +1,9 @@
 //! The fields of `/v1/completions` and `/v1/chat/completions` requests, parsed so that an
 //! error names the field at fault, and checked into the engine's [`SamplingParams`].
-//! Unknown fields are ignored, as OpenAI's clients expect.
+//! Unknown fields are ignored, as OpenAI's clients expect; OpenAI fields that would change
+//! what is generated and that kiln does not implement (JSON mode, tools, `best_of`,
+//! `logit_bias`, `suffix`) are a 400 naming the field when asked for, not ignored (a
+//! client asking for JSON would otherwise get free text without knowing).
 
 use super::error::ApiError;
 use crate::engine::sequence::{SamplingParams, MAX_TOP_LOGPROBS};
@@ -98,6 +101,12 @@ pub struct GenerationRequest {
     pub stream_options: Option<StreamOptions>,
     /// `/v1/completions`: the prompt's text before each choice's.
     pub echo: Option<bool>,
+    /// Refused unless they ask for nothing (`unsupported`).
+    pub response_format: Option<serde_json::Value>,
+    pub tools: Option<Vec<serde_json::Value>>,
+    pub best_of: Option<u64>,
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    pub suffix: Option<String>,
 }
 
 /// The most choices a request may ask for.
@@ -131,6 +140,7 @@ impl GenerationRequest {
     /// The sampling settings, before the prompt's length is known: `max_new_tokens` is the
     /// asked-for count (or the endpoint's default), for [`SamplingParams::fit_context`].
     pub fn sampling(&self, endpoint: Endpoint) -> Result<SamplingParams, ApiError> {
+        self.unsupported()?;
         let temperature = in_range("temperature", self.temperature, 0.0, 100.0, 1.0)?;
         let top_p = in_range("top_p", self.top_p, 0.0, 1.0, 1.0)?;
         if top_p == 0.0 {
@@ -212,6 +222,52 @@ impl GenerationRequest {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
         })
+    }
+
+    /// A 400 for a field kiln does not implement that asks for something: JSON mode or a
+    /// schema, tool definitions, `best_of` above `n`, biased logits, a suffix.
+    fn unsupported(&self) -> Result<(), ApiError> {
+        if let Some(format) = &self.response_format {
+            let kind = format.get("type").and_then(|t| t.as_str());
+            if kind != Some("text") {
+                return Err(ApiError::field(
+                    "response_format",
+                    format!(
+                        "{} is not supported: kiln has no constrained decoding (leave it out, \
+                         or {{\"type\": \"text\"}}, and ask for JSON in the prompt)",
+                        kind.map_or_else(|| format.to_string(), |k| format!("\"{k}\"")),
+                    ),
+                ));
+            }
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ApiError::field(
+                "tools",
+                "tool calls are not supported: leave `tools` out or empty",
+            ));
+        }
+        if let Some(best_of) = self.best_of {
+            let n = self.n.unwrap_or(1);
+            if best_of != n && best_of != 1 {
+                return Err(ApiError::field(
+                    "best_of",
+                    format!("{best_of} is not supported: only `n` ({n}) choices are drawn"),
+                ));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return Err(ApiError::field(
+                "logit_bias",
+                "biased logits are not supported",
+            ));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::field(
+                "suffix",
+                "text after the completion (insertion) is not supported",
+            ));
+        }
+        Ok(())
     }
 
     fn logprobs(&self, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
