@@ -67,8 +67,9 @@ fn gemm(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wg: vec
         }
         let c0 = k0 + wc;
         if by_quads && r0 + wr < wp.m && c0 + 8u <= k {
-            let lo = quad(r0 + wr, c0 / 4u);
-            let hi = quad(r0 + wr, c0 / 4u + 1u);
+            let pair = quad_pair(r0 + wr, c0 / 4u);
+            let lo = pair[0];
+            let hi = pair[1];
             for (var e = 0u; e < 4u; e++) {
                 ws[(wc + e) * (TILE_W / 4u) + wr / 4u][wr % 4u] = lo[e];
                 ws[(wc + 4u + e) * (TILE_W / 4u) + wr / 4u][wr % 4u] = hi[e];

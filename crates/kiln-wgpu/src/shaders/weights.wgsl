@@ -30,6 +30,72 @@ fn q4k_scale_min(s: u32, sb: u32) -> vec2<f32> {
     );
 }
 
+// The integers of quad qd (elements 4·qd .. 4·qd+3) of row r of a quantized type, and
+// (`quad_scale`) the scale and offset they take: the values are raw · scale − offset.
+// Every type's scale covers an aligned pair of quads (a block or sub-block of 32 values,
+// Q6_K's 16), which `quad_pair` reads once.
+fn quad_raw(r: u32, qd: u32) -> vec4<f32> {
+    let k = wp.k;
+    switch WTYPE {
+        case 3u: {
+            let blk = r * (k / 32u) + qd / 8u;
+            return vec4<f32>(unpack4xI8(qword(blk * 8u + qd % 8u)));
+        }
+        case 4u: {
+            let blk = r * (k / 32u) + qd / 8u;
+            let j = qd % 8u;
+            return nibbles(qword(blk * 4u + j % 4u), (j / 4u) * 4u) - 8.0;
+        }
+        case 5u: {
+            let blk = r * (k / 256u) + qd / 64u;
+            let sub = (qd / 8u) % 8u;
+            return nibbles(qword(blk * 32u + (sub / 2u) * 8u + qd % 8u), (sub % 2u) * 4u);
+        }
+        default: {
+            let blk = r * (k / 256u) + qd / 64u;
+            let c = (qd / 8u) % 8u;
+            let j = qd % 8u;
+            let h = c / 4u;
+            let quarter = c % 4u;
+            let lo = qword(blk * 48u + 16u * h + 8u * (quarter & 1u) + j);
+            let hi = qword(blk * 48u + 32u + 8u * h + j);
+            let ls = (quarter / 2u) * 4u;
+            let hs = 2u * quarter;
+            var q: vec4<f32>;
+            for (var t = 0u; t < 4u; t++) {
+                let v = ((lo >> (8u * t + ls)) & 15u) | (((hi >> (8u * t + hs)) & 3u) << 4u);
+                q[t] = f32(i32(v) - 32);
+            }
+            return q;
+        }
+    }
+}
+
+fn quad_scale(r: u32, qd: u32) -> vec2<f32> {
+    let k = wp.k;
+    switch WTYPE {
+        case 3u, 4u: {
+            let blk = r * (k / 32u) + qd / 8u;
+            return vec2<f32>(meta_half(blk * 2u), 0.0);
+        }
+        case 5u: {
+            let blk = r * (k / 256u) + qd / 64u;
+            let sub = (qd / 8u) % 8u;
+            let mb = blk * 16u;
+            let sm = q4k_scale_min(sub, mb + 4u);
+            return vec2<f32>(meta_half(mb) * sm.x, meta_half(mb + 2u) * sm.y);
+        }
+        default: {
+            let blk = r * (k / 256u) + qd / 64u;
+            let c = (qd / 8u) % 8u;
+            let j = qd % 8u;
+            let mb = blk * 18u;
+            let sc = meta_byte(mb + 8u * (c / 4u) + j / 4u + 2u * (c % 4u));
+            return vec2<f32>(meta_half(mb + 16u) * f32(bitcast<i32>(sc << 24u) >> 24u), 0.0);
+        }
+    }
+}
+
 // Elements 4·qd .. 4·qd+3 of row r (k a multiple of 4).
 fn quad(r: u32, qd: u32) -> vec4<f32> {
     let k = wp.k;
@@ -50,48 +116,20 @@ fn quad(r: u32, qd: u32) -> vec4<f32> {
             return vec4<f32>(bitcast<f32>(a << 16u), bitcast<f32>(a & 0xFFFF0000u),
                              bitcast<f32>(b << 16u), bitcast<f32>(b & 0xFFFF0000u));
         }
-        case 3u: {
-            let blk = r * (k / 32u) + qd / 8u;
-            let q = unpack4xI8(qword(blk * 8u + qd % 8u));
-            return vec4<f32>(q) * meta_half(blk * 2u);
-        }
-        case 4u: {
-            let blk = r * (k / 32u) + qd / 8u;
-            let j = qd % 8u;
-            let w = qword(blk * 4u + j % 4u);
-            return (nibbles(w, (j / 4u) * 4u) - 8.0) * meta_half(blk * 2u);
-        }
-        case 5u: {
-            let blk = r * (k / 256u) + qd / 64u;
-            let sub = (qd / 8u) % 8u;
-            let j = qd % 8u;
-            let w = qword(blk * 32u + (sub / 2u) * 8u + j);
-            let mb = blk * 16u;
-            let sm = q4k_scale_min(sub, mb + 4u);
-            let d = meta_half(mb) * sm.x;
-            let mn = meta_half(mb + 2u) * sm.y;
-            return d * nibbles(w, (sub % 2u) * 4u) - mn;
-        }
         default: {
-            let blk = r * (k / 256u) + qd / 64u;
-            let c = (qd / 8u) % 8u;
-            let j = qd % 8u;
-            let h = c / 4u;
-            let quarter = c % 4u;
-            let lo = qword(blk * 48u + 16u * h + 8u * (quarter & 1u) + j);
-            let hi = qword(blk * 48u + 32u + 8u * h + j);
-            let ls = (quarter / 2u) * 4u;
-            let hs = 2u * quarter;
-            var q: vec4<f32>;
-            for (var t = 0u; t < 4u; t++) {
-                let v = ((lo >> (8u * t + ls)) & 15u) | (((hi >> (8u * t + hs)) & 3u) << 4u);
-                q[t] = f32(i32(v) - 32);
-            }
-            let mb = blk * 18u;
-            let sc = f32(bitcast<i32>(meta_byte(mb + 8u * h + j / 4u + 2u * quarter) << 24u) >> 24u);
-            return q * (meta_half(mb + 16u) * sc);
+            let s = quad_scale(r, qd);
+            return quad_raw(r, qd) * s.x - s.y;
         }
     }
+}
+
+// Quads qd and qd + 1 of row r (qd even), a quantized type's scale read once.
+fn quad_pair(r: u32, qd: u32) -> array<vec4<f32>, 2> {
+    if WTYPE <= 2u {
+        return array<vec4<f32>, 2>(quad(r, qd), quad(r, qd + 1u));
+    }
+    let s = quad_scale(r, qd);
+    return array<vec4<f32>, 2>(quad_raw(r, qd) * s.x - s.y, quad_raw(r, qd + 1u) * s.x - s.y);
 }
 
 // Element c of row r, for any k (float types) or k a multiple of the block.
