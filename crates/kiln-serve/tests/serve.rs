@@ -468,6 +468,13 @@ async fn bad_requests_get_openai_errors() {
     )
     .await;
     assert_eq!(status, 200, "{e}");
+    let (status, e, _) = send(
+        r#"{"prompt": "x", "max_tokens": 1, "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "f"}}]}"#,
+        key,
+    )
+    .await;
+    assert_eq!(status, 200, "{e}");
     let (status, e, _) = send("{not json", key).await;
     assert_eq!(status, 400);
     assert_eq!(e["error"]["type"], "invalid_request_error");
@@ -488,6 +495,10 @@ async fn bad_requests_get_openai_errors() {
         (
             r#"{"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}"#,
             "tools",
+        ),
+        (
+            r#"{"prompt": "x", "functions": [{"name": "f"}], "function_call": "auto"}"#,
+            "functions",
         ),
         (r#"{"prompt": "x", "best_of": 3}"#, "best_of"),
         (

@@ -1,8 +1,9 @@
 //! What wgpu's cooperative matrices (16×16×16 f16 products into f32) deliver on the first
-//! adapter that offers them, apart from any GEMM: products on matrices held in registers,
+//! adapter that offers them (on subgroups of 32), apart from any GEMM: products on matrices held in registers,
 //! the same with each step's matrices loaded from workgroup memory, and loaded from a
-//! storage buffer. The prompt GEMM (shaders/gemm_coop*.wgsl) ran at ~35 TFLOPS on an H200,
-//! staged or not; this says which of the three bounds it (BENCHMARKS.md, issue 16).
+//! storage buffer. Session 23's staged prompt GEMM (one matrix loaded per product, since
+//! replaced by shaders/gemm_tiles.wgsl) ran at ~35 TFLOPS on an H200; this said which of
+//! the three bounded it (BENCHMARKS.md, issue 16).
 //!
 //!     cargo run --release -p kiln-wgpu --example coop_rate
 
@@ -112,12 +113,21 @@ fn main() {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
     desc.backends = backends();
     let instance = wgpu::Instance::new(desc);
-    let adapters = pollster::block_on(instance.enumerate_adapters(backends()));
+    let mut adapters = pollster::block_on(instance.enumerate_adapters(backends()));
     let wanted = wgpu::Features::SHADER_F16 | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
-    let Some(adapter) = adapters.into_iter().find(|a| a.features().contains(wanted)) else {
-        println!("no adapter offers f16 cooperative matrices: nothing measured");
+    // The shaders take 16×16×16 f16 → f32 matrices and a subgroup of 32 lanes in each 32
+    // of a workgroup, as kiln-wgpu's kernels do: the first adapter kiln would run them on
+    // (its summaries list the adapters in the same order).
+    let Some(index) = kiln_wgpu::adapters().iter().position(|a| {
+        a.subgroup_sizes == (32, 32)
+            && a.cooperative_matrices
+                .iter()
+                .any(|c| c == "16x16x16 F16->F32")
+    }) else {
+        println!("no adapter offers 16×16×16 f16 matrices on subgroups of 32: nothing measured");
         return;
     };
+    let adapter = adapters.swap_remove(index);
     println!("{}", adapter.get_info().name);
     let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
         label: None,

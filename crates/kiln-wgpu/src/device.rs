@@ -269,8 +269,8 @@ pub(crate) fn open(index: usize, options: Options) -> Result<Opened> {
     if f16 {
         wanted |= wgpu::Features::SHADER_F16;
     }
-    // The tensor-core GEMM takes 16×16×16 f16 products into f32, a subgroup of 32 lanes
-    // each (8 in a workgroup of 256).
+    // The tensor-core kernels (prompts' products and attention) take 16×16×16 f16
+    // products into f32, a subgroup of 32 lanes each (4 in a workgroup of 128).
     let cooperative_matrices = options.cooperative_matrices
         && f16
         && summary.subgroup_sizes == (32, 32)

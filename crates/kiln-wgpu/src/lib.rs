@@ -24,7 +24,6 @@ mod sample;
 mod stream;
 
 pub use device::{adapter_for_tests, adapters, AdapterSummary, Options};
-pub use matmul::tensor_cores_take;
 pub use memory::WgpuStorage;
 
 use device::Caps;
@@ -112,9 +111,10 @@ impl WgpuBackend {
         self.caps.f16
     }
 
-    /// Whether prompts' products run on cooperative matrices (tensor cores) in f16.
-    pub fn uses_cooperative_matrices(&self) -> bool {
-        self.caps.cooperative_matrices
+    /// Whether prompts' products with `dtype` weights of rows of `k` run on cooperative
+    /// matrices (tensor cores) in f16 on this device (`matmul::tensor_cores_take`).
+    pub fn tensor_cores_take(&self, dtype: kiln_core::DType, k: usize) -> bool {
+        matmul::tensor_cores_take(self, dtype, k)
     }
 
     fn kernel(&self, spec: &KernelSpec, constants: &[(&str, f64)]) -> Result<Arc<kernels::Kernel>> {

@@ -15,6 +15,9 @@ use kiln_core::{DType, Error, Result, Tensor};
 
 /// Rows of x up to which one pass of the matrix-vector kernel reads the weights once.
 const MATVEC_MAX_ROWS: usize = 8;
+/// The tensor-core tiles' workgroup memory (shaders/gemm_tiles.wgsl): two buffers of an
+/// x and a w tile of 128 rows of 40 f16, and a 16×16 f32 block for each of 4 subgroups.
+const TILES_WORKGROUP_BYTES: usize = 2 * 2 * 10240 + 4 * 1024;
 
 pub(crate) fn wtype(dtype: DType) -> Result<f64> {
     Ok(match dtype {
@@ -270,8 +273,7 @@ fn tensor_core_tiles(
 ) -> Result<bool> {
     let (n, k) = (x.shape().rows(), x.shape().row_len());
     let m = w.shape().rows();
-    let suits = b.caps.cooperative_matrices && b.caps.f16 && tensor_cores_take(w.dtype(), k);
-    if !suits {
+    if !tensor_cores_take(b, w.dtype(), k) {
         return Ok(false);
     }
     let parts = chunks(b, w)?;
@@ -373,11 +375,17 @@ pub(crate) fn embedding(
 }
 
 /// Whether prompts' products with `dtype` weights of rows of `k` run on the tensor-core
-/// GEMM (where the adapter has cooperative matrices), whose operands are f16: F16 weights
-/// as stored, and quantized blocks decoded to f16 (as kiln-cuda and llama.cpp decode them
-/// for their prompt GEMMs), k in the kernel's steps of 32. F32 weights would lose 13 bits
-/// of every value there (on the H200, F32 fixtures' prompt logits moved 2-5e-3 from
-/// transformers') and BF16 ones f16's range: those stay in f32 arithmetic.
-pub fn tensor_cores_take(dtype: DType, k: usize) -> bool {
-    (dtype == DType::F16 || dtype.is_quantized()) && k.is_multiple_of(32)
+/// tiles (shaders/gemm_tiles.wgsl): where the adapter has cooperative matrices, f16 and the
+/// tiles' workgroup memory, for F16 weights as stored and quantized blocks decoded to f16
+/// (as kiln-cuda and llama.cpp decode them for their prompt GEMMs), k in the kernel's steps
+/// of 32. F32 weights would lose 13 bits of every value there (on the H200, F32 fixtures'
+/// prompt logits moved 2-5e-3 from transformers') and BF16 ones f16's range: those stay in
+/// f32 arithmetic.
+pub(crate) fn tensor_cores_take(b: &WgpuBackend, dtype: DType, k: usize) -> bool {
+    b.caps.cooperative_matrices
+        && b.caps.f16
+        && b.caps.workgroup_memory as usize >= TILES_WORKGROUP_BYTES
+        && (dtype == DType::F16 || dtype.is_quantized())
+        && k >= 32
+        && k.is_multiple_of(32)
 }

@@ -14,12 +14,7 @@ use std::sync::OnceLock;
 /// arithmetic; f32 otherwise.
 fn rounding(g: &WgpuBackend, weight: DType, rows: usize, k: usize) -> Rounding {
     match weight {
-        _ if rows > 8
-            && g.uses_cooperative_matrices()
-            && kiln_wgpu::tensor_cores_take(weight, k) =>
-        {
-            Rounding::F16
-        }
+        _ if rows > 8 && g.tensor_cores_take(weight, k) => Rounding::F16,
         _ if rows != 1 => Rounding::None,
         DType::F16 if g.uses_f16() && k.is_multiple_of(8) => Rounding::F16Dot4,
         d if d.is_quantized() => Rounding::Int8,

@@ -103,9 +103,15 @@ pub fn prompt_products_at_model_widths(t: &Target) {
     let mut shapes: Vec<(DType, usize, usize, usize)> =
         DType::ALL.iter().map(|&d| (d, 77, 300, 2048)).collect();
     shapes.extend([(DType::Q6_K, 20, 64, 14336), (DType::F16, 20, 64, 14336)]);
-    // Rows of both operands in whole tiles of 64 × 128 and past them (kiln-wgpu's F16
-    // kernel stores whole tiles straight into the output and the edges element by element).
-    shapes.push((DType::F16, 130, 272, 2048));
+    // Rows of both operands in whole tiles of 128 × 128 and past them (kiln-wgpu's
+    // tensor-core tiles store whole tiles straight into the output, or start from it, and
+    // the edges element by element), for F16 and a decoded type; output rows that are no
+    // multiple of 4 (whole tiles then also stored element by element).
+    shapes.extend([
+        (DType::F16, 130, 272, 2048),
+        (DType::Q4_K, 130, 256, 2048),
+        (DType::F16, 130, 262, 2048),
+    ]);
     for (s, (dtype, n, m, k)) in shapes.into_iter().enumerate() {
         check_matmul_add(t, dtype, n, m, k, s as u64);
     }

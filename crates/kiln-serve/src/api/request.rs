@@ -104,6 +104,10 @@ pub struct GenerationRequest {
     /// Refused unless they ask for nothing (`unsupported`).
     pub response_format: Option<serde_json::Value>,
     pub tools: Option<Vec<serde_json::Value>>,
+    pub tool_choice: Option<serde_json::Value>,
+    /// The older form of `tools` and `tool_choice`.
+    pub functions: Option<Vec<serde_json::Value>>,
+    pub function_call: Option<serde_json::Value>,
     pub best_of: Option<u64>,
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     pub suffix: Option<String>,
@@ -225,7 +229,8 @@ impl GenerationRequest {
     }
 
     /// A 400 for a field kiln does not implement that asks for something: JSON mode or a
-    /// schema, tool definitions, `best_of` above `n`, biased logits, a suffix.
+    /// schema, tools (or functions) the model may call, `best_of` other than 1 or `n`,
+    /// biased logits, a suffix.
     fn unsupported(&self) -> Result<(), ApiError> {
         if let Some(format) = &self.response_format {
             let kind = format.get("type").and_then(|t| t.as_str());
@@ -240,10 +245,25 @@ impl GenerationRequest {
                 ));
             }
         }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        // Tools offered with the choice "none" ask for no call (agents send that on turns
+        // that want text).
+        let calls = |offered: &Option<Vec<serde_json::Value>>,
+                     choice: &Option<serde_json::Value>| {
+            offered.as_ref().is_some_and(|t| !t.is_empty())
+                && choice.as_ref().and_then(|c| c.as_str()) != Some("none")
+        };
+        if calls(&self.tools, &self.tool_choice) {
             return Err(ApiError::field(
                 "tools",
-                "tool calls are not supported: leave `tools` out or empty",
+                "tool calls are not supported: leave `tools` out or empty, or set \
+                 `tool_choice` to \"none\"",
+            ));
+        }
+        if calls(&self.functions, &self.function_call) {
+            return Err(ApiError::field(
+                "functions",
+                "function calls are not supported: leave `functions` out or empty, or set \
+                 `function_call` to \"none\"",
             ));
         }
         if let Some(best_of) = self.best_of {

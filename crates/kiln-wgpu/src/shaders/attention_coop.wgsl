@@ -19,7 +19,7 @@ const QP: u32 = 136u;   // a row of up to 128 dimensions, padded against bank co
 const TQA: u32 = 64u;   // queries a workgroup
 const TKA: u32 = 32u;   // keys a tile
 const PP: u32 = 40u;    // a row of a subgroup's probabilities, padded
-const SR: u32 = 36u;    // a row of a subgroup's scores, padded (rows 32 apart share a bank)
+const SR: u32 = 36u;    // a row of a subgroup's scores, padded (unpadded, every row shares a bank)
 // The queries' parts in turn (TQA rows of QP), then a tile of keys (TKA rows) and one of
 // values (TKA rows).
 var<workgroup> kvq: array<f16, 8704>;
@@ -133,30 +133,28 @@ fn load_q(li: u32, i0: u32, h: u32, lo: bool) {
     let items = hd / 4u;
     let total = TQA * items;
     let part = select(0u, 1u, lo);
-    for (var c0 = li; c0 < total; c0 += 512u) {
-        let c0 = c0 + 0u;
+    for (var base = li; base < total; base += 512u) {
+        let c0 = base;
         let t0 = c0 / items;
         let at0 = (min(i0 + t0, ap.n - 1u) * ap.heads + h) * hd + (c0 % items) * 4u;
-        let x0 = select(vec4<f32>(0.0), vec4<f32>(q[at0], q[at0 + 1u], q[at0 + 2u], q[at0 + 3u]), c0 < total && i0 + t0 < ap.n);
-        let c1 = c0 + 128u;
+        let x0 = select(vec4<f32>(0.0), vec4<f32>(q[at0], q[at0 + 1u], q[at0 + 2u], q[at0 + 3u]), i0 + t0 < ap.n);
+        let c1 = base + 128u;
         let t1 = c1 / items;
         let at1 = (min(i0 + t1, ap.n - 1u) * ap.heads + h) * hd + (c1 % items) * 4u;
         let x1 = select(vec4<f32>(0.0), vec4<f32>(q[at1], q[at1 + 1u], q[at1 + 2u], q[at1 + 3u]), c1 < total && i0 + t1 < ap.n);
-        let c2 = c0 + 256u;
+        let c2 = base + 256u;
         let t2 = c2 / items;
         let at2 = (min(i0 + t2, ap.n - 1u) * ap.heads + h) * hd + (c2 % items) * 4u;
         let x2 = select(vec4<f32>(0.0), vec4<f32>(q[at2], q[at2 + 1u], q[at2 + 2u], q[at2 + 3u]), c2 < total && i0 + t2 < ap.n);
-        let c3 = c0 + 384u;
+        let c3 = base + 384u;
         let t3 = c3 / items;
         let at3 = (min(i0 + t3, ap.n - 1u) * ap.heads + h) * hd + (c3 % items) * 4u;
         let x3 = select(vec4<f32>(0.0), vec4<f32>(q[at3], q[at3 + 1u], q[at3 + 2u], q[at3 + 3u]), c3 < total && i0 + t3 < ap.n);
-        if c0 < total {
-            let to = t0 * QP + (c0 % items) * 4u;
-            kvq[to] = f16(split(x0.x)[part]);
-            kvq[to + 1u] = f16(split(x0.y)[part]);
-            kvq[to + 2u] = f16(split(x0.z)[part]);
-            kvq[to + 3u] = f16(split(x0.w)[part]);
-        }
+        let to = t0 * QP + (c0 % items) * 4u;
+        kvq[to] = f16(split(x0.x)[part]);
+        kvq[to + 1u] = f16(split(x0.y)[part]);
+        kvq[to + 2u] = f16(split(x0.z)[part]);
+        kvq[to + 3u] = f16(split(x0.w)[part]);
         if c1 < total {
             let to = t1 * QP + (c1 % items) * 4u;
             kvq[to] = f16(split(x1.x)[part]);
