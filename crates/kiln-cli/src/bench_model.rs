@@ -11,7 +11,7 @@ use kiln_models::memory::{self, MemoryPlan};
 use kiln_models::{BatchItem, Model, StepOutput, StepWant, SyntheticShape, SyntheticType};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub struct ModelBench {
     pub model: Option<PathBuf>,
@@ -158,6 +158,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             model.forward_argmax(&ids, 0, &mut cache)?;
             if rep == 0 {
                 warm_up.add(before, profiled.kernel_profile());
+                note_slow_warm_up(&format!("pp{}", b.prompt), t.elapsed(), b.reps);
             } else {
                 wall_ms += t.elapsed().as_secs_f64() * 1e3;
                 speeds.push(b.prompt as f64 / t.elapsed().as_secs_f64());
@@ -185,6 +186,7 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             }
             if rep == 0 {
                 warm_up.add(before, profiled.kernel_profile());
+                note_slow_warm_up(&format!("tg{}", b.gen), t.elapsed(), b.reps);
             } else {
                 wall_ms += t.elapsed().as_secs_f64() * 1e3;
                 speeds.push(b.gen as f64 / t.elapsed().as_secs_f64());
@@ -234,6 +236,8 @@ pub fn run(b: &ModelBench) -> CliResult<String> {
             }
             if rep == 0 {
                 warm_up.add(before, profiled.kernel_profile());
+                let test = format!("tg{} x{}", b.gen, b.batch);
+                note_slow_warm_up(&test, t.elapsed(), b.reps);
             } else {
                 wall_ms += t.elapsed().as_secs_f64() * 1e3;
                 speeds.push((b.batch * b.gen) as f64 / t.elapsed().as_secs_f64());
@@ -336,9 +340,55 @@ impl Warmup {
     }
 }
 
+/// A warm-up run longer than this gets a note of what the timed runs will take.
+const SLOW_WARM_UP: Duration = Duration::from_secs(10);
+
+/// What the timed runs of `test` will take, from its warm-up run, when that was slow (a
+/// long prompt on the CPU runs for minutes with nothing shown): `None` when it was not.
+fn slow_warm_up_note(test: &str, warm_up: Duration, reps: usize) -> Option<String> {
+    if warm_up < SLOW_WARM_UP || reps == 0 {
+        return None;
+    }
+    let secs = warm_up.as_secs_f64();
+    let rest = secs * reps as f64;
+    let human = |s: f64| {
+        if s < 120.0 {
+            format!("{s:.0} s")
+        } else {
+            format!("{:.0} min", s / 60.0)
+        }
+    };
+    Some(format!(
+        "{test}: the warm-up run took {}; the {reps} timed run{} will take about {} more (-r sets their number)",
+        human(secs),
+        if reps == 1 { "" } else { "s" },
+        human(rest)
+    ))
+}
+
+fn note_slow_warm_up(test: &str, warm_up: Duration, reps: usize) {
+    if let Some(note) = slow_warm_up_note(test, warm_up, reps) {
+        eprintln!("{note}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slow_warm_up_says_what_the_timed_runs_will_take() {
+        assert_eq!(slow_warm_up_note("pp512", Duration::from_secs(2), 3), None);
+        assert_eq!(slow_warm_up_note("pp512", Duration::from_secs(60), 0), None);
+        assert_eq!(
+            slow_warm_up_note("pp100000", Duration::from_secs(300), 3).as_deref(),
+            Some("pp100000: the warm-up run took 5 min; the 3 timed runs will take about 15 min more (-r sets their number)")
+        );
+        assert_eq!(
+            slow_warm_up_note("tg128", Duration::from_secs(12), 1).as_deref(),
+            Some("tg128: the warm-up run took 12 s; the 1 timed run will take about 12 s more (-r sets their number)")
+        );
+    }
 
     fn kernel(name: &str, calls: u64, total_ms: f64) -> KernelTime {
         KernelTime {
