@@ -545,7 +545,10 @@ fn start(a: &TrainArgs, backend: &Arc<dyn Backend>) -> CliResult<(GgufFile, Toke
         }
         let meta = tokenizer_metadata(&file)?;
         let model = file.checkpoint.load(backend.clone(), None)?;
-        let start = init::model_start(&model, &a.name, meta)?;
+        let start = match frozen_as_stored(a, backend.as_ref(), &model) {
+            true => init::frozen_start(&model, &a.name, meta)?,
+            false => init::model_start(&model, &a.name, meta)?,
+        };
         return Ok((start, file.tokenizer));
     }
     let file = model_file::open(a.tokenizer.as_deref())?;
@@ -559,6 +562,35 @@ fn start(a: &TrainArgs, backend: &Arc<dyn Backend>) -> CliResult<(GgufFile, Toke
     let meta = tokenizer_metadata(&file)?;
     let start = init::scratch_start(&config, !a.untied, a.init_std, a.seed, &a.name, meta)?;
     Ok((start, file.tokenizer))
+}
+
+/// Whether a run from `model` keeps its weights in their types: LoRA (the model is
+/// frozen) on one backend whose backward reads them as stored. Otherwise the run starts
+/// from an F32 copy, said when that takes more memory than the model.
+fn frozen_as_stored(a: &TrainArgs, backend: &dyn Backend, model: &kiln_models::Model) -> bool {
+    let params = model.parameters();
+    let Some(other) = params.iter().find(|(_, t)| t.dtype() != DType::F32) else {
+        return false;
+    };
+    let one_replica = a.dp.is_none_or(|d| d == 1);
+    let takes =
+        |g: &dyn kiln_core::GradOps| params.iter().all(|(_, t)| g.frozen_as_stored(t.dtype()));
+    if a.lora_rank.is_some() && one_replica && backend.grad().is_some_and(takes) {
+        return true;
+    }
+    if a.lora_rank.is_some() {
+        tracing::warn!(
+            "LoRA over {} weights ({} is one) starts from an F32 copy of the model here: {}",
+            other.1.dtype(),
+            other.0,
+            match one_replica {
+                true =>
+                    "this device's backward reads F32 weights alone; on the CPU they stay as stored",
+                false => "replicas (--dp) start from F32",
+            }
+        );
+    }
+    false
 }
 
 pub fn run(a: TrainArgs, quiet: bool) -> CliResult {

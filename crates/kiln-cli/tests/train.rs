@@ -4,6 +4,7 @@
 //! middle of a save leaves the last complete checkpoint, from which the run goes on; bad
 //! flags and a NaN are one-line errors.
 
+use kiln_core::DType;
 use kiln_io::gguf::{GgufFile, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -419,6 +420,17 @@ fn a_lora_fine_tune_exports_a_merged_model_that_runs() {
     let ckpt = GgufFile::open(dir.path().join("checkpoint.gguf")).unwrap();
     assert!(ckpt.tensor("lora.blk.0.attn_v.weight.b").is_some());
     assert!(ckpt.tensor("lora.blk.0.attn_k.weight.b").is_none());
+    // The model is the default's Q8_0, kept as it is (LoRA over quantized weights on the
+    // CPU), not an F32 copy.
+    let default = GgufFile::open(repo().join("models/kiln-default.gguf")).unwrap();
+    for name in ["blk.0.attn_v.weight", "blk.1.ffn_down.weight"] {
+        let (kept, given) = (ckpt.tensor(name).unwrap(), default.tensor(name).unwrap());
+        assert_eq!(kept.ggml_type.dtype(), Some(DType::Q8_0), "{name}");
+        assert!(
+            ckpt.tensor_data(kept) == default.tensor_data(given),
+            "{name} changed"
+        );
+    }
     let model = dir.path().join("model.gguf");
     let run = kiln(
         &[

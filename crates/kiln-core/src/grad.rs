@@ -7,7 +7,7 @@
 //! forward op's; weights are F32 (their gradients are F32 of the same shape). Kernels that
 //! change a gradient in place say so.
 
-use crate::{AttentionParams, Result, RopeLayout, Tensor};
+use crate::{AttentionParams, DType, Result, RopeLayout, Tensor};
 
 /// One sequence of a paged attention's backward (see [`GradOps::attention_backward_runs`]):
 /// its query rows and the pool rows of its keys, each as (first, count).
@@ -67,6 +67,15 @@ pub trait GradOps: Send + Sync {
         }
     }
 
+    /// Whether a frozen weight of `dtype` may stay as stored: [`GradOps::matmul_dx`]
+    /// takes it as `w`, and [`GradOps::cross_entropy`] (without `dw`) as its output
+    /// projection, reading it as `quant::dequantize` decodes it. LoRA over a quantized
+    /// model keeps the model quantized where this holds, and converts it to F32 at the
+    /// start where not.
+    fn frozen_as_stored(&self, dtype: DType) -> bool {
+        dtype == DType::F32
+    }
+
     /// `dst = src`, of one dtype and element count (F32 activations, I32 ids and
     /// positions): keeps a value the forward pass is about to overwrite.
     fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()>;
@@ -95,7 +104,8 @@ pub trait GradOps: Send + Sync {
     /// `acc[c] += Σ_r x[r, c]`: the gradient of a row added to every row (a bias).
     fn sum_rows(&self, x: &Tensor, acc: &mut Tensor) -> Result<()>;
 
-    /// Matmul's input gradient: `dx[n, k] += dy[n, m] · w[m, k]` (`w` F32).
+    /// Matmul's input gradient: `dx[n, k] += dy[n, m] · w[m, k]` (`w` F32, or of a type
+    /// [`GradOps::frozen_as_stored`] takes).
     fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()>;
 
     /// Matmul's weight gradient: `dw[m, k] += dy[n, m]ᵀ · x[n, k]`.
@@ -214,7 +224,8 @@ pub trait GradOps: Send + Sync {
     /// `targets` (I32 `[n]`), fused so that the `[n, vocab]` logits exist a block of rows
     /// at a time: `losses[i] = logsumexp(z_i) − z_i[targets[i]]` (F32 `[n]`), and when asked
     /// `dh += scale · ∂L/∂h` and `dw += scale · ∂L/∂w`, where `L = Σ losses` (`scale`
-    /// makes it a mean over a batch).
+    /// makes it a mean over a batch). `w` is F32, or without `dw` of a type
+    /// [`GradOps::frozen_as_stored`] takes.
     #[allow(clippy::too_many_arguments)]
     fn cross_entropy(
         &self,

@@ -2,6 +2,7 @@ use crate::dot;
 #[cfg(target_arch = "x86_64")]
 use crate::dot::Isa;
 use crate::pool::Pool;
+use crate::storage::Rows;
 use crate::{f32s, f32s_mut, i32s_mut, indices, same_shape, storage, storage_mut};
 use kiln_core::{quant, DType, Error, Result, Tensor};
 
@@ -133,13 +134,8 @@ pub(crate) fn broadcast_assign(
 }
 
 pub(crate) fn embedding(table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Result<()> {
-    let [vocab, dim] = table.dims() else {
-        return Err(Error::shape(format!(
-            "embedding table must be 2-D, got {}",
-            table.shape()
-        )));
-    };
-    let (vocab, dim) = (*vocab, *dim);
+    let rows = Rows::of(table, "embedding")?;
+    let (vocab, dim) = rows.dims();
     let n = out.dims().first().copied().unwrap_or(0);
     if out.dims() != [n, dim] {
         return Err(Error::shape(format!(
@@ -152,19 +148,8 @@ pub(crate) fn embedding(table: &Tensor, ids: &Tensor, out: &mut Tensor) -> Resul
             "token id {id} is outside the vocabulary of {vocab}"
         ))
     })?;
-    let row_bytes = table.dtype().row_bytes(dim)?;
-    let rows = f32s_mut(out)?.chunks_exact_mut(dim.max(1));
-    if let Some(panels) = storage(table)?.panels() {
-        for (&id, o) in ids.iter().zip(rows) {
-            panels.dequantize_row(id as usize, o)?;
-        }
-        return Ok(());
-    }
-    let data = storage(table)?.bytes()?;
-    let dtype = table.dtype();
-    for (&id, o) in ids.iter().zip(rows) {
-        let id = id as usize;
-        quant::dequantize(dtype, &data[id * row_bytes..(id + 1) * row_bytes], o)?;
+    for (&id, o) in ids.iter().zip(f32s_mut(out)?.chunks_exact_mut(dim.max(1))) {
+        rows.decode(id as usize, o)?;
     }
     Ok(())
 }

@@ -1,6 +1,8 @@
 use crate::panels::Panels;
-use kiln_core::{Device, Error, HostBytes, Result, Storage};
+use crate::pool::{Pool, SharedMut};
+use kiln_core::{quant, DType, Device, Error, HostBytes, Result, Storage, Tensor};
 use std::any::Any;
+use std::sync::Mutex;
 
 /// CPU tensor data: owned (4-byte aligned, which every block type needs), host bytes used
 /// in place, such as a tensor in a memory-mapped model file, or a quantized weight in the
@@ -75,6 +77,126 @@ impl CpuStorage {
             CpuStorage::Owned { words, len } => Ok(&mut bytemuck::cast_slice_mut(words)[..*len]),
             CpuStorage::Shared(_) => unreachable!("made owned above"),
             CpuStorage::Panels(p) => Err(in_panels(p)),
+        }
+    }
+}
+
+/// The rows of a 2-D weight of any type, in the file's layout or in panels, decoded to f32
+/// one at a time: embedding lookups, and the backward products over frozen weights kept
+/// as stored.
+pub(crate) struct Rows<'a> {
+    source: Source<'a>,
+    rows: usize,
+    cols: usize,
+}
+
+enum Source<'a> {
+    Panels(&'a Panels),
+    Bytes {
+        data: &'a [u8],
+        dtype: DType,
+        row_bytes: usize,
+    },
+}
+
+impl<'a> Rows<'a> {
+    /// `t`'s rows (`t` is `[rows, cols]`), or an error naming `op` for another shape.
+    pub(crate) fn of(t: &'a Tensor, op: &str) -> Result<Rows<'a>> {
+        let &[rows, cols] = t.dims() else {
+            return Err(Error::shape(format!(
+                "{op}: the weight must be [rows, cols], got {}",
+                t.shape()
+            )));
+        };
+        let storage = crate::storage(t)?;
+        let source = match storage.panels() {
+            Some(p) => Source::Panels(p),
+            None => {
+                let row_bytes = t.dtype().row_bytes(cols)?;
+                let data = storage.bytes()?;
+                if data.len() != rows * row_bytes {
+                    return Err(Error::shape(format!(
+                        "{op}: {} bytes for {} of {}",
+                        data.len(),
+                        t.shape(),
+                        t.dtype()
+                    )));
+                }
+                Source::Bytes {
+                    data,
+                    dtype: t.dtype(),
+                    row_bytes,
+                }
+            }
+        };
+        Ok(Rows { source, rows, cols })
+    }
+
+    /// `(rows, cols)`.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Row `r` decoded into `dst` (`cols` values), as `quant::dequantize` decodes it.
+    pub(crate) fn decode(&self, r: usize, dst: &mut [f32]) -> Result<()> {
+        if r >= self.rows || dst.len() != self.cols {
+            return Err(Error::shape(format!(
+                "row {r} of {} into {} values",
+                self.rows,
+                dst.len()
+            )));
+        }
+        match &self.source {
+            Source::Panels(p) => p.dequantize_row(r, dst),
+            Source::Bytes {
+                data,
+                dtype,
+                row_bytes,
+            } => quant::dequantize(*dtype, &data[r * row_bytes..(r + 1) * row_bytes], dst),
+        }
+    }
+
+    /// Every row, decoded into a new `[rows, cols]` buffer, rows in tasks on `pool`; an
+    /// error rather than an abort where memory cannot hold it.
+    pub(crate) fn decode_all(&self, pool: &Pool) -> Result<Vec<f32>> {
+        let len = self.rows * self.cols;
+        let mut out = Vec::new();
+        out.try_reserve_exact(len).map_err(|_| {
+            Error::Device(format!(
+                "cannot allocate {} bytes of CPU memory to decode a [{}, {}] weight",
+                len * 4,
+                self.rows,
+                self.cols
+            ))
+        })?;
+        out.resize(len, 0f32);
+        if len == 0 {
+            return Ok(out);
+        }
+        const ROWS_PER_TASK: usize = 64;
+        let failed = Mutex::new(None);
+        let shared = SharedMut::new(&mut out);
+        pool.for_each_init(
+            self.rows.div_ceil(ROWS_PER_TASK),
+            || (),
+            |(), c| {
+                let r0 = c * ROWS_PER_TASK;
+                for r in r0..(r0 + ROWS_PER_TASK).min(self.rows) {
+                    // SAFETY: this task alone writes rows r0..r0 + ROWS_PER_TASK of `out`
+                    // (rows × cols), each inside it.
+                    let row = unsafe {
+                        std::slice::from_raw_parts_mut(shared.at(r * self.cols), self.cols)
+                    };
+                    if let Err(e) = self.decode(r, row) {
+                        *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                        return;
+                    }
+                }
+            },
+        );
+        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(out),
         }
     }
 }

@@ -27,9 +27,14 @@ fn file_type(dtype: DType) -> Result<u32> {
 }
 
 /// llama.cpp's `permute`: within each head, rows `[i, i + d/2]` become `[2i, 2i + 1]`.
-pub(crate) fn permute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+pub(crate) fn permute_rows<T: Copy + Default>(
+    w: &[T],
+    rows: usize,
+    cols: usize,
+    heads: usize,
+) -> Vec<T> {
     let hd = rows / heads;
-    let mut out = vec![0f32; w.len()];
+    let mut out = vec![T::default(); w.len()];
     for h in 0..heads {
         for half in 0..2 {
             for i in 0..hd / 2 {

@@ -6,7 +6,7 @@ use crate::config::{Arch, ModelConfig, Norm, Rope};
 use crate::config_gguf::config_from_gguf;
 use crate::convert::permute_rows;
 use crate::model::Model;
-use kiln_core::{quant, DType, Error, Result, RopeLayout};
+use kiln_core::{quant, DType, Error, Result, RopeLayout, Tensor};
 use kiln_io::gguf::{GgufFile, GgufWriter, Value};
 
 /// What GGUF says of a configuration: its metadata, the values of the `rope_freqs.weight`
@@ -251,21 +251,12 @@ impl Model {
         dtype: DType,
         adjust: &dyn Fn(&str, &mut Vec<f32>) -> Result<()>,
     ) -> Result<GgufWriter> {
-        let c = &self.config;
-        let (mut w, permute_qk) = writer(c, name)?;
-        for (pname, t) in self.parameters() {
+        self.gguf_writer_of(name, |pname, t, heads| {
             let bytes = self.backend().download(t)?;
             let mut values = quant::dequantize_to_vec(t.dtype(), &bytes, t.shape().numel())?;
-            adjust(&pname, &mut values)?;
+            adjust(pname, &mut values)?;
             let dims = t.dims();
-            let heads = if pname.ends_with(".attn_q.weight") || pname.ends_with(".attn_q.bias") {
-                Some(c.n_heads)
-            } else if pname.ends_with(".attn_k.weight") || pname.ends_with(".attn_k.bias") {
-                Some(c.n_kv_heads)
-            } else {
-                None
-            };
-            if let (true, Some(heads)) = (permute_qk, heads) {
+            if let Some(heads) = heads {
                 let cols = if dims.len() == 1 { 1 } else { dims[1] };
                 values = permute_rows(&values, dims[0], cols, heads);
             }
@@ -274,7 +265,48 @@ impl Model {
             } else {
                 matrix_type(dtype, dims)
             };
-            w.add_tensor(&pname, ty, dims, quant::quantize(ty, &values)?)?;
+            Ok((ty, quant::quantize(ty, &values)?))
+        })
+    }
+
+    /// [`Model::to_gguf`] with every parameter in the type it has on the device, its
+    /// bytes as they are (Q and K rows permuted whole): a frozen quantized model saved
+    /// beside LoRA adapters without a round trip through F32.
+    pub fn to_gguf_as_stored(&self, name: &str) -> Result<GgufWriter> {
+        self.gguf_writer_of(name, |_, t, heads| {
+            let bytes = self.backend().download(t)?;
+            let dims = t.dims();
+            let bytes = match heads {
+                Some(heads) => {
+                    let cols = if dims.len() == 1 { 1 } else { dims[1] };
+                    permute_rows(&bytes, dims[0], t.dtype().row_bytes(cols)?, heads)
+                }
+                None => bytes,
+            };
+            Ok((t.dtype(), bytes))
+        })
+    }
+
+    /// The writer of [`Model::to_gguf`], each parameter encoded by `encode(name, tensor,
+    /// heads)` as (its type, its bytes), where `heads` is set when the parameter's rows
+    /// are to be permuted within that many heads.
+    fn gguf_writer_of(
+        &self,
+        name: &str,
+        encode: impl Fn(&str, &Tensor, Option<usize>) -> Result<(DType, Vec<u8>)>,
+    ) -> Result<GgufWriter> {
+        let c = &self.config;
+        let (mut w, permute_qk) = writer(c, name)?;
+        for (pname, t) in self.parameters() {
+            let heads = if pname.ends_with(".attn_q.weight") || pname.ends_with(".attn_q.bias") {
+                Some(c.n_heads)
+            } else if pname.ends_with(".attn_k.weight") || pname.ends_with(".attn_k.bias") {
+                Some(c.n_kv_heads)
+            } else {
+                None
+            };
+            let (ty, bytes) = encode(&pname, t, heads.filter(|_| permute_qk))?;
+            w.add_tensor(&pname, ty, t.dims(), bytes)?;
         }
         Ok(w)
     }

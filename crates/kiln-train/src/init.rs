@@ -4,7 +4,7 @@
 
 use crate::rng::Rng;
 use kiln_core::{quant, DType, Error, Result};
-use kiln_io::gguf::{GgufFile, Value};
+use kiln_io::gguf::{GgufFile, GgufWriter, Value};
 use kiln_models::{gguf_writer, Arch, Ffn, Model, ModelConfig, Norm};
 
 /// One tensor: its GGUF name, shape (outermost first) and values.
@@ -114,9 +114,21 @@ pub fn scratch_start(
 }
 
 /// `model` (any weight types, any file it came from) as an F32 GGUF file in memory with
-/// `extra` metadata, to start a run from: a full fine-tune.
+/// `extra` metadata, to start a run from: a full fine-tune, or LoRA on a backend whose
+/// backward reads F32 weights alone.
 pub fn model_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Result<GgufFile> {
-    let mut w = model.to_gguf(name, DType::F32)?;
+    in_memory(model.to_gguf(name, DType::F32)?, name, extra)
+}
+
+/// `model` as a GGUF file in memory with `extra` metadata, every weight in the type it
+/// has (a quantized model stays quantized, at a quarter or less of F32's memory): the
+/// start of a LoRA run, whose model is frozen, on a backend whose backward reads those
+/// types ([`kiln_core::GradOps::frozen_as_stored`]).
+pub fn frozen_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Result<GgufFile> {
+    in_memory(model.to_gguf_as_stored(name)?, name, extra)
+}
+
+fn in_memory(mut w: GgufWriter, name: &str, extra: Vec<(String, Value)>) -> Result<GgufFile> {
     for (k, v) in extra {
         w.set(&k, v)?;
     }

@@ -224,12 +224,22 @@ impl Trainer {
         let model = Model::from_gguf(start, tape.clone(), None)?;
         check_settings(&settings, &model, &data)?;
         let inner = tape.inner().clone();
+        let grad_ops = tape.grad_ops();
         for (name, t) in model.parameters() {
-            if t.dtype() != DType::F32 {
+            let dtype = t.dtype();
+            if dtype == DType::F32 {
+                continue;
+            }
+            let file = start.path.display();
+            if settings.lora.is_none() {
                 return Err(Error::unsupported(format!(
-                    "{}: {name} is {}; training starts from F32 weights",
-                    start.path.display(),
-                    t.dtype()
+                    "{file}: {name} is {dtype}; a full fine-tune trains F32 weights (convert the model to F32, or train LoRA adapters over it)"
+                )));
+            }
+            if !grad_ops.frozen_as_stored(dtype) {
+                return Err(Error::unsupported(format!(
+                    "{file}: {name} is {dtype}; {} trains LoRA over F32 weights alone (convert the model to F32 first)",
+                    inner.describe()
                 )));
             }
         }
@@ -256,7 +266,6 @@ impl Trainer {
         )?;
         let flat = Shape::new(vec![layout.numel()])?;
         let mut params = inner.zeros(DType::F32, flat.clone())?;
-        let grad_ops = tape.grad_ops();
         for ((_, t), e) in trainable.iter().zip(layout.entries()) {
             grad_ops.copy_span(t, 0, &mut params, e.offset, e.len)?;
         }
@@ -854,18 +863,20 @@ impl Trainer {
         Ok(sum / (starts.len() * seq).max(1) as f64)
     }
 
-    /// The model as a GGUF writer with the start file's tokenizer and name; with `merge`,
-    /// the adapters' updates merged into its weights.
-    fn model_gguf(&self, dtype: DType, merge: bool) -> Result<GgufWriter> {
+    /// The model as a GGUF writer with the start file's tokenizer and name: with `merged`
+    /// a type, the adapters' updates merged into its weights, matrices in that type;
+    /// without, every weight as it is on the device (trained ones are F32, frozen ones as
+    /// the run keeps them).
+    fn model_gguf(&self, merged: Option<DType>) -> Result<GgufWriter> {
         let name = match self.carried.iter().find(|(k, _)| k == "general.name") {
             Some((_, Value::String(n))) => n.clone(),
             _ => "kiln-trained".into(),
         };
-        let mut w = match merge {
-            true => self
+        let mut w = match merged {
+            Some(dtype) => self
                 .model
                 .to_gguf_with(&name, dtype, &|n, v| self.merge_adapters(n, v))?,
-            false => self.model.to_gguf(&name, dtype)?,
+            None => self.model.to_gguf_as_stored(&name)?,
         };
         for (k, v) in &self.carried {
             w.set(k, v.clone())?;
@@ -888,7 +899,7 @@ impl Trainer {
         self.check_not_broken()?;
         // The model's own weights (frozen under LoRA) and each adapter's matrices apart,
         // so that a resumed run goes on exactly.
-        let mut w = self.model_gguf(DType::F32, false)?;
+        let mut w = self.model_gguf(None)?;
         for ad in &self.tape.adapters().list {
             let (a, b) = Adapter::tensor_names(&ad.weight);
             for (name, t) in [(a, &ad.a), (b, &ad.b)] {
@@ -919,7 +930,7 @@ impl Trainer {
     /// Write the model to `path` as GGUF, matrices as `dtype` (atomically).
     pub fn export_gguf(&self, path: &Path, dtype: DType) -> Result<()> {
         self.check_not_broken()?;
-        let w = self.model_gguf(dtype, true)?;
+        let w = self.model_gguf(Some(dtype))?;
         kiln_io::file::write_replacing(path, |b| w.write_to(b))
     }
 

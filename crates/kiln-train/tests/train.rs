@@ -281,29 +281,37 @@ fn values(file: &GgufFile, name: &str) -> Vec<f32> {
     .unwrap()
 }
 
-#[test]
-fn a_lora_run_trains_its_adapters_alone_and_exports_them_merged() {
-    let dir = tempfile::tempdir().unwrap();
-    // A model that has learnt something first (LoRA adapts a trained model: on random
-    // tied embeddings no projection can move the logits far).
+/// A model that has learnt something (LoRA adapts a trained model: on random tied
+/// embeddings no projection can move the logits far), as a GGUF file of `dtype` in `dir`.
+fn pretrained(dir: &Path, dtype: DType) -> GgufFile {
     let mut pre = Trainer::new(&start(), text(), settings(40, 1e-2), cpu()).unwrap();
     for _ in 0..40 {
         pre.step().unwrap();
     }
-    let pretrained = dir.path().join("pretrained.gguf");
-    pre.export_gguf(&pretrained, DType::F32).unwrap();
-    let start = GgufFile::open(&pretrained).unwrap();
-    // Then text it has not seen, which its adapters learn (the model's own weights, the
-    // tied embeddings and norms among them, stay as they are: a tiny model's logits
-    // cannot move far under LoRA, and the losses fall by tenths, not by units).
-    let new_text = dir.path().join("new.txt");
+    let path = dir.join(format!("pretrained-{dtype}.gguf"));
+    pre.export_gguf(&path, dtype).unwrap();
+    GgufFile::open(&path).unwrap()
+}
+
+/// Text the pretrained model has not seen, which adapters learn (the model's own weights,
+/// the tied embeddings and norms among them, stay as they are: a tiny model's logits
+/// cannot move far under LoRA, and the losses fall by tenths, not by units).
+fn new_text(dir: &Path) -> TextData {
+    let path = dir.join("new.txt");
     std::fs::write(
-        &new_text,
+        &path,
         "The quick brown fox jumps over the lazy dog. ".repeat(100),
     )
     .unwrap();
     let tok = Tokenizer::from_gguf(&tokenizer_file()).unwrap();
-    let text = || data::load(&new_text, &HeldOut::Fraction(0.2), &tok).unwrap();
+    data::load(&path, &HeldOut::Fraction(0.2), &tok).unwrap()
+}
+
+#[test]
+fn a_lora_run_trains_its_adapters_alone_and_exports_them_merged() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = pretrained(dir.path(), DType::F32);
+    let text = || new_text(dir.path());
     let mut t = Trainer::new(&start, text(), lora_settings(30), cpu()).unwrap();
     // Two layers × four projections, A and B each.
     let adapter_params: usize = 2 * (4 * (32 + 32) + 4 * (32 + 16) + 4 * (32 + 64) + 4 * (64 + 32));
@@ -371,6 +379,154 @@ fn a_lora_run_trains_its_adapters_alone_and_exports_them_merged() {
         (held_merged - held_after).abs() <= 1e-5 * held_after,
         "held-out loss {held_after} with the adapters, {held_merged} merged"
     );
+}
+
+/// LoRA over a quantized model (QLoRA) keeps the model in its type: the run starts from
+/// the Q8_0 and Q4_0 files as they are and its checkpoint holds their bytes unchanged;
+/// its first loss and gradient norm follow the same run over the decoded weights in F32
+/// (apart from the forward's activations, which the quantized products round to 8 bits);
+/// the losses fall; the export merges the adapters into the decoded weights; a resumed
+/// run equals an uninterrupted one.
+#[test]
+fn lora_over_a_quantized_model_keeps_it_quantized() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut pre = Trainer::new(&start(), text(), settings(40, 1e-2), cpu()).unwrap();
+    for _ in 0..40 {
+        pre.step().unwrap();
+    }
+    let text = || new_text(dir.path());
+    for dtype in [DType::Q8_0, DType::Q4_0] {
+        let path = dir.path().join(format!("pretrained-{dtype}.gguf"));
+        pre.export_gguf(&path, dtype).unwrap();
+        let start = GgufFile::open(&path).unwrap();
+        let decoded = {
+            let model = Model::from_gguf(&start, cpu(), None).unwrap();
+            let meta = start
+                .metadata
+                .iter()
+                .filter(|(k, _)| k.starts_with("tokenizer."))
+                .cloned()
+                .collect();
+            kiln_train::init::model_start(&model, "decoded", meta).unwrap()
+        };
+        assert_eq!(
+            decoded
+                .tensor("blk.0.ffn_down.weight")
+                .unwrap()
+                .ggml_type
+                .dtype(),
+            Some(DType::F32)
+        );
+        let mut t = Trainer::new(&start, text(), lora_settings(20), cpu()).unwrap();
+        let mut twin = Trainer::new(&decoded, text(), lora_settings(20), cpu()).unwrap();
+        let (first, first_twin) = (t.step().unwrap(), twin.step().unwrap());
+        eprintln!(
+            "{dtype}: loss {} against {} over F32, gradient norm {} against {}",
+            first.loss, first_twin.loss, first.grad_norm, first_twin.grad_norm
+        );
+        assert!(
+            (first.loss - first_twin.loss).abs() <= 2e-3 * first_twin.loss,
+            "{dtype}: first loss {} against {} over the decoded weights",
+            first.loss,
+            first_twin.loss
+        );
+        assert!(
+            (first.grad_norm - first_twin.grad_norm).abs() <= 2e-2 * first_twin.grad_norm,
+            "{dtype}: first gradient norm {} against {} over the decoded weights",
+            first.grad_norm,
+            first_twin.grad_norm
+        );
+        let mut losses = vec![first.loss];
+        losses.extend((1..20).map(|_| t.step().unwrap().loss));
+        let (early, late) = (
+            losses[..4].iter().sum::<f64>() / 4.0,
+            losses[16..].iter().sum::<f64>() / 4.0,
+        );
+        assert!(
+            late < early - 0.2,
+            "{dtype}: training loss {early} -> {late}"
+        );
+
+        let ckpt = dir.path().join(format!("ckpt-{dtype}.gguf"));
+        t.save_checkpoint(&ckpt).unwrap();
+        let ckpt = GgufFile::open(&ckpt).unwrap();
+        for info in &start.tensors {
+            let kept = ckpt.tensor(&info.name).unwrap();
+            assert_eq!(kept.ggml_type, info.ggml_type, "{}'s type", info.name);
+            assert!(
+                ckpt.tensor_data(kept) == start.tensor_data(info),
+                "{} changed under LoRA",
+                info.name
+            );
+        }
+        assert_eq!(
+            start
+                .tensor("blk.1.attn_v.weight")
+                .unwrap()
+                .ggml_type
+                .dtype(),
+            Some(dtype)
+        );
+
+        let out = dir.path().join(format!("merged-{dtype}.gguf"));
+        t.export_gguf(&out, DType::F32).unwrap();
+        let merged = values(&GgufFile::open(&out).unwrap(), "blk.1.attn_v.weight");
+        let (a, b) = (
+            values(&ckpt, "lora.blk.1.attn_v.weight.a"),
+            values(&ckpt, "lora.blk.1.attn_v.weight.b"),
+        );
+        let w = values(&start, "blk.1.attn_v.weight");
+        let (m, k, r) = (16, 32, 4);
+        for i in 0..m {
+            for j in 0..k {
+                let delta: f64 = (0..r)
+                    .map(|t| b[i * r + t] as f64 * a[t * k + j] as f64)
+                    .sum();
+                let want = w[i * k + j] as f64 + 2.0 * delta;
+                assert!(
+                    (merged[i * k + j] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "{dtype}: merged [{i}, {j}]: {} against {want}",
+                    merged[i * k + j]
+                );
+            }
+        }
+    }
+
+    // Resumed from a checkpoint of quantized weights.
+    let path = dir.path().join(format!("pretrained-{}.gguf", DType::Q4_0));
+    let start = GgufFile::open(&path).unwrap();
+    let ckpt = dir.path().join("resume.gguf");
+    let mut whole = Trainer::new(&start, text(), lora_settings(6), cpu()).unwrap();
+    let whole_losses: Vec<f64> = (0..6).map(|_| whole.step().unwrap().loss).collect();
+    let mut first = Trainer::new(&start, text(), lora_settings(6), cpu()).unwrap();
+    let mut losses: Vec<f64> = (0..3).map(|_| first.step().unwrap().loss).collect();
+    first.save_checkpoint(&ckpt).unwrap();
+    drop(first);
+    let mut second = Trainer::resume(&GgufFile::open(&ckpt).unwrap(), text(), cpu()).unwrap();
+    losses.extend((0..3).map(|_| second.step().unwrap().loss));
+    assert_eq!(losses, whole_losses);
+    assert!(second.parameters_flat().unwrap() == whole.parameters_flat().unwrap());
+}
+
+/// A full fine-tune trains F32 weights: a quantized start is refused before anything
+/// runs, saying what to do instead.
+#[test]
+fn a_full_fine_tune_of_a_quantized_model_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut pre = Trainer::new(&start(), text(), settings(1, 1e-2), cpu()).unwrap();
+    pre.step().unwrap();
+    let path = dir.path().join("q8.gguf");
+    pre.export_gguf(&path, DType::Q8_0).unwrap();
+    let err = Trainer::new(
+        &GgufFile::open(&path).unwrap(),
+        text(),
+        settings(2, 1e-2),
+        cpu(),
+    )
+    .err()
+    .expect("a full fine-tune of Q8_0 weights was taken")
+    .to_string();
+    assert!(err.contains("q8_0") && err.contains("LoRA"), "{err}");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use super::reference::{self as r64, Attn};
 use super::{check, cotangent_f32 as cotangent, weighted, widen, Elements};
-use crate::target::random;
+use crate::target::{random, stored};
 use crate::Target;
 use kiln_core::{AttentionParams, DType, RopeLayout};
 use rand::rngs::StdRng;
@@ -848,6 +848,98 @@ pub fn cross_entropy_over_blocks_of_rows(t: &Target) {
             assert!(
                 (g - w).abs() <= super::TOL * largest,
                 "cross_entropy {what} [{i}]: {g} against {w} (largest {largest})"
+            );
+        }
+    }
+}
+
+/// Frozen weights kept as stored (LoRA over a quantized model): `matmul_dx` and the fused
+/// loss without `dw` read each type the backend takes as `quant::dequantize` decodes it,
+/// at 37 rows (a partial panel of the CPU's 16) and rows of 512 (whole K-quant blocks);
+/// a type the backend does not take is refused, not misread.
+pub fn gradients_through_frozen_weights_as_stored(t: &Target) {
+    let g = t.grad();
+    let (n, m, k) = (6, 37, 512);
+    for (i, dtype) in DType::ALL.into_iter().enumerate() {
+        let mut rng = t.rng(40 + i as u64);
+        let (x, w, r) = (
+            random(&mut rng, n * k, 1.0),
+            random(&mut rng, m * k, 1.0),
+            cotangent(&mut rng, n * m),
+        );
+        let (wt, rt) = (
+            t.upload(dtype, &[m, k], &w),
+            t.upload(DType::F32, &[n, m], &r),
+        );
+        let (mut dx, before) = t.grad_buffer(&mut rng, &[n, k]);
+        let result = g.matmul_dx(&rt, &wt, &mut dx);
+        if !g.frozen_as_stored(dtype) {
+            assert!(result.is_err(), "matmul_dx over {dtype} weights was taken");
+            continue;
+        }
+        result.unwrap();
+        let (w64, r) = (widen(&stored(dtype, &w)), widen(&r));
+        check(
+            &format!("matmul dx through {dtype} weights"),
+            &t.added(&dx, &before),
+            &x,
+            Elements::Sample(40, &mut rng),
+            |x| weighted(&r64::matmul(x, &w64, n, m, k), &r),
+        );
+
+        // The same weight as the output projection of the fused loss.
+        let (vocab, dim) = (m, k);
+        let h = random(&mut rng, n * dim, 1.0);
+        let targets: Vec<i32> = (0..n).map(|i| ((i * 11 + 3) % vocab) as i32).collect();
+        let (mut dh, bh) = t.grad_buffer(&mut rng, &[n, dim]);
+        let mut losses = t.poisoned(&[n]);
+        let h_t = t.upload(DType::F32, &[n, dim], &h);
+        let ids = t.ints(&targets);
+        g.cross_entropy(
+            &h_t,
+            &wt,
+            &ids,
+            None,
+            CE_SCALE,
+            &mut losses,
+            Some(&mut dh),
+            None,
+        )
+        .unwrap();
+        let want = r64::cross_entropy(&widen(&h), &w64, &targets, dim, None);
+        for (j, (&got, want)) in t.read(&losses).iter().zip(&want).enumerate() {
+            assert!(
+                (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "cross_entropy over {dtype} weights, loss [{j}]: {got} vs {want}"
+            );
+        }
+        check(
+            &format!("cross_entropy dh through {dtype} weights"),
+            &t.added(&dh, &bh),
+            &h,
+            Elements::Sample(40, &mut rng),
+            |h| {
+                CE_SCALE as f64
+                    * r64::cross_entropy(h, &w64, &targets, dim, None)
+                        .iter()
+                        .sum::<f64>()
+            },
+        );
+        if dtype != DType::F32 {
+            let (mut dw, _) = t.grad_buffer(&mut rng, &[vocab, dim]);
+            let asked = g.cross_entropy(
+                &h_t,
+                &wt,
+                &ids,
+                None,
+                CE_SCALE,
+                &mut losses,
+                None,
+                Some(&mut dw),
+            );
+            assert!(
+                asked.is_err(),
+                "the gradient of a {dtype} projection was taken"
             );
         }
     }

@@ -60,6 +60,7 @@ macro_rules! with_grad_cases {
             slice_cols_and_write_rows_gradients
             cross_entropy_loss_and_gradients
             cross_entropy_over_blocks_of_rows
+            gradients_through_frozen_weights_as_stored
             a_wrong_gradient_is_caught
         }
     };

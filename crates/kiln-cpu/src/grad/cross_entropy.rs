@@ -3,10 +3,10 @@
 //! place, and that gradient multiplied back into `dh` and `dw`, before the next block's
 //! logits overwrite them. The `[n, vocab]` matrix never exists whole.
 
-use super::matmul::{dw_slices, dx_slices, xwt_slices};
+use super::matmul::{dw_slices, dx_slices, weight_values, xwt_slices};
 use crate::pool::Pool;
 use crate::{f32s, f32s_mut, indices};
-use kiln_core::{Error, Result, Tensor};
+use kiln_core::{DType, Error, Result, Tensor};
 
 /// Logits held at once: about 4 MiB of f32.
 const BLOCK_LOGITS: usize = 1 << 20;
@@ -43,11 +43,19 @@ pub(crate) fn cross_entropy(
     let targets = indices(targets, n, vocab, "targets", |t| {
         Error::shape(format!("target {t} is outside the vocabulary of {vocab}"))
     })?;
-    let (hs, ws) = (f32s(h)?, f32s(w)?);
+    if dw.is_some() && w.dtype() != DType::F32 {
+        return Err(Error::unsupported(format!(
+            "cross_entropy: the gradient of a {} output projection (train F32 weights)",
+            w.dtype()
+        )));
+    }
+    let hs = f32s(h)?;
     let loss = f32s_mut(losses)?;
     if n == 0 || vocab == 0 {
         return Ok(());
     }
+    let ws = weight_values(pool, w, "cross_entropy")?;
+    let ws = &ws[..];
     let block = (BLOCK_LOGITS / vocab).clamp(1, n);
     let mut z = vec![0f32; block * vocab];
     for r0 in (0..n).step_by(block) {

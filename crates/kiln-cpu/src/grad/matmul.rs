@@ -2,8 +2,10 @@
 //! crate (single-threaded inside each of the pool's tasks, as the forward's F32 path).
 
 use crate::pool::{Pool, SharedMut};
+use crate::storage::Rows;
 use crate::{f32s, f32s_mut};
-use kiln_core::{Error, Result, Tensor};
+use kiln_core::{DType, Error, Result, Tensor};
+use std::borrow::Cow;
 
 /// Output rows per task: enough work to amortise a task, few enough to balance the pool.
 fn rows_per_task(pool: &Pool, rows: usize) -> usize {
@@ -39,10 +41,29 @@ fn weight_dims(w: &Tensor, op: &str) -> Result<(usize, usize)> {
     }
 }
 
+/// A product's weight as f32 values: an F32 weight's own, or a frozen weight kept as
+/// stored (LoRA over a quantized model) decoded for this call alone, so that the model
+/// stays in its type between calls.
+pub(crate) fn weight_values<'a>(pool: &Pool, w: &'a Tensor, op: &str) -> Result<Cow<'a, [f32]>> {
+    match w.dtype() {
+        DType::F32 => Ok(Cow::Borrowed(f32s(w)?)),
+        _ => Ok(Cow::Owned(Rows::of(w, op)?.decode_all(pool)?)),
+    }
+}
+
 /// `dx[n, k] += dy[n, m] · w[m, k]`, tasks over rows of `dx`.
 pub(crate) fn matmul_dx(pool: &Pool, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()> {
     let (n, m, k) = dims(dy, weight_dims(w, "matmul_dx")?, dx, "matmul_dx")?;
-    dx_slices(pool, f32s(dy)?, f32s(w)?, f32s_mut(dx)?, n, m, k);
+    let (dys, dxs) = (f32s(dy)?, f32s_mut(dx)?);
+    dx_slices(
+        pool,
+        dys,
+        &weight_values(pool, w, "matmul_dx")?,
+        dxs,
+        n,
+        m,
+        k,
+    );
     Ok(())
 }
 

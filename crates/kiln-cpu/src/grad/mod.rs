@@ -8,9 +8,14 @@ mod matmul;
 mod norm;
 
 use crate::CpuBackend;
-use kiln_core::{AttentionParams, GradOps, Result, RopeLayout, Tensor};
+use kiln_core::{AttentionParams, DType, GradOps, Result, RopeLayout, Tensor};
 
 impl GradOps for CpuBackend {
+    /// Every weight type: a frozen weight is decoded for each backward product over it.
+    fn frozen_as_stored(&self, dtype: DType) -> bool {
+        DType::ALL.contains(&dtype)
+    }
+
     fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
         elementwise::copy(src, dst)
     }
