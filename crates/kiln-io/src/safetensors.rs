@@ -5,6 +5,7 @@ use crate::FileBytes;
 use kiln_core::{DType, Error, HostBytes, Result, Shape};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -202,22 +203,57 @@ fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
     Ok((files, index.weight_map))
 }
 
-/// A safetensors file of F32 tensors `(name, shape outermost first, values)`.
-pub fn serialize_f32(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<u8>> {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((name, shape, _), b)| {
-            safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), b)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| Error::shape(format!("safetensors tensor {name}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize(views, None).map_err(|e| Error::format(format!("safetensors: {e}")))
+/// Write a safetensors file of F32 tensors `(name, shape outermost first)` to `w`, each
+/// tensor's values made by `values(i)` when its turn comes: one tensor in memory at a
+/// time, whatever the model's size.
+pub fn write_f32(
+    w: &mut impl Write,
+    tensors: &[(String, Vec<usize>)],
+    values: impl Fn(usize) -> Result<Vec<f32>>,
+) -> std::io::Result<()> {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    let mut lens = Vec::with_capacity(tensors.len());
+    for (name, shape) in tensors {
+        let len = shape
+            .iter()
+            .try_fold(4usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| {
+                std::io::Error::other(format!("tensor {name} {shape:?} is too large"))
+            })?;
+        let entry = serde_json::json!({
+            "dtype": "F32",
+            "shape": shape,
+            "data_offsets": [offset, offset + len],
+        });
+        if header.insert(name.clone(), entry).is_some() {
+            return Err(std::io::Error::other(format!("tensor {name} given twice")));
+        }
+        lens.push(len);
+        offset += len;
+    }
+    let mut text = serde_json::to_vec(&header)?;
+    // The data starts 8-aligned, as the format's own writer pads it.
+    text.resize(text.len().next_multiple_of(8), b' ');
+    w.write_all(&(text.len() as u64).to_le_bytes())?;
+    w.write_all(&text)?;
+    for (i, ((name, _), &len)) in tensors.iter().zip(&lens).enumerate() {
+        let v = values(i).map_err(std::io::Error::other)?;
+        if v.len() * 4 != len {
+            return Err(std::io::Error::other(format!(
+                "tensor {name}: {} values made, {} wanted",
+                v.len(),
+                len / 4
+            )));
+        }
+        let mut bytes = Vec::with_capacity(v.len().min(1 << 14) * 4);
+        for chunk in v.chunks(1 << 14) {
+            bytes.clear();
+            bytes.extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
+            w.write_all(&bytes)?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -231,6 +267,45 @@ mod tests {
             .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
             .collect();
         safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    /// `write_f32` reads back through the format's own parser: names, shapes and values
+    /// (a header whose length is not a multiple of 8 padded, an empty tensor among them);
+    /// values of the wrong count and a name given twice fail the write.
+    #[test]
+    fn f32_tensors_written_one_at_a_time_read_back() {
+        let tensors = vec![
+            ("b.weight".to_string(), vec![3, 5]),
+            ("a".to_string(), vec![7]),
+            ("empty".to_string(), vec![0, 4]),
+        ];
+        let values = |i: usize| -> Vec<f32> {
+            let n: usize = tensors[i].1.iter().product();
+            (0..n).map(|j| (i * 100 + j) as f32 * 0.5 - 3.0).collect()
+        };
+        let mut bytes = Vec::new();
+        write_f32(&mut bytes, &tensors, |i| Ok(values(i))).unwrap();
+        let m = SafetensorsModel::from_bytes("t.safetensors", bytes).unwrap();
+        for (i, (name, shape)) in tensors.iter().enumerate() {
+            let t = m.tensor(name).unwrap();
+            assert_eq!(
+                (t.kiln_dtype(), &t.shape),
+                (Some(DType::F32), shape),
+                "{name}"
+            );
+            let got: Vec<f32> = m
+                .tensor_data(t)
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(got, values(i), "{name}");
+        }
+        let err = write_f32(&mut Vec::new(), &tensors, |i| Ok(values(i)[1..].to_vec()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("b.weight"), "{err}");
+        let twice = vec![("a".to_string(), vec![1]), ("a".to_string(), vec![1])];
+        assert!(write_f32(&mut Vec::new(), &twice, |_| Ok(vec![0.0])).is_err());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use crate::config::{Arch, ModelConfig, Norm, Rope};
 use crate::config_gguf::config_from_gguf;
 use crate::convert::permute_rows;
 use crate::model::Model;
-use kiln_core::{quant, DType, Error, Result, RopeLayout, Tensor};
+use kiln_core::{quant, DType, Error, Result, RopeLayout};
 use kiln_io::gguf::{GgufFile, GgufWriter, Value};
 
 /// What GGUF says of a configuration: its metadata, the values of the `rope_freqs.weight`
@@ -231,83 +231,117 @@ pub(crate) fn matrix_type(dtype: DType, shape: &[usize]) -> DType {
     }
 }
 
+/// What makes a tensor's bytes, given its name.
+type MakeTensor<'a> = Box<dyn Fn(&str) -> Result<Vec<u8>> + 'a>;
+
+/// A model as a GGUF file: the writer, which holds the metadata (a caller adds its own)
+/// and each tensor's name, type and shape, and the tensors' bytes, made one at a time
+/// as the file is written.
+pub struct GgufExport<'a> {
+    pub writer: GgufWriter,
+    make: MakeTensor<'a>,
+}
+
+impl GgufExport<'_> {
+    pub fn write_to(&self, w: &mut impl std::io::Write) -> std::io::Result<()> {
+        self.writer.write_to_making(w, &self.make)
+    }
+}
+
 impl Model {
-    /// This model as a GGUF writer, its configuration as llama.cpp's metadata (refused
+    /// This model as a GGUF file, its configuration as llama.cpp's metadata (refused
     /// when it would read back as another) and every parameter read back from the device
     /// under its GGUF name: matrices stored as `dtype` (F16 where rows are not whole blocks
     /// of it), norms and biases F32; a Hugging Face llama's Q and K rows permuted to
     /// llama.cpp's rope pairs, as `kiln convert` does. The caller adds the tokenizer's
     /// metadata (and anything else) and writes the file.
-    pub fn to_gguf(&self, name: &str, dtype: DType) -> Result<GgufWriter> {
-        self.to_gguf_with(name, dtype, &|_, _| Ok(()))
+    pub fn to_gguf(&self, name: &str, dtype: DType) -> Result<GgufExport<'_>> {
+        self.to_gguf_with(name, dtype, |_, _| Ok(()))
     }
 
     /// [`Model::to_gguf`], each parameter's values (F32, the model's own layout) passed
     /// through `adjust(name, values)` before they are written: how updates kept beside
-    /// the model (LoRA's) are merged into what is exported.
-    pub fn to_gguf_with(
-        &self,
+    /// the model (LoRA's) are merged into what is exported. Each tensor is read from the
+    /// device and encoded as the file is written, so that no more than one of them is
+    /// held in another type at once.
+    pub fn to_gguf_with<'a>(
+        &'a self,
         name: &str,
         dtype: DType,
-        adjust: &dyn Fn(&str, &mut Vec<f32>) -> Result<()>,
-    ) -> Result<GgufWriter> {
-        self.gguf_writer_of(name, |pname, t, heads| {
+        adjust: impl Fn(&str, &mut Vec<f32>) -> Result<()> + 'a,
+    ) -> Result<GgufExport<'a>> {
+        let (mut writer, permute) = self.writer_and_heads(name)?;
+        let params = self.parameters();
+        let mut types = Vec::with_capacity(params.len());
+        for (pname, t) in &params {
+            let dims = t.dims();
+            let ty = match dims.len() {
+                1 => DType::F32,
+                _ => matrix_type(dtype, dims),
+            };
+            writer.add_tensor_later(pname, ty, dims)?;
+            types.push(ty);
+        }
+        let make = move |wanted: &str| -> Result<Vec<u8>> {
+            let i = params
+                .iter()
+                .position(|(n, _)| n == wanted)
+                .ok_or_else(|| Error::shape(format!("{wanted} is not a parameter")))?;
+            let (pname, t) = &params[i];
             let bytes = self.backend().download(t)?;
             let mut values = quant::dequantize_to_vec(t.dtype(), &bytes, t.shape().numel())?;
             adjust(pname, &mut values)?;
-            let dims = t.dims();
-            if let Some(heads) = heads {
+            if let Some(heads) = permute(pname) {
+                let dims = t.dims();
                 let cols = if dims.len() == 1 { 1 } else { dims[1] };
                 values = permute_rows(&values, dims[0], cols, heads);
             }
-            let ty = if dims.len() == 1 {
-                DType::F32
-            } else {
-                matrix_type(dtype, dims)
-            };
-            Ok((ty, quant::quantize(ty, &values)?))
+            quant::quantize(types[i], &values)
+        };
+        Ok(GgufExport {
+            writer,
+            make: Box::new(make),
         })
     }
 
     /// [`Model::to_gguf`] with every parameter in the type it has on the device, its
-    /// bytes as they are (Q and K rows permuted whole): a frozen quantized model saved
-    /// beside LoRA adapters without a round trip through F32.
+    /// bytes as they are (Q and K rows permuted whole), read now into a writer that owns
+    /// them: a frozen quantized model saved beside LoRA adapters without a round trip
+    /// through F32, written while training goes on.
     pub fn to_gguf_as_stored(&self, name: &str) -> Result<GgufWriter> {
-        self.gguf_writer_of(name, |_, t, heads| {
+        let (mut w, permute) = self.writer_and_heads(name)?;
+        for (pname, t) in self.parameters() {
             let bytes = self.backend().download(t)?;
             let dims = t.dims();
-            let bytes = match heads {
+            let bytes = match permute(&pname) {
                 Some(heads) => {
                     let cols = if dims.len() == 1 { 1 } else { dims[1] };
                     permute_rows(&bytes, dims[0], t.dtype().row_bytes(cols)?, heads)
                 }
                 None => bytes,
             };
-            Ok((t.dtype(), bytes))
-        })
-    }
-
-    /// The writer of [`Model::to_gguf`], each parameter encoded by `encode(name, tensor,
-    /// heads)` as (its type, its bytes), where `heads` is set when the parameter's rows
-    /// are to be permuted within that many heads.
-    fn gguf_writer_of(
-        &self,
-        name: &str,
-        encode: impl Fn(&str, &Tensor, Option<usize>) -> Result<(DType, Vec<u8>)>,
-    ) -> Result<GgufWriter> {
-        let c = &self.config;
-        let (mut w, permute_qk) = writer(c, name)?;
-        for (pname, t) in self.parameters() {
-            let heads = if pname.ends_with(".attn_q.weight") || pname.ends_with(".attn_q.bias") {
-                Some(c.n_heads)
-            } else if pname.ends_with(".attn_k.weight") || pname.ends_with(".attn_k.bias") {
-                Some(c.n_kv_heads)
-            } else {
-                None
-            };
-            let (ty, bytes) = encode(&pname, t, heads.filter(|_| permute_qk))?;
-            w.add_tensor(&pname, ty, t.dims(), bytes)?;
+            w.add_tensor(&pname, t.dtype(), dims, bytes)?;
         }
         Ok(w)
+    }
+
+    /// The writer of [`Model::to_gguf`], and for a parameter's name the number of heads
+    /// its rows are permuted within, where they are (a Hugging Face llama's Q and K).
+    fn writer_and_heads(&self, name: &str) -> Result<(GgufWriter, impl Fn(&str) -> Option<usize>)> {
+        let c = &self.config;
+        let (w, permute_qk) = writer(c, name)?;
+        let (q, k) = (c.n_heads, c.n_kv_heads);
+        let heads = move |pname: &str| {
+            if !permute_qk {
+                None
+            } else if pname.ends_with(".attn_q.weight") || pname.ends_with(".attn_q.bias") {
+                Some(q)
+            } else if pname.ends_with(".attn_k.weight") || pname.ends_with(".attn_k.bias") {
+                Some(k)
+            } else {
+                None
+            }
+        };
+        Ok((w, heads))
     }
 }

@@ -53,26 +53,37 @@ fn hf_name(gguf: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}"))
 }
 
-impl Model {
-    /// `config.json` and `model.safetensors` of this model as a Hugging Face directory
-    /// holds them (F32 weights); llama and mistral models. The caller writes them, with
-    /// the tokenizer's files, and may give `bos` and `eos` ids for the config.
-    pub fn to_hf(
-        &self,
-        bos: Option<u32>,
-        eos: Option<u32>,
-    ) -> Result<Vec<(&'static str, Vec<u8>)>> {
-        self.to_hf_with(bos, eos, &|_, _| Ok(()))
-    }
+/// What makes tensor `i`'s values.
+type MakeValues<'a> = Box<dyn Fn(usize) -> Result<Vec<f32>> + 'a>;
 
-    /// [`Model::to_hf`], each parameter's values passed through `adjust` first (see
-    /// [`Model::to_gguf_with`]).
-    pub fn to_hf_with(
-        &self,
+/// A model as a Hugging Face directory holds it: `config.json`, and `model.safetensors`
+/// (F32), whose tensors are made one at a time while it is written.
+pub struct HfFiles<'a> {
+    pub config: Vec<u8>,
+    /// Each tensor's Hugging Face name and shape, in the order they are written.
+    weights: Vec<(String, Vec<usize>)>,
+    /// Tensor `i`'s values.
+    make: MakeValues<'a>,
+}
+
+impl HfFiles<'_> {
+    /// Write `model.safetensors` to `w`, one tensor in memory at a time.
+    pub fn write_weights(&self, w: &mut impl std::io::Write) -> std::io::Result<()> {
+        kiln_io::safetensors::write_f32(w, &self.weights, &self.make)
+    }
+}
+
+impl Model {
+    /// This model as a Hugging Face directory holds it (F32 weights), llama and mistral
+    /// models, each parameter's values passed through `adjust` as they are written (see
+    /// [`Model::to_gguf_with`]). The caller writes the files, with the tokenizer's, and
+    /// may give `bos` and `eos` ids for the config.
+    pub fn to_hf_with<'a>(
+        &'a self,
         bos: Option<u32>,
         eos: Option<u32>,
-        adjust: &dyn Fn(&str, &mut Vec<f32>) -> Result<()>,
-    ) -> Result<Vec<(&'static str, Vec<u8>)>> {
+        adjust: impl Fn(&str, &mut Vec<f32>) -> Result<()> + 'a,
+    ) -> Result<HfFiles<'a>> {
         let c = &self.config;
         let unsupported = |what: &str| {
             Err(Error::unsupported(format!(
@@ -93,17 +104,22 @@ impl Model {
             return unsupported("its feed-forward, rope frequency factors or partial rope");
         }
         let interleaved = rope.layout == RopeLayout::Interleaved;
-        let mut tensors = Vec::new();
+        let params = self.parameters();
+        let mut weights = Vec::with_capacity(params.len());
         let mut tied = true;
-        for (name, t) in self.parameters() {
-            let hf = hf_name(&name).ok_or_else(|| {
+        for (name, t) in &params {
+            let hf = hf_name(name).ok_or_else(|| {
                 Error::unsupported(format!("writing {name} as a Hugging Face tensor"))
             })?;
             tied &= name != "output.weight";
+            weights.push((hf, t.dims().to_vec()));
+        }
+        let make = move |i: usize| -> Result<Vec<f32>> {
+            let (name, t) = &params[i];
             let bytes = self.backend().download(t)?;
             let mut values = quant::dequantize_to_vec(t.dtype(), &bytes, t.shape().numel())?;
-            adjust(&name, &mut values)?;
-            let dims = t.dims().to_vec();
+            adjust(name, &mut values)?;
+            let dims = t.dims();
             let heads = match name.rsplit_once('.').map(|(n, _)| n) {
                 Some(n) if n.ends_with("attn_q") => Some(c.n_heads),
                 Some(n) if n.ends_with("attn_k") => Some(c.n_kv_heads),
@@ -112,8 +128,8 @@ impl Model {
             if let (true, Some(heads)) = (interleaved, heads) {
                 values = unpermute_rows(&values, dims[0], dims[1], heads);
             }
-            tensors.push((hf, dims, values));
-        }
+            Ok(values)
+        };
         let mut config = json!({
             "architectures": [if c.arch == Arch::Mistral { "MistralForCausalLM" } else { "LlamaForCausalLM" }],
             "model_type": c.arch.name(),
@@ -151,13 +167,11 @@ impl Model {
         }
         let config = serde_json::to_vec_pretty(&config)
             .map_err(|e| Error::format(format!("config.json: {e}")))?;
-        Ok(vec![
-            ("config.json", config),
-            (
-                "model.safetensors",
-                kiln_io::safetensors::serialize_f32(&tensors)?,
-            ),
-        ])
+        Ok(HfFiles {
+            config,
+            weights,
+            make: Box::new(make),
+        })
     }
 }
 

@@ -20,13 +20,17 @@ fn logits(model: &mut Model, ids: &[u32]) -> Vec<f32> {
 }
 
 fn round_trip(model: &Model, backend: Arc<dyn Backend>) -> Model {
-    let w = model.to_gguf("round trip", DType::F32).unwrap();
-    write_and_load(&w, backend)
+    let export = model.to_gguf("round trip", DType::F32).unwrap();
+    write_and_load(|b| export.write_to(b), backend)
 }
 
-fn write_and_load(w: &kiln_io::gguf::GgufWriter, backend: Arc<dyn Backend>) -> Model {
+/// The model of the GGUF file `write` writes.
+fn write_and_load(
+    write: impl FnOnce(&mut Vec<u8>) -> std::io::Result<()>,
+    backend: Arc<dyn Backend>,
+) -> Model {
     let mut bytes = Vec::new();
-    w.write_to(&mut bytes).unwrap();
+    write(&mut bytes).unwrap();
     Model::from_gguf(
         &GgufFile::from_bytes("<round trip>", bytes).unwrap(),
         backend,
@@ -125,7 +129,8 @@ fn stored_types_read_back_as_written() {
     }
     for (from, mut model) in sources {
         let want = logits(&mut model, &ids);
-        let mut back = write_and_load(&model.to_gguf_as_stored("stored").unwrap(), backend.clone());
+        let stored = model.to_gguf_as_stored("stored").unwrap();
+        let mut back = write_and_load(|b| stored.write_to(b), backend.clone());
         let types = |m: &Model| -> Vec<(String, DType)> {
             m.parameters()
                 .into_iter()

@@ -117,7 +117,9 @@ pub fn scratch_start(
 /// `extra` metadata, to start a run from: a full fine-tune, or LoRA on a backend whose
 /// backward reads F32 weights alone.
 pub fn model_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Result<GgufFile> {
-    in_memory(model.to_gguf(name, DType::F32)?, name, extra)
+    let mut export = model.to_gguf(name, DType::F32)?;
+    set_all(&mut export.writer, extra)?;
+    in_memory(name, |b| export.write_to(b))
 }
 
 /// `model` as a GGUF file in memory with `extra` metadata, every weight in the type it
@@ -125,16 +127,22 @@ pub fn model_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Re
 /// start of a LoRA run, whose model is frozen, on a backend whose backward reads those
 /// types ([`kiln_core::GradOps::frozen_as_stored`]).
 pub fn frozen_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Result<GgufFile> {
-    in_memory(model.to_gguf_as_stored(name)?, name, extra)
+    let mut w = model.to_gguf_as_stored(name)?;
+    set_all(&mut w, extra)?;
+    in_memory(name, |b| w.write_to(b))
 }
 
-fn in_memory(mut w: GgufWriter, name: &str, extra: Vec<(String, Value)>) -> Result<GgufFile> {
-    for (k, v) in extra {
-        w.set(&k, v)?;
-    }
+fn set_all(w: &mut GgufWriter, extra: Vec<(String, Value)>) -> Result<()> {
+    extra.into_iter().try_for_each(|(k, v)| w.set(&k, v))
+}
+
+/// The GGUF file `write` writes, held in memory.
+fn in_memory(
+    name: &str,
+    write: impl FnOnce(&mut Vec<u8>) -> std::io::Result<()>,
+) -> Result<GgufFile> {
     let mut bytes = Vec::new();
-    w.write_to(&mut bytes)
-        .map_err(|e| Error::Device(format!("writing a model to memory: {e}")))?;
+    write(&mut bytes).map_err(|e| Error::Device(format!("writing a model to memory: {e}")))?;
     GgufFile::from_bytes(format!("<{name}>"), bytes)
 }
 

@@ -863,25 +863,20 @@ impl Trainer {
         Ok(sum / (starts.len() * seq).max(1) as f64)
     }
 
-    /// The model as a GGUF writer with the start file's tokenizer and name: with `merged`
-    /// a type, the adapters' updates merged into its weights, matrices in that type;
-    /// without, every weight as it is on the device (trained ones are F32, frozen ones as
-    /// the run keeps them).
-    fn model_gguf(&self, merged: Option<DType>) -> Result<GgufWriter> {
-        let name = match self.carried.iter().find(|(k, _)| k == "general.name") {
+    /// The name the start file gave the model.
+    fn model_name(&self) -> String {
+        match self.carried.iter().find(|(k, _)| k == "general.name") {
             Some((_, Value::String(n))) => n.clone(),
             _ => "kiln-trained".into(),
-        };
-        let mut w = match merged {
-            Some(dtype) => self
-                .model
-                .to_gguf_with(&name, dtype, &|n, v| self.merge_adapters(n, v))?,
-            None => self.model.to_gguf_as_stored(&name)?,
-        };
+        }
+    }
+
+    /// The start file's tokenizer and name, into `w`.
+    fn add_carried(&self, w: &mut GgufWriter) -> Result<()> {
         for (k, v) in &self.carried {
             w.set(k, v.clone())?;
         }
-        Ok(w)
+        Ok(())
     }
 
     /// Write a checkpoint to `path` (atomically; see [`checkpoint`]): the model's
@@ -899,7 +894,8 @@ impl Trainer {
         self.check_not_broken()?;
         // The model's own weights (frozen under LoRA) and each adapter's matrices apart,
         // so that a resumed run goes on exactly.
-        let mut w = self.model_gguf(None)?;
+        let mut w = self.model.to_gguf_as_stored(&self.model_name())?;
+        self.add_carried(&mut w)?;
         for ad in &self.tape.adapters().list {
             let (a, b) = Adapter::tensor_names(&ad.weight);
             for (name, t) in [(a, &ad.a), (b, &ad.b)] {
@@ -930,8 +926,12 @@ impl Trainer {
     /// Write the model to `path` as GGUF, matrices as `dtype` (atomically).
     pub fn export_gguf(&self, path: &Path, dtype: DType) -> Result<()> {
         self.check_not_broken()?;
-        let w = self.model_gguf(Some(dtype))?;
-        kiln_io::file::write_replacing(path, |b| w.write_to(b))
+        // The adapters' updates merged in; each tensor is made as the file is written.
+        let mut export = self
+            .model
+            .to_gguf_with(&self.model_name(), dtype, |n, v| self.merge_adapters(n, v))?;
+        self.add_carried(&mut export.writer)?;
+        kiln_io::file::write_replacing(path, |b| export.write_to(b))
     }
 
     /// Write the model to the directory `dir` as Hugging Face lays a model out
@@ -939,13 +939,15 @@ impl Trainer {
     /// atomically; llama and mistral models with SentencePiece vocabularies.
     pub fn export_hf(&self, dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
         self.check_not_broken()?;
-        let mut files = self.model.to_hf_with(
+        let model = self.model.to_hf_with(
             tokenizer.bos_id(),
             tokenizer.eos_ids().first().copied(),
-            &|n, v| self.merge_adapters(n, v),
+            |n, v| self.merge_adapters(n, v),
         )?;
+        let mut files = vec![("config.json", model.config.clone())];
         files.extend(tokenizer.hf_files()?);
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir.display(), e))?;
+        kiln_io::file::write_replacing(&dir.join("model.safetensors"), |w| model.write_weights(w))?;
         for (name, bytes) in files {
             kiln_io::file::write_replacing(&dir.join(name), |w| {
                 use std::io::Write;

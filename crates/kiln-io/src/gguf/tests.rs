@@ -124,6 +124,53 @@ fn writer_refuses_what_readers_would() {
         .is_err());
 }
 
+/// Tensors made while the file is written give the file of tensors given up front, each
+/// made once a write; a tensor made of the wrong length, or whose making fails, fails
+/// the write with its name.
+#[test]
+fn tensors_made_while_writing_read_back_as_given() {
+    let mut given = Vec::new();
+    sample_writer().write_to(&mut given).unwrap();
+    let file = read::parse(&given).unwrap();
+    let made = std::cell::Cell::new(0);
+    let mut w = GgufWriter::new();
+    for (k, v) in &file.metadata {
+        w.set(k, v.clone()).unwrap();
+    }
+    for t in &file.tensors {
+        let dims: Vec<usize> = t.shape().unwrap().dims().to_vec();
+        w.add_tensor_later(&t.name, t.ggml_type.dtype().unwrap(), &dims)
+            .unwrap();
+    }
+    assert_eq!(w.tensor_data_len(), sample_writer().tensor_data_len());
+    let err = w.write_to(&mut Vec::new()).unwrap_err().to_string();
+    assert!(err.contains("write_to_making"), "{err}");
+    let mut later = Vec::new();
+    w.write_to_making(&mut later, |name| {
+        made.set(made.get() + 1);
+        let t = file.tensors.iter().find(|t| t.name == name).unwrap();
+        Ok(given[(file.data_offset + t.offset) as usize..][..t.size_bytes as usize].to_vec())
+    })
+    .unwrap();
+    assert!(later == given, "the files differ");
+    assert_eq!(made.get(), file.tensors.len());
+
+    let mut short = GgufWriter::new();
+    short.add_tensor_later("short", DType::F32, &[3]).unwrap();
+    let err = short
+        .write_to_making(&mut Vec::new(), |_| Ok(vec![0; 8]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("'short'") && err.contains("8 bytes"), "{err}");
+    let err = short
+        .write_to_making(&mut Vec::new(), |_| {
+            Err(kiln_core::Error::Device("the device went away".into()))
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the device went away"), "{err}");
+}
+
 /// A released tensor's pages leave the process but not the file: its bytes (spanning
 /// several whole pages here) read back unchanged, in a mapped file and in one held in
 /// memory alike.

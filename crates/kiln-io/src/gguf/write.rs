@@ -4,15 +4,20 @@ use kiln_core::{DType, Error, Result};
 use std::io::Write;
 use std::path::Path;
 
+/// A tensor's bytes: given when it was added, or `None` for bytes made while the file is
+/// written ([`GgufWriter::write_to_making`]).
 struct PendingTensor {
     name: String,
     ne: Vec<u64>,
     ggml_type: GgmlType,
-    data: Vec<u8>,
+    len: u64,
+    data: Option<Vec<u8>>,
 }
 
 /// Builds a GGUF version 3 file: metadata in insertion order, tensors packed at the
-/// alignment in insertion order (the layout llama.cpp writes and expects).
+/// alignment in insertion order (the layout llama.cpp writes and expects). A tensor's
+/// bytes may be made while the file is written ([`GgufWriter::add_tensor_later`]), so
+/// that a model larger than memory in another type is written one tensor at a time.
 pub struct GgufWriter {
     alignment: u64,
     metadata: Vec<(String, Value)>,
@@ -47,7 +52,7 @@ impl GgufWriter {
 
     /// Bytes of tensor data added so far (the bulk of the file).
     pub fn tensor_data_len(&self) -> u64 {
-        self.tensors.iter().map(|t| t.data.len() as u64).sum()
+        self.tensors.iter().map(|t| t.len).sum()
     }
 
     /// Add or replace a metadata key.
@@ -72,6 +77,13 @@ impl GgufWriter {
         self.add_raw_tensor(name, GgmlType::from_dtype(dtype), ne, data)
     }
 
+    /// Add a tensor of a kiln dtype whose encoding is made when the file is written
+    /// ([`GgufWriter::write_to_making`]; its length is checked then).
+    pub fn add_tensor_later(&mut self, name: &str, dtype: DType, shape: &[usize]) -> Result<()> {
+        let ne = shape.iter().rev().map(|&d| d as u64).collect();
+        self.push(name, GgmlType::from_dtype(dtype), ne, None)
+    }
+
     /// Add a tensor of any ggml type, with dimensions in ggml order (innermost first).
     pub fn add_raw_tensor(
         &mut self,
@@ -79,6 +91,16 @@ impl GgufWriter {
         ggml_type: GgmlType,
         ne: Vec<u64>,
         data: Vec<u8>,
+    ) -> Result<()> {
+        self.push(name, ggml_type, ne, Some(data))
+    }
+
+    fn push(
+        &mut self,
+        name: &str,
+        ggml_type: GgmlType,
+        ne: Vec<u64>,
+        data: Option<Vec<u8>>,
     ) -> Result<()> {
         if ne.len() > MAX_DIMS {
             return Err(Error::shape(format!(
@@ -94,22 +116,46 @@ impl GgufWriter {
             let rows = n.checked_div(row_len).unwrap_or(0);
             ggml_type.bytes_for(row_len, rows)
         });
-        if want != Some(data.len() as u64) {
+        let Some(len) = want else {
             return Err(Error::shape(format!(
-                "tensor '{name}' of {ggml_type} {ne:?} needs {want:?} bytes, got {}",
-                data.len()
+                "tensor '{name}' of {ggml_type} {ne:?} is too large"
             )));
+        };
+        if let Some(d) = &data {
+            if d.len() as u64 != len {
+                return Err(Error::shape(format!(
+                    "tensor '{name}' of {ggml_type} {ne:?} needs {len} bytes, got {}",
+                    d.len()
+                )));
+            }
         }
         self.tensors.push(PendingTensor {
             name: name.to_string(),
             ne,
             ggml_type,
+            len,
             data,
         });
         Ok(())
     }
 
+    /// Write the file to `w` (every tensor's bytes given when it was added).
     pub fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
+        self.write_to_making(w, |name| {
+            Err(Error::shape(format!(
+                "tensor '{name}' is made while the file is written: write it with write_to_making"
+            )))
+        })
+    }
+
+    /// Write the file to `w`, the bytes of each tensor added with
+    /// [`GgufWriter::add_tensor_later`] made by `make(name)` when its turn comes and
+    /// dropped once written: one such tensor in memory at a time.
+    pub fn write_to_making(
+        &self,
+        w: &mut impl Write,
+        make: impl Fn(&str) -> Result<Vec<u8>>,
+    ) -> std::io::Result<()> {
         let mut header = Vec::new();
         header.extend_from_slice(MAGIC);
         header.extend_from_slice(&3u32.to_le_bytes());
@@ -129,17 +175,32 @@ impl GgufWriter {
             }
             header.extend_from_slice(&t.ggml_type.id.to_le_bytes());
             header.extend_from_slice(&offset.to_le_bytes());
-            offset = (offset + t.data.len() as u64).next_multiple_of(self.alignment);
+            offset = (offset + t.len).next_multiple_of(self.alignment);
         }
-        let pad =
-            |len: usize| vec![0u8; (len as u64).next_multiple_of(self.alignment) as usize - len];
+        let pad = |len: u64| vec![0u8; (len.next_multiple_of(self.alignment) - len) as usize];
         if !self.tensors.is_empty() {
-            header.extend(pad(header.len()));
+            header.extend(pad(header.len() as u64));
         }
         w.write_all(&header)?;
         for t in &self.tensors {
-            w.write_all(&t.data)?;
-            w.write_all(&pad(t.data.len()))?;
+            match &t.data {
+                Some(d) => w.write_all(d)?,
+                None => {
+                    let d = make(&t.name).map_err(std::io::Error::other)?;
+                    if d.len() as u64 != t.len {
+                        return Err(std::io::Error::other(format!(
+                            "tensor '{}' of {} {:?} was made of {} bytes, not {}",
+                            t.name,
+                            t.ggml_type,
+                            t.ne,
+                            d.len(),
+                            t.len
+                        )));
+                    }
+                    w.write_all(&d)?;
+                }
+            }
+            w.write_all(&pad(t.len))?;
         }
         Ok(())
     }
