@@ -273,20 +273,28 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
         w.set(&k, v)?;
     }
 
+    // Each tensor converted as the file is written: one in memory at a time.
+    let type_of = |p: &Planned| match p.kind {
+        Kind::Norm => DType::F32,
+        Kind::Heads(_) | Kind::Matrix => matrix_type(dtype, &p.shape),
+    };
     for p in &plan {
+        w.add_tensor_later(&p.gguf, type_of(p), &p.shape)?;
+    }
+    let convert = |gguf: &str| -> Result<Vec<u8>> {
+        let p = plan
+            .iter()
+            .find(|p| p.gguf == gguf)
+            .ok_or_else(|| Error::shape(format!("{gguf} was not planned")))?;
         let t = st.tensor(&p.hf).expect("planned tensors exist");
         let dt = t.kiln_dtype().expect("planned tensors have a kiln dtype");
         let values = quant::dequantize_to_vec(dt, st.tensor_data(t), p.shape.iter().product())?;
-        let (values, ty) = match p.kind {
-            Kind::Norm => (values, DType::F32),
-            Kind::Heads(heads) => (
-                permute_rows(&values, p.shape[0], p.shape[1], heads),
-                matrix_type(dtype, &p.shape),
-            ),
-            Kind::Matrix => (values, matrix_type(dtype, &p.shape)),
+        let values = match p.kind {
+            Kind::Heads(heads) => permute_rows(&values, p.shape[0], p.shape[1], heads),
+            Kind::Norm | Kind::Matrix => values,
         };
-        w.add_tensor(&p.gguf, ty, &p.shape, quant::quantize(ty, &values)?)?;
-    }
+        quant::quantize(type_of(p), &values)
+    };
     let mut count = plan.len();
     if rope.llama3.is_some() {
         // As llama.cpp's converter: the scaling as one divisor per rotated pair, which
@@ -302,7 +310,7 @@ pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> R
         w.add_tensor("rope_freqs.weight", DType::F32, &[divisors.len()], bytes)?;
         count += 1;
     }
-    kiln_io::file::write_replacing(out, |b| w.write_to(b))?;
+    kiln_io::file::write_replacing(out, |b| w.write_to_making(b, convert))?;
     Ok(count)
 }
 
