@@ -68,6 +68,9 @@ pub struct CpuBackend {
     /// Whether quantized weights go into the interleaved layout of [`panels`] where the
     /// kernels read one.
     panels: bool,
+    /// A frozen weight decoded for a backward product over it (LoRA over a quantized
+    /// model), kept between calls.
+    decoded: std::sync::Mutex<Vec<f32>>,
 }
 
 /// Whether weights go into panels unless `KILN_CPU_LAYOUT` says: on every CPU with panel
@@ -94,6 +97,7 @@ impl CpuBackend {
             pool: Pool::new(threads)?,
             profile: Profile::from_env(),
             panels,
+            decoded: Default::default(),
         })
     }
 

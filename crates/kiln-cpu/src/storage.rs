@@ -1,5 +1,5 @@
 use crate::panels::Panels;
-use crate::pool::{Pool, SharedMut};
+use crate::pool::Pool;
 use kiln_core::{quant, DType, Device, Error, HostBytes, Result, Storage, Tensor};
 use std::any::Any;
 use std::sync::Mutex;
@@ -156,44 +156,36 @@ impl<'a> Rows<'a> {
         }
     }
 
-    /// Every row, decoded into a new `[rows, cols]` buffer, rows in tasks on `pool`; an
-    /// error rather than an abort where memory cannot hold it.
-    pub(crate) fn decode_all(&self, pool: &Pool) -> Result<Vec<f32>> {
+    /// Every row decoded into `buf` (grown to `rows × cols` where it is smaller, an
+    /// error rather than an abort where memory cannot hold it), rows in tasks on `pool`;
+    /// returns the decoded `[rows, cols]` values at its start.
+    pub(crate) fn decode_into<'b>(&self, pool: &Pool, buf: &'b mut Vec<f32>) -> Result<&'b [f32]> {
         let len = self.rows * self.cols;
-        let mut out = Vec::new();
-        out.try_reserve_exact(len).map_err(|_| {
-            Error::Device(format!(
-                "cannot allocate {} bytes of CPU memory to decode a [{}, {}] weight",
-                len * 4,
-                self.rows,
-                self.cols
-            ))
-        })?;
-        out.resize(len, 0f32);
+        if buf.len() < len {
+            buf.try_reserve_exact(len - buf.len()).map_err(|_| {
+                Error::Device(format!(
+                    "cannot allocate {} bytes of CPU memory to decode a [{}, {}] weight",
+                    len * 4,
+                    self.rows,
+                    self.cols
+                ))
+            })?;
+            buf.resize(len, 0f32);
+        }
+        let out = &mut buf[..len];
         if len == 0 {
             return Ok(out);
         }
         const ROWS_PER_TASK: usize = 64;
         let failed = Mutex::new(None);
-        let shared = SharedMut::new(&mut out);
-        pool.for_each_init(
-            self.rows.div_ceil(ROWS_PER_TASK),
-            || (),
-            |(), c| {
-                let r0 = c * ROWS_PER_TASK;
-                for r in r0..(r0 + ROWS_PER_TASK).min(self.rows) {
-                    // SAFETY: this task alone writes rows r0..r0 + ROWS_PER_TASK of `out`
-                    // (rows × cols), each inside it.
-                    let row = unsafe {
-                        std::slice::from_raw_parts_mut(shared.at(r * self.cols), self.cols)
-                    };
-                    if let Err(e) = self.decode(r, row) {
-                        *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-                        return;
-                    }
+        pool.for_chunks_mut(out, ROWS_PER_TASK * self.cols, |c, chunk| {
+            for (i, row) in chunk.chunks_exact_mut(self.cols).enumerate() {
+                if let Err(e) = self.decode(c * ROWS_PER_TASK + i, row) {
+                    *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                    return;
                 }
-            },
-        );
+            }
+        });
         match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
             Some(e) => Err(e),
             None => Ok(out),

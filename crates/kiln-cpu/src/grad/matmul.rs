@@ -5,7 +5,7 @@ use crate::pool::{Pool, SharedMut};
 use crate::storage::Rows;
 use crate::{f32s, f32s_mut};
 use kiln_core::{DType, Error, Result, Tensor};
-use std::borrow::Cow;
+use std::sync::Mutex;
 
 /// Output rows per task: enough work to amortise a task, few enough to balance the pool.
 fn rows_per_task(pool: &Pool, rows: usize) -> usize {
@@ -41,30 +41,38 @@ fn weight_dims(w: &Tensor, op: &str) -> Result<(usize, usize)> {
     }
 }
 
-/// A product's weight as f32 values: an F32 weight's own, or a frozen weight kept as
-/// stored (LoRA over a quantized model) decoded for this call alone, so that the model
-/// stays in its type between calls.
-pub(crate) fn weight_values<'a>(pool: &Pool, w: &'a Tensor, op: &str) -> Result<Cow<'a, [f32]>> {
-    match w.dtype() {
-        DType::F32 => Ok(Cow::Borrowed(f32s(w)?)),
-        _ => Ok(Cow::Owned(Rows::of(w, op)?.decode_all(pool)?)),
+/// `f` of a product's weight as f32 values: an F32 weight's own, or a frozen weight kept
+/// as stored (LoRA over a quantized model) decoded for this call into `scratch`, which
+/// stays allocated between calls (fresh pages for every product would cost as much as
+/// the decoding).
+pub(crate) fn with_weight_values<R>(
+    pool: &Pool,
+    scratch: &Mutex<Vec<f32>>,
+    w: &Tensor,
+    op: &str,
+    f: impl FnOnce(&[f32]) -> R,
+) -> Result<R> {
+    if w.dtype() == DType::F32 {
+        return Ok(f(f32s(w)?));
     }
+    let rows = Rows::of(w, op)?;
+    let mut buf = scratch.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(f(rows.decode_into(pool, &mut buf)?))
 }
 
 /// `dx[n, k] += dy[n, m] · w[m, k]`, tasks over rows of `dx`.
-pub(crate) fn matmul_dx(pool: &Pool, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()> {
+pub(crate) fn matmul_dx(
+    pool: &Pool,
+    scratch: &Mutex<Vec<f32>>,
+    dy: &Tensor,
+    w: &Tensor,
+    dx: &mut Tensor,
+) -> Result<()> {
     let (n, m, k) = dims(dy, weight_dims(w, "matmul_dx")?, dx, "matmul_dx")?;
     let (dys, dxs) = (f32s(dy)?, f32s_mut(dx)?);
-    dx_slices(
-        pool,
-        dys,
-        &weight_values(pool, w, "matmul_dx")?,
-        dxs,
-        n,
-        m,
-        k,
-    );
-    Ok(())
+    with_weight_values(pool, scratch, w, "matmul_dx", |ws| {
+        dx_slices(pool, dys, ws, dxs, n, m, k)
+    })
 }
 
 /// [`matmul_dx`] on slices of at least the sizes `n`, `m`, `k` make.

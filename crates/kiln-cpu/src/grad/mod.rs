@@ -44,7 +44,7 @@ impl GradOps for CpuBackend {
     }
 
     fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()> {
-        matmul::matmul_dx(&self.pool, dy, w, dx)
+        matmul::matmul_dx(&self.pool, &self.decoded, dy, w, dx)
     }
 
     fn matmul_dw(&self, dy: &Tensor, x: &Tensor, dw: &mut Tensor) -> Result<()> {
@@ -153,6 +153,17 @@ impl GradOps for CpuBackend {
         dh: Option<&mut Tensor>,
         dw: Option<&mut Tensor>,
     ) -> Result<()> {
-        cross_entropy::cross_entropy(&self.pool, h, w, targets, softcap, scale, losses, dh, dw)
+        cross_entropy::cross_entropy(
+            &self.pool,
+            &self.decoded,
+            h,
+            w,
+            targets,
+            softcap,
+            scale,
+            losses,
+            dh,
+            dw,
+        )
     }
 }
