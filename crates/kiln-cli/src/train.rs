@@ -544,10 +544,33 @@ fn start(a: &TrainArgs, backend: &Arc<dyn Backend>) -> CliResult<(GgufFile, Toke
             )));
         }
         let meta = tokenizer_metadata(&file)?;
+        // A GGUF file kept as stored is the start itself, mapped (the pages of weights the
+        // kernels repack are released; the rest is page cache), not a copy in memory,
+        // and its weights are not loaded twice.
+        if let Some(g) = file.checkpoint.gguf() {
+            let types: Vec<(&str, Option<DType>)> = g
+                .tensors
+                .iter()
+                .map(|t| (t.name.as_str(), t.ggml_type.dtype()))
+                .collect();
+            if keeps_stored(a, backend.as_ref(), &types) {
+                let mut f = GgufFile::open(from)?;
+                f.set("general.name", Value::String(a.name.clone()));
+                return Ok((f, file.tokenizer));
+            }
+        }
         let model = file.checkpoint.load(backend.clone(), None)?;
-        let start = match frozen_as_stored(a, backend.as_ref(), &model) {
+        let params = model.parameters();
+        let types: Vec<(&str, Option<DType>)> = params
+            .iter()
+            .map(|(n, t)| (n.as_str(), Some(t.dtype())))
+            .collect();
+        let start = match keeps_stored(a, backend.as_ref(), &types) {
             true => init::frozen_start(&model, &a.name, meta)?,
-            false => init::model_start(&model, &a.name, meta)?,
+            false => {
+                warn_f32_copy(a, &types);
+                init::model_start(&model, &a.name, meta)?
+            }
         };
         return Ok((start, file.tokenizer));
     }
@@ -564,33 +587,39 @@ fn start(a: &TrainArgs, backend: &Arc<dyn Backend>) -> CliResult<(GgufFile, Toke
     Ok((start, file.tokenizer))
 }
 
-/// Whether a run from `model` keeps its weights in their types: LoRA (the model is
-/// frozen) on one backend whose backward reads them as stored. Otherwise the run starts
-/// from an F32 copy, said when that takes more memory than the model.
-fn frozen_as_stored(a: &TrainArgs, backend: &dyn Backend, model: &kiln_models::Model) -> bool {
-    let params = model.parameters();
-    let Some(other) = params.iter().find(|(_, t)| t.dtype() != DType::F32) else {
-        return false;
-    };
+/// Whether a run from a model of these weights (name, type; `None` for a type kiln
+/// converts as it loads) keeps them in their types: LoRA (the model is frozen) on one
+/// backend whose backward reads them as stored. Otherwise the run starts from an F32
+/// copy.
+fn keeps_stored(a: &TrainArgs, backend: &dyn Backend, weights: &[(&str, Option<DType>)]) -> bool {
     let one_replica = a.dp.is_none_or(|d| d == 1);
-    let takes =
-        |g: &dyn kiln_core::GradOps| params.iter().all(|(_, t)| g.frozen_as_stored(t.dtype()));
-    if a.lora_rank.is_some() && one_replica && backend.grad().is_some_and(takes) {
-        return true;
-    }
-    if a.lora_rank.is_some() {
+    let takes = |g: &dyn kiln_core::GradOps| {
+        weights
+            .iter()
+            .all(|(_, t)| t.is_some_and(|t| g.frozen_as_stored(t)))
+    };
+    a.lora_rank.is_some()
+        && weights.iter().any(|(_, t)| *t != Some(DType::F32))
+        && one_replica
+        && backend.grad().is_some_and(takes)
+}
+
+/// Under LoRA, say why a model of these weights starts from an F32 copy.
+fn warn_f32_copy(a: &TrainArgs, weights: &[(&str, Option<DType>)]) {
+    let other = weights.iter().find_map(|&(n, t)| match t {
+        Some(DType::F32) => None,
+        t => Some((n, t.map_or("converted", |d| d.name()))),
+    });
+    if let (Some(_), Some((name, dtype))) = (a.lora_rank, other) {
         tracing::warn!(
-            "LoRA over {} weights ({} is one) starts from an F32 copy of the model here: {}",
-            other.1.dtype(),
-            other.0,
-            match one_replica {
+            "LoRA over {dtype} weights ({name} is one) starts from an F32 copy of the model here: {}",
+            match a.dp.is_none_or(|d| d == 1) {
                 true =>
                     "this device's backward reads F32 weights alone; on the CPU they stay as stored",
                 false => "replicas (--dp) start from F32",
             }
         );
     }
-    false
 }
 
 pub fn run(a: TrainArgs, quiet: bool) -> CliResult {

@@ -4,8 +4,9 @@
 //! the derivative of one forward op, taking the forward's inputs (as saved by the caller)
 //! and the gradient of its output, and *adding* into the gradients of its inputs (`+=`),
 //! so that a value read by several ops sums their contributions in place. Shapes are the
-//! forward op's; weights are F32 (their gradients are F32 of the same shape). Kernels that
-//! change a gradient in place say so.
+//! forward op's; trained weights are F32 (their gradients are F32 of the same shape), and
+//! frozen ones may stay as stored where [`GradOps::frozen_as_stored`] says so. Kernels
+//! that change a gradient in place say so.
 
 use crate::{AttentionParams, DType, Result, RopeLayout, Tensor};
 

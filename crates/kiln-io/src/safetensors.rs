@@ -238,7 +238,7 @@ pub fn write_f32(
     w.write_all(&(text.len() as u64).to_le_bytes())?;
     w.write_all(&text)?;
     for (i, ((name, _), &len)) in tensors.iter().zip(&lens).enumerate() {
-        let v = values(i).map_err(std::io::Error::other)?;
+        let v = values(i).map_err(|e| std::io::Error::other(format!("tensor {name}: {e}")))?;
         if v.len() * 4 != len {
             return Err(std::io::Error::other(format!(
                 "tensor {name}: {} values made, {} wanted",

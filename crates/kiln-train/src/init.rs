@@ -123,7 +123,8 @@ pub fn model_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Re
 }
 
 /// `model` as a GGUF file in memory with `extra` metadata, every weight in the type it
-/// has (a quantized model stays quantized, at a quarter or less of F32's memory): the
+/// has (a quantized model stays quantized, at a quarter of F32's memory or less; F16 and
+/// BF16 at half): the
 /// start of a LoRA run, whose model is frozen, on a backend whose backward reads those
 /// types ([`kiln_core::GradOps::frozen_as_stored`]).
 pub fn frozen_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Result<GgufFile> {

@@ -215,7 +215,7 @@ impl Tape {
     }
 
     /// Make `params` the parameters (in this order), with a zeroed gradient each for those
-    /// `trainable` marks. Each must be an F32 tensor of this tape's backend.
+    /// `trainable` marks. Each is a tensor of this tape's backend, F32 where trained.
     pub fn set_parameters(&self, params: &[&Tensor], trainable: &[bool]) -> Result<()> {
         if params.len() != trainable.len() {
             return Err(Error::shape("set_parameters: one flag per parameter"));

@@ -164,8 +164,9 @@ fn layout_of<'a>(opt: &'a Optimizer, shard: &'a Option<Shard>) -> &'a ParamLayou
 }
 
 impl Trainer {
-    /// A new run from `start`, a model whose weights are all F32 (see
-    /// `kiln_train::start`), on a tape over `backend`.
+    /// A new run from `start` (see `kiln_train::init`), on a tape over `backend`: a
+    /// model whose weights are all F32, or under LoRA of types the backend's backward
+    /// reads as stored ([`kiln_core::GradOps::frozen_as_stored`]).
     pub fn new(
         start: &GgufFile,
         data: TextData,
@@ -238,7 +239,7 @@ impl Trainer {
             }
             if !grad_ops.frozen_as_stored(dtype) {
                 return Err(Error::unsupported(format!(
-                    "{file}: {name} is {dtype}; {} trains LoRA over F32 weights alone (convert the model to F32 first)",
+                    "{file}: {name} is {dtype}; {} trains LoRA over F32 weights alone (start from the model with `kiln train --from`, which converts it, or train on the CPU: --device cpu)",
                     inner.describe()
                 )));
             }

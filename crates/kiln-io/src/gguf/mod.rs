@@ -115,6 +115,18 @@ impl GgufFile {
         self.key_index.get(key).map(|&i| &self.metadata[i].1)
     }
 
+    /// Set a metadata key of this opened file (in memory, not on disk): a run that
+    /// starts from the file under another name.
+    pub fn set(&mut self, key: &str, value: Value) {
+        match self.key_index.get(key) {
+            Some(&i) => self.metadata[i].1 = value,
+            None => {
+                self.key_index.insert(key.to_string(), self.metadata.len());
+                self.metadata.push((key.to_string(), value));
+            }
+        }
+    }
+
     /// `general.architecture`, when present and a string.
     pub fn architecture(&self) -> Option<&str> {
         self.get("general.architecture").and_then(Value::as_str)

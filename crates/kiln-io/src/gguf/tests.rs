@@ -168,7 +168,27 @@ fn tensors_made_while_writing_read_back_as_given() {
         })
         .unwrap_err()
         .to_string();
-    assert!(err.contains("the device went away"), "{err}");
+    assert!(
+        err.contains("the device went away") && err.contains("'short'"),
+        "{err}"
+    );
+}
+
+/// `GgufFile::set` changes a key of the opened file in memory and adds a missing one,
+/// both then read by `get`.
+#[test]
+fn an_opened_files_metadata_can_be_set() {
+    let mut bytes = Vec::new();
+    sample_writer().write_to(&mut bytes).unwrap();
+    let mut f = GgufFile::from_bytes("t.gguf", bytes).unwrap();
+    f.set("general.architecture", Value::String("mistral".into()));
+    f.set("general.name", Value::String("renamed".into()));
+    assert_eq!(f.architecture(), Some("mistral"));
+    assert_eq!(
+        f.get("general.name"),
+        Some(&Value::String("renamed".into()))
+    );
+    assert_eq!(f.metadata.len(), 15);
 }
 
 /// A released tensor's pages leave the process but not the file: its bytes (spanning

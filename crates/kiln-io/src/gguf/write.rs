@@ -186,7 +186,8 @@ impl GgufWriter {
             match &t.data {
                 Some(d) => w.write_all(d)?,
                 None => {
-                    let d = make(&t.name).map_err(std::io::Error::other)?;
+                    let d = make(&t.name)
+                        .map_err(|e| std::io::Error::other(format!("tensor '{}': {e}", t.name)))?;
                     if d.len() as u64 != t.len {
                         return Err(std::io::Error::other(format!(
                             "tensor '{}' of {} {:?} was made of {} bytes, not {}",
