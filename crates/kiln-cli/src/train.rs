@@ -589,10 +589,11 @@ fn start(a: &TrainArgs, backend: &Arc<dyn Backend>) -> CliResult<(GgufFile, Toke
 
 /// Whether a run from a model of these weights (name, type; `None` for a type kiln
 /// converts as it loads) keeps them in their types: LoRA (the model is frozen) on one
-/// backend whose backward reads them as stored. Otherwise the run starts from an F32
-/// copy.
+/// backend whose backward reads them as stored (replicas, which make their own
+/// backends, on the CPU alone). Otherwise the run starts from an F32 copy.
 fn keeps_stored(a: &TrainArgs, backend: &dyn Backend, weights: &[(&str, Option<DType>)]) -> bool {
-    let one_replica = a.dp.is_none_or(|d| d == 1);
+    let one_backend =
+        a.dp.is_none_or(|d| d == 1) || matches!(a.device, model_file::DeviceChoice::Cpu);
     let takes = |g: &dyn kiln_core::GradOps| {
         weights
             .iter()
@@ -600,7 +601,7 @@ fn keeps_stored(a: &TrainArgs, backend: &dyn Backend, weights: &[(&str, Option<D
     };
     a.lora_rank.is_some()
         && weights.iter().any(|(_, t)| *t != Some(DType::F32))
-        && one_replica
+        && one_backend
         && backend.grad().is_some_and(takes)
 }
 
@@ -616,7 +617,7 @@ fn warn_f32_copy(a: &TrainArgs, weights: &[(&str, Option<DType>)]) {
             match a.dp.is_none_or(|d| d == 1) {
                 true =>
                     "this device's backward reads F32 weights alone; on the CPU they stay as stored",
-                false => "replicas (--dp) start from F32",
+                false => "replicas (--dp) on GPUs start from F32",
             }
         );
     }

@@ -431,6 +431,12 @@ fn a_lora_fine_tune_exports_a_merged_model_that_runs() {
             "{name} changed"
         );
     }
+    // Two replicas on the CPU keep it as stored too.
+    let o = lora(&["--lora-rank", "4", "--dp", "2", "--device", "cpu"]);
+    assert!(o.status.success(), "--dp 2: {}", stderr(&o));
+    let ckpt = GgufFile::open(dir.path().join("checkpoint.gguf")).unwrap();
+    let kept = ckpt.tensor("blk.0.attn_q.weight").unwrap();
+    assert_eq!(kept.ggml_type.dtype(), Some(DType::Q8_0), "--dp 2");
     let model = dir.path().join("model.gguf");
     let run = kiln(
         &[
