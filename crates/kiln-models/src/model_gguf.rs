@@ -325,6 +325,17 @@ impl Model {
         Ok(w)
     }
 
+    /// The writer of [`Model::to_gguf_as_stored`] with every parameter declared in its
+    /// type but not read ([`GgufWriter::add_tensor_later`]): for a caller who has the
+    /// bytes elsewhere (a frozen model's start file) and gives them as it writes.
+    pub fn to_gguf_declared(&self, name: &str) -> Result<GgufWriter> {
+        let (mut w, _) = self.writer_and_heads(name)?;
+        for (pname, t) in self.parameters() {
+            w.add_tensor_later(&pname, t.dtype(), t.dims())?;
+        }
+        Ok(w)
+    }
+
     /// The writer of [`Model::to_gguf`], and for a parameter's name the number of heads
     /// its rows are permuted within, where they are (a Hugging Face llama's Q and K).
     fn writer_and_heads(&self, name: &str) -> Result<(GgufWriter, impl Fn(&str) -> Option<usize>)> {

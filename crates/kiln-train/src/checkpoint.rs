@@ -48,19 +48,29 @@ pub fn add_state(w: &mut GgufWriter, state: &RunState) -> Result<()> {
     )
 }
 
-/// Write `w` to `path` atomically (see the module's documentation).
-pub fn write(w: &GgufWriter, path: &Path) -> Result<()> {
-    kiln_io::file::write_replacing(path, |b| w.write_to(b))
-}
-
 /// A checkpoint's contents, copied off the device ([`crate::Trainer::checkpoint`]): the
-/// run may go on while another thread writes them.
-pub struct Checkpoint(pub(crate) GgufWriter);
+/// run may go on while another thread writes them. A LoRA run's frozen weights are not
+/// copied: they are read from the start file, which holds them as they are, while the
+/// checkpoint is written.
+pub struct Checkpoint {
+    pub(crate) writer: GgufWriter,
+    pub(crate) frozen: Option<GgufFile>,
+}
 
 impl Checkpoint {
     /// Write it to `path` atomically (see the module's documentation).
     pub fn write(&self, path: &Path) -> Result<()> {
-        write(&self.0, path)
+        kiln_io::file::write_replacing(path, |b| {
+            self.writer.write_to_making(b, |name| {
+                let f = self.frozen.as_ref().ok_or_else(|| {
+                    Error::shape(format!("{name}: the checkpoint holds no bytes for it"))
+                })?;
+                let t = f.tensor(name).ok_or_else(|| {
+                    Error::format(format!("{}: {name} is missing", f.path.display()))
+                })?;
+                Ok(f.tensor_data(t).to_vec())
+            })
+        })
     }
 }
 

@@ -87,6 +87,10 @@ pub struct Trainer {
     data: TextData,
     /// The start file's `tokenizer.*` and `general.name` metadata, for what is written.
     carried: Vec<(String, Value)>,
+    /// Under LoRA, the start file when it holds every weight of the model as the model
+    /// does (type and bytes): checkpoints read the frozen weights from it as they are
+    /// written, instead of copying them off the device at every save.
+    frozen_source: Option<GgufFile>,
     /// Every parameter, flat (the optimizer's master copy), and their gradients: F32 on
     /// the backend, laid out by the optimizer's [`ParamLayout`].
     params: Tensor,
@@ -307,6 +311,10 @@ impl Trainer {
             .filter(|(k, _)| k.starts_with("tokenizer.") || k == "general.name")
             .cloned()
             .collect();
+        let frozen_source = match settings.lora {
+            Some(_) if holds_as_stored(start, &model)? => Some(start.clone()),
+            _ => None,
+        };
         Ok(Trainer {
             tape,
             model,
@@ -314,6 +322,7 @@ impl Trainer {
             settings,
             data,
             carried,
+            frozen_source,
             params,
             grads,
             opt,
@@ -895,7 +904,10 @@ impl Trainer {
         self.check_not_broken()?;
         // The model's own weights (frozen under LoRA) and each adapter's matrices apart,
         // so that a resumed run goes on exactly.
-        let mut w = self.model.to_gguf_as_stored(&self.model_name())?;
+        let mut w = match self.frozen_source {
+            Some(_) => self.model.to_gguf_declared(&self.model_name())?,
+            None => self.model.to_gguf_as_stored(&self.model_name())?,
+        };
         self.add_carried(&mut w)?;
         for ad in &self.tape.adapters().list {
             let (a, b) = Adapter::tensor_names(&ad.weight);
@@ -914,7 +926,10 @@ impl Trainer {
                 optimizer: self.gather_optimizer()?,
             },
         )?;
-        Ok(checkpoint::Checkpoint(w))
+        Ok(checkpoint::Checkpoint {
+            writer: w,
+            frozen: self.frozen_source.clone(),
+        })
     }
 
     fn check_not_broken(&self) -> Result<()> {
@@ -970,6 +985,22 @@ impl Trainer {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect())
     }
+}
+
+/// Whether `file` holds every weight of `model` as the model would write it (its type,
+/// its bytes as the device gives them back), tensor by tensor.
+fn holds_as_stored(file: &GgufFile, model: &Model) -> Result<bool> {
+    for (name, t) in model.parameters() {
+        let Some(info) = file.tensor(&name) else {
+            return Ok(false);
+        };
+        if info.ggml_type.dtype() != Some(t.dtype())
+            || file.tensor_data(info) != model.backend().download(t)?.as_slice()
+        {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 fn check_norm(grad_norm: f64, number: usize) -> Result<()> {

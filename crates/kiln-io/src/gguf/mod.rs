@@ -53,7 +53,9 @@ impl TensorInfo {
     }
 }
 
-/// A GGUF file, memory-mapped. Tensor data is viewed in place, never copied.
+/// A GGUF file, memory-mapped. Tensor data is viewed in place, never copied (a clone
+/// shares the mapping).
+#[derive(Clone)]
 pub struct GgufFile {
     pub path: PathBuf,
     pub version: u32,
