@@ -156,15 +156,21 @@ impl<'a> Rows<'a> {
         }
     }
 
-    /// Every row decoded into `buf` (grown to `rows × cols` where it is smaller, an
-    /// error rather than an abort where memory cannot hold it), rows in tasks on `pool`;
+    /// Rows `r0..r0 + rows` decoded into `buf` (grown where it is smaller, an error
+    /// rather than an abort where memory cannot hold it), rows in tasks on `pool`;
     /// returns the decoded `[rows, cols]` values at its start.
-    pub(crate) fn decode_into<'b>(&self, pool: &Pool, buf: &'b mut Vec<f32>) -> Result<&'b [f32]> {
-        let len = self.rows * self.cols;
+    pub(crate) fn decode_range_into<'b>(
+        &self,
+        pool: &Pool,
+        r0: usize,
+        rows: usize,
+        buf: &'b mut Vec<f32>,
+    ) -> Result<&'b [f32]> {
+        let len = rows * self.cols;
         if buf.len() < len {
             buf.try_reserve_exact(len - buf.len()).map_err(|_| {
                 Error::Device(format!(
-                    "cannot allocate {} bytes of CPU memory to decode a [{}, {}] weight",
+                    "cannot allocate {} bytes of CPU memory to decode {rows} rows of a [{}, {}] weight",
                     len * 4,
                     self.rows,
                     self.cols
@@ -180,7 +186,7 @@ impl<'a> Rows<'a> {
         let failed = Mutex::new(None);
         pool.for_chunks_mut(out, ROWS_PER_TASK * self.cols, |c, chunk| {
             for (i, row) in chunk.chunks_exact_mut(self.cols).enumerate() {
-                if let Err(e) = self.decode(c * ROWS_PER_TASK + i, row) {
+                if let Err(e) = self.decode(r0 + c * ROWS_PER_TASK + i, row) {
                     *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
                     return;
                 }

@@ -945,6 +945,73 @@ pub fn gradients_through_frozen_weights_as_stored(t: &Target) {
     }
 }
 
+/// A frozen Q8_0 weight taller than the CPU decodes at once (32 MiB of f32 rows: 1,024
+/// rows of 8,192): `matmul_dx` and the fused loss's `dh` over it against their float64
+/// formulas at every element, and the losses.
+pub fn frozen_weights_over_many_decoded_tiles(t: &Target) {
+    let g = t.grad();
+    let dtype = DType::Q8_0;
+    if !g.frozen_as_stored(dtype) {
+        return;
+    }
+    let (n, m, k) = (3, 2_500, 8_192);
+    let mut rng = t.rng(77);
+    let w = random(&mut rng, m * k, 1.0);
+    let wt = t.upload(dtype, &[m, k], &w);
+    let w64 = widen(&stored(dtype, &w));
+    let r = cotangent(&mut rng, n * m);
+    let (mut dx, before) = t.grad_buffer(&mut rng, &[n, k]);
+    g.matmul_dx(&t.upload(DType::F32, &[n, m], &r), &wt, &mut dx)
+        .unwrap();
+    let got = t.added(&dx, &before);
+    let want: Vec<f64> = (0..n * k)
+        .map(|e| {
+            let (i, c) = (e / k, e % k);
+            (0..m).map(|o| r[i * m + o] as f64 * w64[o * k + c]).sum()
+        })
+        .collect();
+    let largest = want.iter().fold(0f64, |a, v| a.max(v.abs()));
+    for (e, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= super::TOL * largest,
+            "matmul dx [{e}] over {m} rows of Q8_0: {g} against {w}"
+        );
+    }
+
+    let h = random(&mut rng, n * k, 0.05);
+    let targets: Vec<i32> = (0..n).map(|i| (i * 977 + 5) as i32 % m as i32).collect();
+    let (mut dh, bh) = t.grad_buffer(&mut rng, &[n, k]);
+    let mut losses = t.poisoned(&[n]);
+    g.cross_entropy(
+        &t.upload(DType::F32, &[n, k], &h),
+        &wt,
+        &t.ints(&targets),
+        None,
+        CE_SCALE,
+        &mut losses,
+        Some(&mut dh),
+        None,
+    )
+    .unwrap();
+    let h64 = widen(&h);
+    let want = r64::cross_entropy(&h64, &w64, &targets, k, None);
+    for (i, (&got, want)) in t.read(&losses).iter().zip(&want).enumerate() {
+        assert!(
+            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+            "cross_entropy over {m} rows of Q8_0, loss [{i}]: {got} vs {want}"
+        );
+    }
+    let (want_dh, _) = r64::cross_entropy_grads(&h64, &w64, &targets, k, CE_SCALE as f64);
+    let got = t.added(&dh, &bh);
+    let largest = want_dh.iter().fold(0f64, |a, v| a.max(v.abs()));
+    for (e, (g, w)) in got.iter().zip(&want_dh).enumerate() {
+        assert!(
+            (g - w).abs() <= super::TOL * largest,
+            "cross_entropy dh [{e}] over {m} rows of Q8_0: {g} against {w}"
+        );
+    }
+}
+
 /// Whether `f` panics (its message still printed: it shows what was caught).
 fn panics(f: impl FnOnce()) -> bool {
     catch_unwind(AssertUnwindSafe(f)).is_err()

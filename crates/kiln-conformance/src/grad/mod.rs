@@ -61,6 +61,7 @@ macro_rules! with_grad_cases {
             cross_entropy_loss_and_gradients
             cross_entropy_over_blocks_of_rows
             gradients_through_frozen_weights_as_stored
+            frozen_weights_over_many_decoded_tiles
             a_wrong_gradient_is_caught
         }
     };

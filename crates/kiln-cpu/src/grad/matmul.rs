@@ -41,23 +41,34 @@ fn weight_dims(w: &Tensor, op: &str) -> Result<(usize, usize)> {
     }
 }
 
-/// `f` of a product's weight as f32 values: an F32 weight's own, or a frozen weight kept
-/// as stored (LoRA over a quantized model) decoded for this call into `scratch`, which
-/// stays allocated between calls (fresh pages for every product would cost as much as
-/// the decoding).
-pub(crate) fn with_weight_values<R>(
+/// A frozen weight is decoded this many bytes of f32 rows at a time: the decoded copy
+/// stays small whatever the matrix (an 8B model's output head is 2.1 GB in f32).
+const DECODED_TILE_BYTES: usize = 32 << 20;
+
+/// `f(r0, rows, values)` over the rows of the weight `w` `[m, k]`, a tile of them at a
+/// time: an F32 weight as one tile, its own values; a frozen weight kept as stored (LoRA
+/// over a quantized model) decoded a tile at a time into `scratch`, which stays
+/// allocated between calls (fresh pages for every product cost as much as the decoding).
+pub(crate) fn for_weight_tiles(
     pool: &Pool,
     scratch: &Mutex<Vec<f32>>,
     w: &Tensor,
     op: &str,
-    f: impl FnOnce(&[f32]) -> R,
-) -> Result<R> {
+    mut f: impl FnMut(usize, usize, &[f32]) -> Result<()>,
+) -> Result<()> {
     if w.dtype() == DType::F32 {
-        return Ok(f(f32s(w)?));
+        let (m, _) = weight_dims(w, op)?;
+        return f(0, m, f32s(w)?);
     }
     let rows = Rows::of(w, op)?;
+    let (m, k) = rows.dims();
+    let tile = (DECODED_TILE_BYTES / (k.max(1) * 4)).max(1);
     let mut buf = scratch.lock().unwrap_or_else(|e| e.into_inner());
-    Ok(f(rows.decode_into(pool, &mut buf)?))
+    for r0 in (0..m).step_by(tile) {
+        let n = tile.min(m - r0);
+        f(r0, n, rows.decode_range_into(pool, r0, n, &mut buf)?)?;
+    }
+    Ok(())
 }
 
 /// `dx[n, k] += dy[n, m] · w[m, k]`, tasks over rows of `dx`.
@@ -70,25 +81,30 @@ pub(crate) fn matmul_dx(
 ) -> Result<()> {
     let (n, m, k) = dims(dy, weight_dims(w, "matmul_dx")?, dx, "matmul_dx")?;
     let (dys, dxs) = (f32s(dy)?, f32s_mut(dx)?);
-    with_weight_values(pool, scratch, w, "matmul_dx", |ws| {
-        dx_slices(pool, dys, ws, dxs, n, m, k)
+    for_weight_tiles(pool, scratch, w, "matmul_dx", |r0, rows, ws| {
+        dx_slices(pool, &dys[r0..], m, ws, dxs, n, rows, k);
+        Ok(())
     })
 }
 
-/// [`matmul_dx`] on slices of at least the sizes `n`, `m`, `k` make.
+/// `dx[n, k] += dy[n, m] · w[m, k]` on slices, `dy`'s rows `dy_stride` apart (a tile of
+/// columns of a wider matrix) and the others packed, tasks over rows of `dx`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn dx_slices(
     pool: &Pool,
     dys: &[f32],
+    dy_stride: usize,
     ws: &[f32],
     dxs: &mut [f32],
     n: usize,
     m: usize,
     k: usize,
 ) {
-    assert!(dys.len() >= n * m && ws.len() >= m * k && dxs.len() >= n * k);
     if n == 0 || m == 0 || k == 0 {
         return;
     }
+    assert!(dy_stride >= m && dys.len() >= (n - 1) * dy_stride + m);
+    assert!(ws.len() >= m * k && dxs.len() >= n * k);
     let chunk = rows_per_task(pool, n);
     let out = SharedMut::new(dxs);
     pool.for_each_init(
@@ -98,8 +114,8 @@ pub(crate) fn dx_slices(
             let r0 = c * chunk;
             let rows = chunk.min(n - r0);
             // SAFETY: this task alone writes rows r0..r0 + rows of dx (n × k, row stride k);
-            // dy is read at rows r0.. (row stride m) and w whole (m × k, row stride k), each
-            // inside its slice (asserted above).
+            // dy is read at rows r0.. (row stride dy_stride, m values each) and w whole
+            // (m × k, row stride k), each inside its slice (asserted above).
             unsafe {
                 gemm::gemm(
                     rows,
@@ -109,9 +125,9 @@ pub(crate) fn dx_slices(
                     1,
                     k as isize,
                     true,
-                    dys.as_ptr().add(r0 * m),
+                    dys.as_ptr().add(r0 * dy_stride),
                     1,
-                    m as isize,
+                    dy_stride as isize,
                     ws.as_ptr(),
                     1,
                     k as isize,
@@ -187,21 +203,25 @@ pub(crate) fn dw_slices(
     );
 }
 
-/// `out[n, m] = x[n, k] · w[m, k]ᵀ` on slices (the forward product the fused loss
-/// recomputes), tasks over columns of `out`.
+/// `out[n, m] = x[n, k] · w[m, k]ᵀ` on slices, `out`'s rows `out_stride` apart (a tile of
+/// columns of a wider matrix): the forward product the fused loss recomputes, tasks over
+/// columns of `out`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn xwt_slices(
     pool: &Pool,
     xs: &[f32],
     ws: &[f32],
     out: &mut [f32],
+    out_stride: usize,
     n: usize,
     m: usize,
     k: usize,
 ) {
-    assert!(xs.len() >= n * k && ws.len() >= m * k && out.len() >= n * m);
     if n == 0 || m == 0 {
         return;
     }
+    assert!(xs.len() >= n * k && ws.len() >= m * k);
+    assert!(out_stride >= m && out.len() >= (n - 1) * out_stride + m);
     let chunk = rows_per_task(pool, m);
     let cols = SharedMut::new(out);
     pool.for_each_init(
@@ -210,9 +230,9 @@ pub(crate) fn xwt_slices(
         |(), c| {
             let r0 = c * chunk;
             let rows = chunk.min(m - r0);
-            // SAFETY: this task alone writes columns r0..r0 + rows of out (n × m, row stride
-            // m); x is n × k (row stride k) and w's rows r0.. are read transposed (column
-            // stride k), each inside its slice (asserted above).
+            // SAFETY: this task alone writes columns r0..r0 + rows of out (n rows,
+            // row stride out_stride); x is n × k (row stride k) and w's rows r0.. are read
+            // transposed (column stride k), each inside its slice (asserted above).
             unsafe {
                 gemm::gemm(
                     n,
@@ -220,7 +240,7 @@ pub(crate) fn xwt_slices(
                     k,
                     cols.at(r0),
                     1,
-                    m as isize,
+                    out_stride as isize,
                     false,
                     xs.as_ptr(),
                     1,
