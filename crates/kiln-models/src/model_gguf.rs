@@ -6,7 +6,7 @@ use crate::config::{Arch, ModelConfig, Norm, Rope};
 use crate::config_gguf::config_from_gguf;
 use crate::convert::permute_rows;
 use crate::model::Model;
-use kiln_core::{quant, DType, Error, Result, RopeLayout};
+use kiln_core::{quant, DType, Error, Result, RopeLayout, Tensor};
 use kiln_io::gguf::{GgufFile, GgufWriter, Value};
 
 /// What GGUF says of a configuration: its metadata, the values of the `rope_freqs.weight`
@@ -231,6 +231,23 @@ pub(crate) fn matrix_type(dtype: DType, shape: &[usize]) -> DType {
     }
 }
 
+/// `t`'s bytes as the device gives them back, its rows permuted within `heads` heads
+/// where given (whole rows: a block type's blocks stay whole).
+fn stored_bytes(model: &Model, t: &Tensor, heads: Option<usize>) -> Result<Vec<u8>> {
+    let bytes = model.backend().download(t)?;
+    let Some(heads) = heads else {
+        return Ok(bytes);
+    };
+    let dims = t.dims();
+    let cols = if dims.len() == 1 { 1 } else { dims[1] };
+    Ok(permute_rows(
+        &bytes,
+        dims[0],
+        t.dtype().row_bytes(cols)?,
+        heads,
+    ))
+}
+
 /// What makes a tensor's bytes, given its name.
 type MakeTensor<'a> = Box<dyn Fn(&str) -> Result<Vec<u8>> + 'a>;
 
@@ -311,18 +328,31 @@ impl Model {
     pub fn to_gguf_as_stored(&self, name: &str) -> Result<GgufWriter> {
         let (mut w, permute) = self.writer_and_heads(name)?;
         for (pname, t) in self.parameters() {
-            let bytes = self.backend().download(t)?;
-            let dims = t.dims();
-            let bytes = match permute(&pname) {
-                Some(heads) => {
-                    let cols = if dims.len() == 1 { 1 } else { dims[1] };
-                    permute_rows(&bytes, dims[0], t.dtype().row_bytes(cols)?, heads)
-                }
-                None => bytes,
-            };
-            w.add_tensor(&pname, t.dtype(), dims, bytes)?;
+            let bytes = stored_bytes(self, t, permute(&pname))?;
+            w.add_tensor(&pname, t.dtype(), t.dims(), bytes)?;
         }
         Ok(w)
+    }
+
+    /// [`Model::to_gguf_as_stored`] read as the file is written, one tensor at a time:
+    /// a frozen model written out whole without a second copy in memory.
+    pub fn to_gguf_as_stored_later(&self, name: &str) -> Result<GgufExport<'_>> {
+        let (mut writer, permute) = self.writer_and_heads(name)?;
+        let params = self.parameters();
+        for (pname, t) in &params {
+            writer.add_tensor_later(pname, t.dtype(), t.dims())?;
+        }
+        let make = move |wanted: &str| -> Result<Vec<u8>> {
+            let (pname, t) = params
+                .iter()
+                .find(|(n, _)| n == wanted)
+                .ok_or_else(|| Error::shape(format!("{wanted} is not a parameter")))?;
+            stored_bytes(self, t, permute(pname))
+        };
+        Ok(GgufExport {
+            writer,
+            make: Box::new(make),
+        })
     }
 
     /// The writer of [`Model::to_gguf_as_stored`] with every parameter declared in its

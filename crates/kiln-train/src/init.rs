@@ -122,15 +122,22 @@ pub fn model_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Re
     in_memory(name, |b| export.write_to(b))
 }
 
-/// `model` as a GGUF file in memory with `extra` metadata, every weight in the type it
-/// has (a quantized model stays quantized, at a quarter of F32's memory or less; F16 and
-/// BF16 at half): the
-/// start of a LoRA run, whose model is frozen, on a backend whose backward reads those
-/// types ([`kiln_core::GradOps::frozen_as_stored`]).
-pub fn frozen_start(model: &Model, name: &str, extra: Vec<(String, Value)>) -> Result<GgufFile> {
-    let mut w = model.to_gguf_as_stored(name)?;
-    set_all(&mut w, extra)?;
-    in_memory(name, |b| w.write_to(b))
+/// `model` with `extra` metadata as a GGUF file written to `path` (atomically, a tensor
+/// at a time) and mapped, every weight in the type it has (a quantized model stays
+/// quantized, at a quarter of F32's memory or less; F16 and BF16 at half): the start of
+/// a LoRA run, whose model is frozen, on a backend whose backward reads those types
+/// ([`kiln_core::GradOps::frozen_as_stored`]), from a model that is not such a file
+/// already (a Hugging Face directory).
+pub fn frozen_start(
+    model: &Model,
+    name: &str,
+    extra: Vec<(String, Value)>,
+    path: &std::path::Path,
+) -> Result<GgufFile> {
+    let mut export = model.to_gguf_as_stored_later(name)?;
+    set_all(&mut export.writer, extra)?;
+    kiln_io::file::write_replacing(path, |b| export.write_to(b))?;
+    GgufFile::open(path)
 }
 
 fn set_all(w: &mut GgufWriter, extra: Vec<(String, Value)>) -> Result<()> {

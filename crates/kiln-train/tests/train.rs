@@ -10,7 +10,7 @@ use kiln_io::gguf::GgufFile;
 use kiln_models::{Arch, Ffn, Logits, Model, ModelConfig, Norm, Rope};
 use kiln_tokenizer::Tokenizer;
 use kiln_train::data::{self, HeldOut, TextData};
-use kiln_train::init::scratch_start;
+use kiln_train::init::{self, scratch_start};
 use kiln_train::{LoraSettings, Rule, Schedule, Settings, StepConfig, Trainer};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -506,6 +506,41 @@ fn lora_over_a_quantized_model_keeps_it_quantized() {
     losses.extend((0..3).map(|_| second.step().unwrap().loss));
     assert_eq!(losses, whole_losses);
     assert!(second.parameters_flat().unwrap() == whole.parameters_flat().unwrap());
+}
+
+/// `init::frozen_start` (LoRA from a Hugging Face directory on the CPU) writes a model
+/// as stored to a file, a tensor at a time, and maps it: from llama's Q4_0 GGUF each
+/// weight's type and bytes are the file's; from its Hugging Face directory (Q and K rows
+/// permuted whole) the model it starts gives the directory's logits.
+#[test]
+fn a_frozen_start_is_written_as_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixtures = root().join("tests/fixtures/llama");
+    let q4 = GgufFile::open(fixtures.join("llama-q4_0.gguf")).unwrap();
+    let model = Model::from_gguf(&q4, cpu(), None).unwrap();
+    let start = init::frozen_start(&model, "frozen", vec![], &dir.path().join("q4.gguf")).unwrap();
+    for (name, _) in model.parameters() {
+        let (got, want) = (start.tensor(&name).unwrap(), q4.tensor(&name).unwrap());
+        assert_eq!(got.ggml_type, want.ggml_type, "{name}");
+        assert!(start.tensor_data(got) == q4.tensor_data(want), "{name}");
+    }
+    let ids = [1u32, 5, 9, 2, 7, 3];
+    let logits = |m: &mut Model| {
+        let mut cache = m.new_cache(ids.len(), DType::F32).unwrap();
+        m.forward(&ids, 0, &mut cache, Logits::All).unwrap()
+    };
+    let mut hf = Model::from_hf_dir(&fixtures.join("hf"), cpu(), None).unwrap();
+    let start = init::frozen_start(&hf, "frozen", vec![], &dir.path().join("hf.gguf")).unwrap();
+    let mut back = Model::from_gguf(&start, cpu(), None).unwrap();
+    let (want, got) = (logits(&mut hf), logits(&mut back));
+    let diff = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        diff < 1e-4,
+        "the Hugging Face model's start moved the logits by {diff}"
+    );
 }
 
 /// A full fine-tune trains F32 weights: a quantized start is refused before anything

@@ -89,7 +89,7 @@ fn start(a: &TrainArgs, backend: &Arc<dyn Backend>) -> CliResult<(GgufFile, Toke
             .map(|(n, t)| (n.as_str(), Some(t.dtype())))
             .collect();
         let start = match keeps_stored(a, backend.as_ref(), &types) {
-            true => init::frozen_start(&model, &a.name, meta)?,
+            true => init::frozen_start(&model, &a.name, meta, &a.out.join("start.gguf"))?,
             false => {
                 warn_f32_copy(a, &types);
                 init::model_start(&model, &a.name, meta)?
