@@ -287,37 +287,20 @@ impl Model {
         dtype: DType,
         adjust: impl Fn(&str, &mut Vec<f32>) -> Result<()> + 'a,
     ) -> Result<GgufExport<'a>> {
-        let (mut writer, permute) = self.writer_and_heads(name)?;
-        let params = self.parameters();
-        let mut types = Vec::with_capacity(params.len());
-        for (pname, t) in &params {
-            let dims = t.dims();
-            let ty = match dims.len() {
-                1 => DType::F32,
-                _ => matrix_type(dtype, dims),
-            };
-            writer.add_tensor_later(pname, ty, dims)?;
-            types.push(ty);
-        }
-        let make = move |wanted: &str| -> Result<Vec<u8>> {
-            let i = params
-                .iter()
-                .position(|(n, _)| n == wanted)
-                .ok_or_else(|| Error::shape(format!("{wanted} is not a parameter")))?;
-            let (pname, t) = &params[i];
+        let ty = move |t: &Tensor| match t.dims() {
+            [_] => DType::F32,
+            dims => matrix_type(dtype, dims),
+        };
+        self.export_later(name, ty, move |pname, t, heads| {
             let bytes = self.backend().download(t)?;
             let mut values = quant::dequantize_to_vec(t.dtype(), &bytes, t.shape().numel())?;
             adjust(pname, &mut values)?;
-            if let Some(heads) = permute(pname) {
+            if let Some(heads) = heads {
                 let dims = t.dims();
                 let cols = if dims.len() == 1 { 1 } else { dims[1] };
                 values = permute_rows(&values, dims[0], cols, heads);
             }
-            quant::quantize(types[i], &values)
-        };
-        Ok(GgufExport {
-            writer,
-            make: Box::new(make),
+            quant::quantize(ty(t), &values)
         })
     }
 
@@ -337,17 +320,31 @@ impl Model {
     /// [`Model::to_gguf_as_stored`] read as the file is written, one tensor at a time:
     /// a frozen model written out whole without a second copy in memory.
     pub fn to_gguf_as_stored_later(&self, name: &str) -> Result<GgufExport<'_>> {
+        self.export_later(name, Tensor::dtype, |_, t, heads| {
+            stored_bytes(self, t, heads)
+        })
+    }
+
+    /// A GGUF file of this model whose parameters, declared in the types `ty` gives,
+    /// are made by `make(name, tensor, heads)` as the file is written (`heads`: the heads
+    /// its rows are permuted within, where they are).
+    fn export_later<'a>(
+        &'a self,
+        name: &str,
+        ty: impl Fn(&Tensor) -> DType,
+        make: impl Fn(&str, &Tensor, Option<usize>) -> Result<Vec<u8>> + 'a,
+    ) -> Result<GgufExport<'a>> {
         let (mut writer, permute) = self.writer_and_heads(name)?;
         let params = self.parameters();
         for (pname, t) in &params {
-            writer.add_tensor_later(pname, t.dtype(), t.dims())?;
+            writer.add_tensor_later(pname, ty(t), t.dims())?;
         }
         let make = move |wanted: &str| -> Result<Vec<u8>> {
             let (pname, t) = params
                 .iter()
                 .find(|(n, _)| n == wanted)
                 .ok_or_else(|| Error::shape(format!("{wanted} is not a parameter")))?;
-            stored_bytes(self, t, permute(pname))
+            make(pname, t, permute(pname))
         };
         Ok(GgufExport {
             writer,

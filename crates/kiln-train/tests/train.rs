@@ -282,15 +282,47 @@ fn values(file: &GgufFile, name: &str) -> Vec<f32> {
 }
 
 /// A model that has learnt something (LoRA adapts a trained model: on random tied
-/// embeddings no projection can move the logits far), as a GGUF file of `dtype` in `dir`.
-fn pretrained(dir: &Path, dtype: DType) -> GgufFile {
+/// embeddings no projection can move the logits far).
+fn pretrained() -> Trainer {
     let mut pre = Trainer::new(&start(), text(), settings(40, 1e-2), cpu()).unwrap();
     for _ in 0..40 {
         pre.step().unwrap();
     }
-    let path = dir.join(format!("pretrained-{dtype}.gguf"));
-    pre.export_gguf(&path, dtype).unwrap();
+    pre
+}
+
+/// `t`'s model exported as a GGUF file of `dtype` in `dir`, opened.
+fn exported(t: &Trainer, dir: &Path, dtype: DType) -> GgufFile {
+    let path = dir.join(format!("exported-{dtype}.gguf"));
+    t.export_gguf(&path, dtype).unwrap();
     GgufFile::open(&path).unwrap()
+}
+
+/// The export of a LoRA run (rank 4, alpha 8) merges its adapters: `blk.1.attn_v.weight`
+/// `[16, 32]` is the start's `W + 2 · B·A`, with A and B as the checkpoint holds them.
+fn assert_merged(start: &GgufFile, ckpt: &GgufFile, merged: &GgufFile, what: &str) {
+    let (a, b) = (
+        values(ckpt, "lora.blk.1.attn_v.weight.a"),
+        values(ckpt, "lora.blk.1.attn_v.weight.b"),
+    );
+    assert!(b.iter().any(|&v| v != 0.0), "{what}: B never left zero");
+    let w = values(start, "blk.1.attn_v.weight");
+    let merged = values(merged, "blk.1.attn_v.weight");
+    let (m, k, r) = (16, 32, 4);
+    for i in 0..m {
+        for j in 0..k {
+            let delta: f64 = (0..r)
+                .map(|t| b[i * r + t] as f64 * a[t * k + j] as f64)
+                .sum();
+            let want = w[i * k + j] as f64 + 2.0 * delta;
+            assert!(
+                (merged[i * k + j] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "{what}: merged [{i}, {j}]: {} against {want}",
+                merged[i * k + j]
+            );
+        }
+    }
+    assert_ne!(merged, w, "{what}");
 }
 
 /// Text the pretrained model has not seen, which adapters learn (the model's own weights,
@@ -310,7 +342,7 @@ fn new_text(dir: &Path) -> TextData {
 #[test]
 fn a_lora_run_trains_its_adapters_alone_and_exports_them_merged() {
     let dir = tempfile::tempdir().unwrap();
-    let start = pretrained(dir.path(), DType::F32);
+    let start = exported(&pretrained(), dir.path(), DType::F32);
     let text = || new_text(dir.path());
     let mut t = Trainer::new(&start, text(), lora_settings(30), cpu()).unwrap();
     // Two layers × four projections, A and B each.
@@ -342,37 +374,16 @@ fn a_lora_run_trains_its_adapters_alone_and_exports_them_merged() {
             info.name
         );
     }
-    let a = values(&ckpt, "lora.blk.1.attn_v.weight.a");
-    let b = values(&ckpt, "lora.blk.1.attn_v.weight.b");
-    assert!(b.iter().any(|&v| v != 0.0), "B never left zero");
 
     // The export merges them: an adapted weight is W + (alpha / r) B·A, the others are
     // the start's, and a run of the exported model scores the held-out text as the
     // adapted one did.
-    let out = dir.path().join("model.gguf");
-    t.export_gguf(&out, DType::F32).unwrap();
-    let exported = GgufFile::open(&out).unwrap();
-    let w = values(&start, "blk.1.attn_v.weight");
-    let (m, k, r) = (16, 32, 4);
-    let merged = values(&exported, "blk.1.attn_v.weight");
-    for i in 0..m {
-        for j in 0..k {
-            let delta: f64 = (0..r)
-                .map(|t| b[i * r + t] as f64 * a[t * k + j] as f64)
-                .sum();
-            let want = w[i * k + j] as f64 + 2.0 * delta;
-            assert!(
-                (merged[i * k + j] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
-                "merged [{i}, {j}]: {} against {want}",
-                merged[i * k + j]
-            );
-        }
-    }
+    let exported = exported(&t, dir.path(), DType::F32);
+    assert_merged(&start, &ckpt, &exported, "F32");
     assert_eq!(
         values(&exported, "blk.1.attn_k.weight"),
         values(&start, "blk.1.attn_k.weight")
     );
-    assert_ne!(merged, w);
     let mut full = Trainer::new(&exported, text(), settings(1, 1e-2), cpu()).unwrap();
     let held_merged = full.held_out_loss().unwrap();
     assert!(
@@ -390,15 +401,10 @@ fn a_lora_run_trains_its_adapters_alone_and_exports_them_merged() {
 #[test]
 fn lora_over_a_quantized_model_keeps_it_quantized() {
     let dir = tempfile::tempdir().unwrap();
-    let mut pre = Trainer::new(&start(), text(), settings(40, 1e-2), cpu()).unwrap();
-    for _ in 0..40 {
-        pre.step().unwrap();
-    }
+    let pre = pretrained();
     let text = || new_text(dir.path());
     for dtype in [DType::Q8_0, DType::Q4_0] {
-        let path = dir.path().join(format!("pretrained-{dtype}.gguf"));
-        pre.export_gguf(&path, dtype).unwrap();
-        let start = GgufFile::open(&path).unwrap();
+        let start = exported(&pre, dir.path(), dtype);
         let decoded = {
             let model = Model::from_gguf(&start, cpu(), None).unwrap();
             let meta = start
@@ -468,33 +474,18 @@ fn lora_over_a_quantized_model_keeps_it_quantized() {
             Some(dtype)
         );
 
-        let out = dir.path().join(format!("merged-{dtype}.gguf"));
-        t.export_gguf(&out, DType::F32).unwrap();
-        let merged = values(&GgufFile::open(&out).unwrap(), "blk.1.attn_v.weight");
-        let (a, b) = (
-            values(&ckpt, "lora.blk.1.attn_v.weight.a"),
-            values(&ckpt, "lora.blk.1.attn_v.weight.b"),
+        let merged_dir = dir.path().join(format!("merged-{dtype}"));
+        std::fs::create_dir_all(&merged_dir).unwrap();
+        assert_merged(
+            &start,
+            &ckpt,
+            &exported(&t, &merged_dir, DType::F32),
+            &dtype.to_string(),
         );
-        let w = values(&start, "blk.1.attn_v.weight");
-        let (m, k, r) = (16, 32, 4);
-        for i in 0..m {
-            for j in 0..k {
-                let delta: f64 = (0..r)
-                    .map(|t| b[i * r + t] as f64 * a[t * k + j] as f64)
-                    .sum();
-                let want = w[i * k + j] as f64 + 2.0 * delta;
-                assert!(
-                    (merged[i * k + j] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
-                    "{dtype}: merged [{i}, {j}]: {} against {want}",
-                    merged[i * k + j]
-                );
-            }
-        }
     }
 
     // Resumed from a checkpoint of quantized weights.
-    let path = dir.path().join(format!("pretrained-{}.gguf", DType::Q4_0));
-    let start = GgufFile::open(&path).unwrap();
+    let start = GgufFile::open(dir.path().join(format!("exported-{}.gguf", DType::Q4_0))).unwrap();
     let ckpt = dir.path().join("resume.gguf");
     let mut whole = Trainer::new(&start, text(), lora_settings(6), cpu()).unwrap();
     let whole_losses: Vec<f64> = (0..6).map(|_| whole.step().unwrap().loss).collect();

@@ -761,12 +761,7 @@ fn cross_entropy_run(
     let cap = softcap.map(|c| c as f64);
     let want = r64::cross_entropy(&widen(&h), &widen(&w), &targets, dim, cap);
     let losses = t.read(&losses);
-    for (i, (&got, want)) in losses.iter().zip(&want).enumerate() {
-        assert!(
-            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-            "cross_entropy loss [{i}]: {got} vs {want}"
-        );
-    }
+    check_losses("cross_entropy", &losses, &want);
     CrossEntropyRun {
         dh: t.added(&dh, &bh),
         dw: t.added(&dw, &bw),
@@ -842,14 +837,33 @@ pub fn cross_entropy_over_blocks_of_rows(t: &Target) {
     let (h64, w64) = (widen(&run.h), widen(&run.w));
     let (want_dh, want_dw) =
         r64::cross_entropy_grads(&h64, &w64, &run.targets, dim, CE_SCALE as f64);
-    for (what, got, want) in [("dh", &run.dh, want_dh), ("dw", &run.dw, want_dw)] {
-        let largest = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert!(
-                (g - w).abs() <= super::TOL * largest,
-                "cross_entropy {what} [{i}]: {g} against {w} (largest {largest})"
-            );
-        }
+    check_formula("cross_entropy dh", &run.dh, &want_dh);
+    check_formula("cross_entropy dw", &run.dw, &want_dw);
+}
+
+/// Each loss within 1e-5 (relative, beyond 1) of its float64 value.
+#[track_caller]
+fn check_losses(what: &str, got: &[f32], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: losses");
+    for (i, (&got, want)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+            "{what} loss [{i}]: {got} vs {want}"
+        );
+    }
+}
+
+/// Every element of a gradient within [`super::TOL`] of the largest of its float64
+/// formula's: at sizes where central differences would measure float64's own rounding.
+#[track_caller]
+fn check_formula(what: &str, got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let largest = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= super::TOL * largest,
+            "{what} [{i}]: {g} against {w} (largest {largest})"
+        );
     }
 }
 
@@ -907,12 +921,11 @@ pub fn gradients_through_frozen_weights_as_stored(t: &Target) {
         )
         .unwrap();
         let want = r64::cross_entropy(&widen(&h), &w64, &targets, dim, None);
-        for (j, (&got, want)) in t.read(&losses).iter().zip(&want).enumerate() {
-            assert!(
-                (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                "cross_entropy over {dtype} weights, loss [{j}]: {got} vs {want}"
-            );
-        }
+        check_losses(
+            &format!("cross_entropy over {dtype} weights"),
+            &t.read(&losses),
+            &want,
+        );
         check(
             &format!("cross_entropy dh through {dtype} weights"),
             &t.added(&dh, &bh),
@@ -970,13 +983,7 @@ pub fn frozen_weights_over_many_decoded_tiles(t: &Target) {
             (0..m).map(|o| r[i * m + o] as f64 * w64[o * k + c]).sum()
         })
         .collect();
-    let largest = want.iter().fold(0f64, |a, v| a.max(v.abs()));
-    for (e, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!(
-            (g - w).abs() <= super::TOL * largest,
-            "matmul dx [{e}] over {m} rows of Q8_0: {g} against {w}"
-        );
-    }
+    check_formula(&format!("matmul dx over {m} rows of Q8_0"), &got, &want);
 
     let h = random(&mut rng, n * k, 0.05);
     let targets: Vec<i32> = (0..n).map(|i| (i * 977 + 5) as i32 % m as i32).collect();
@@ -995,21 +1002,10 @@ pub fn frozen_weights_over_many_decoded_tiles(t: &Target) {
     .unwrap();
     let h64 = widen(&h);
     let want = r64::cross_entropy(&h64, &w64, &targets, k, None);
-    for (i, (&got, want)) in t.read(&losses).iter().zip(&want).enumerate() {
-        assert!(
-            (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-            "cross_entropy over {m} rows of Q8_0, loss [{i}]: {got} vs {want}"
-        );
-    }
+    let what = format!("cross_entropy over {m} rows of Q8_0");
+    check_losses(&what, &t.read(&losses), &want);
     let (want_dh, _) = r64::cross_entropy_grads(&h64, &w64, &targets, k, CE_SCALE as f64);
-    let got = t.added(&dh, &bh);
-    let largest = want_dh.iter().fold(0f64, |a, v| a.max(v.abs()));
-    for (e, (g, w)) in got.iter().zip(&want_dh).enumerate() {
-        assert!(
-            (g - w).abs() <= super::TOL * largest,
-            "cross_entropy dh [{e}] over {m} rows of Q8_0: {g} against {w}"
-        );
-    }
+    check_formula(&format!("{what}: dh"), &t.added(&dh, &bh), &want_dh);
 }
 
 /// Whether `f` panics (its message still printed: it shows what was caught).
