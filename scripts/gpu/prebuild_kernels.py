@@ -35,7 +35,7 @@ def fnv1a(data, h=FNV_OFFSET):
 
 def program_source(repo):
     compile_rs = open(os.path.join(repo, "crates/kiln-cuda/src/compile.rs")).read()
-    files = re.findall(r'\("([\w.]+)", include_str!\("kernels/([\w.]+)"\)\)', compile_rs)
+    files = re.findall(r'\(\s*"([\w.]+)",\s*include_str!\("kernels/([\w.]+)"\),?\s*\)', compile_rs)
     if not files:
         sys.exit("no SOURCES found in compile.rs")
     src = ""

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// Every kernel file, in the order they are joined (the shared header first).
-const SOURCES: [(&str, &str); 17] = [
+const SOURCES: [(&str, &str); 18] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("mma.cuh", include_str!("kernels/mma.cuh")),
     ("dot_float.cu", include_str!("kernels/dot_float.cu")),
@@ -26,6 +26,10 @@ const SOURCES: [(&str, &str); 17] = [
     ("rope.cu", include_str!("kernels/rope.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("attention_tc.cu", include_str!("kernels/attention_tc.cu")),
+    (
+        "attention_grad_tc.cu",
+        include_str!("kernels/attention_grad_tc.cu"),
+    ),
     ("sample.cu", include_str!("kernels/sample.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
     ("grad.cu", include_str!("kernels/grad.cu")),

@@ -1,9 +1,11 @@
 //! The backward kernels (`kiln_core::GradOps`) on the GPU: `kernels/grad.cu`, and cuBLAS
-//! for the products. Attention's backward recomputes the scores from q and k with cuBLAS
-//! (nothing of the forward is kept) and holds the probabilities and the scores' gradients
-//! of a sequence in two `[tokens · heads, capacity]` work buffers: quadratic in the
-//! sequence, not the tiled, memory-flat kernel of FlashAttention-2 (that is still to come).
+//! for the products. Attention's backward recomputes the scores from q and k (nothing of
+//! the forward is kept): under BF16 / F16 products flash-style on tensor cores
+//! (attention_grad_tc.rs: tiles of scores never written, masked tiles skipped); under F32
+//! and TF32 products with cuBLAS, holding the probabilities and the scores' gradients of a
+//! sequence in two `[tokens · heads, capacity]` work buffers.
 
+use crate::attention_grad_tc;
 use crate::kernels::Arg;
 use crate::matmul::{rounded_copy, sgemm, sgemm_batched, Strided};
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
@@ -418,6 +420,21 @@ impl GradOps for CudaBackend {
             (ptrs[2], kv_len),
             (ptrs[3], q_len),
         ])?;
+        if let Some((kernels, copies)) = self.flash_backward(half, d) {
+            let operands = attention_grad_tc::Operands {
+                half: copies,
+                pos: ptrs[4],
+                grads,
+                rows: n,
+                heads,
+                kv_heads,
+            };
+            let run = AttentionRun {
+                rows: (0, n),
+                keys: (0, cap),
+            };
+            return attention_grad_tc::backward(self, kernels, &operands, &[run], params);
+        }
         self.attention_backward_at(ptrs, grads, (n, cap, heads, kv_heads, d), params, half)
     }
 
@@ -477,6 +494,18 @@ impl GradOps for CudaBackend {
             (v_p, kv_len),
             (do_p, q_len),
         ])?;
+        if let Some((kernels, copies)) = self.flash_backward(half, d) {
+            let operands = attention_grad_tc::Operands {
+                half: copies,
+                pos: pos_p,
+                grads: [dq_p, dk_p, dv_p],
+                rows: n,
+                heads,
+                kv_heads,
+            };
+            attention_grad_tc::backward(self, kernels, &operands, runs, params)?;
+            return Ok(true);
+        }
         // Each run in place: its query rows and its span of pool rows, by offsets.
         for r in runs {
             let (q_el, kv_el) = (
@@ -859,6 +888,17 @@ impl CudaBackend {
             *dst = rounded_copy(self, slot, src, len, bf16)?;
         }
         Ok(Some((bf16, out)))
+    }
+
+    /// The flash-style kernels for heads of `d` and the 16-bit copies they read, when the
+    /// products round to 16 bits (`half`) and this GPU has them.
+    fn flash_backward(
+        &self,
+        half: Option<(bool, [u64; 4])>,
+        d: usize,
+    ) -> Option<(attention_grad_tc::Kernels, [u64; 4])> {
+        let (bf16, copies) = half?;
+        Some((attention_grad_tc::kernels(self, d, bf16)?, copies))
     }
 
     /// [`GradOps::attention_backward`] over device addresses: `n` queries at `q_p` (rows

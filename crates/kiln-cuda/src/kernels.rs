@@ -87,6 +87,9 @@ fn launch_need(name: &str) -> LaunchNeed {
     if let Some(need) = crate::attention_tc::launch_need(name) {
         return need;
     }
+    if let Some(need) = crate::attention_grad_tc::launch_need(name) {
+        return need;
+    }
     if crate::gemm_tc::is_product_kernel(name) {
         return threads(crate::gemm_tc::THREADS);
     }

@@ -8,6 +8,7 @@
 //! a machine without a driver or GPU.
 
 mod attention;
+mod attention_grad_tc;
 mod attention_tc;
 mod collective;
 mod compile;

@@ -1,5 +1,5 @@
 // Tensor-core and asynchronous-copy building blocks (sm_80 and later; the launch code
-// sends older GPUs elsewhere), shared by gemm_tc.cu and attention_tc.cu.
+// sends older GPUs elsewhere), shared by gemm_tc.cu, attention_tc.cu and attention_grad_tc.cu.
 //
 // mma.m16n8k16 with f16 inputs and f32 sums: thread t of a warp (g = t / 4, c = t % 4)
 // holds A's rows g and g + 8 at columns 2c, 2c + 1 (and + 8), B's column g at rows 2c,
@@ -35,6 +35,17 @@ __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u3
 #if __CUDA_ARCH__ >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// The same with bf16 inputs.
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

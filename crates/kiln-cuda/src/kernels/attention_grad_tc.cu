@@ -1,0 +1,500 @@
+// Training's attention backward on tensor cores, flash-style (under BF16 / F16 products):
+// the score matrices are never written, and key tiles no query row sees (the causal
+// mask's upper half) are skipped. It replaced five cuBLAS products a head around a
+// softmax-backward kernel over the whole n × cap square (grad.cu's grad_attention_rows).
+//
+// Operands are the 16-bit copies the products read (q, k, v, dout rounded once: bf16, or
+// f16 with BF = false); the products are mma.m16n8k16 with f32 sums; the probabilities P
+// and score gradients dS go into their products rounded to 16 bits, as the cuBLAS path
+// wrote them. With z = scale · q·k (then softcap · tanh(z / softcap) when capped):
+//   P = exp(z − lse), dP = dO·Vᵀ, D = Σ_keys P ∘ dP (= rowsum(dO ∘ O)),
+//   dS = P ∘ (dP − D) ∘ dz/draw, dQ += scale · dS·K, dK += scale · dSᵀ·Q, dV += Pᵀ·dO.
+//
+// Two kernels over the same list of tiles (cut by attention_grad_tc.rs), 6 ints each:
+// a run's first query row and rows, its first key row and keys (a key's position is its
+// offset in the run), and the tile's own first offset and count (query rows for agt_dq,
+// key positions for agt_dkv). Positions as grad_attention_rows: a query at p sees keys
+// min(p, keys - 1) and back (to p - window + 1 with a window).
+//   agt_dq_*: a block of 4 warps owns 64 query rows of one head (16 a warp). A first
+//     pass over the keys it sees gives each row lse and D, written for agt_dkv; a second
+//     adds dQ. Launch: grid (tiles, heads), block (32, 4).
+//   agt_dkv_*: a block owns 64 key positions of one KV head (16 a warp), and runs every
+//     head of its group over every chunk of QC query rows that sees one of them, two
+//     chunks in flight; it adds dK and dV. Launch: grid (tiles, kv_heads), block (32, 4).
+// Each block alone writes its rows of dQ, or its keys' rows of dK and dV, in a fixed
+// order: the sums are the same on every run.
+
+#define AGT_KEYS 64
+#define AGT_ROW(D) ((D) + 8)
+
+// Two floats as a 16-bit pair, `lo` in the low half.
+template <bool BF> __device__ __forceinline__ u32 agt_pack(float lo, float hi) {
+    if constexpr (BF) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    } else {
+        return pack_f16x2(lo, hi);
+    }
+}
+
+template <bool BF> __device__ __forceinline__ void agt_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    if constexpr (BF) {
+        mma_bf16_16816(c, a, b0, b1);
+    } else {
+        mma_16816(c, a, b0, b1);
+    }
+}
+
+// Fragments from a shared tile of rows ROW halves apart (mma.cuh's layout):
+// A of rows m0 .. m0 + 15 at columns k0 .. k0 + 15 of an [m][k] tile;
+__device__ __forceinline__ void agt_a(u32 a[4], const u16* t, int row, int m0, int k0) {
+    const int lane = threadIdx.x;
+    ldmatrix_x4(a, t + (m0 + (lane & 15)) * row + k0 + (lane >> 4) * 8);
+}
+// B of columns n0 .. n0 + 15 (b[0], b[1]: n0 .. n0 + 7; b[2], b[3]: the next 8) at rows
+// k0 .. k0 + 15, from an [n][k] tile;
+__device__ __forceinline__ void agt_b_nk(u32 b[4], const u16* t, int row, int n0, int k0) {
+    const int lane = threadIdx.x;
+    ldmatrix_x4(b, t + (n0 + (lane & 7) + ((lane >> 4) << 3)) * row + k0 + ((lane >> 3) & 1) * 8);
+}
+// the same from a [k][n] tile.
+__device__ __forceinline__ void agt_b_kn(u32 b[4], const u16* t, int row, int k0, int n0) {
+    const int lane = threadIdx.x;
+    ldmatrix_x4_trans(b, t + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * row + n0 + (lane >> 4) * 8);
+}
+
+// Rows [0, count) of a tile of `rows` (rows ≥ count become zeros) from 16-bit rows
+// `stride` elements apart, by cp.async; the block's threads take 16-byte pieces in turn.
+template <int D>
+__device__ __forceinline__ void agt_load(u16* dst, const u16* src, size_t stride, int rows, int count) {
+    const int tid = threadIdx.y * 32 + threadIdx.x, nthreads = blockDim.y * 32;
+    for (int idx = tid; idx < rows * (D / 8); idx += nthreads) {
+        const int r = idx / (D / 8), part = idx % (D / 8);
+        const bool ok = r < count;
+        cp_async16(dst + r * AGT_ROW(D) + 8 * part, src + (ok ? r * stride + 8 * part : 0), ok ? 16 : 0);
+    }
+}
+
+// The score z of raw product s (scaled, capped) and dz/ds over scale.
+__device__ __forceinline__ float agt_score(float s, float scale, float cap, float* dz) {
+    const float z = s * scale;
+    if (cap > 0.0f) {
+        const float t = tanhf(z / cap);
+        *dz = 1.0f - t * t;
+        return cap * t;
+    }
+    *dz = 1.0f;
+    return z;
+}
+
+// The position up to which a query at `p` sees a run of `keys` keys (-1: none).
+__device__ __forceinline__ int agt_last_key(int p, int keys) { return min(p, keys - 1); }
+
+__device__ __forceinline__ bool agt_sees(int kp, int last, int window) {
+    return kp >= 0 && kp <= last && (window <= 0 || kp > last - window);
+}
+
+template <int D, bool BF>
+__device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                            const u16* __restrict__ dout, const int* __restrict__ pos,
+                            const int* __restrict__ tiles, float* __restrict__ dq, float* __restrict__ lse_out,
+                            float* __restrict__ d_out, int heads, int kv_heads, float scale, float cap,
+                            int window) {
+    constexpr int KS = D / 16, ROW = AGT_ROW(D);
+    follow_previous();
+    extern __shared__ __align__(16) u8 agt_smem[];
+    u16* Ks = (u16*)agt_smem;          // [2][AGT_KEYS][ROW]
+    u16* Vs = Ks + 2 * AGT_KEYS * ROW;  // [2][AGT_KEYS][ROW]
+    const int* tile = tiles + 6 * blockIdx.x;
+    const int k0 = tile[2], keys = tile[3], first = tile[0] + tile[4], rows = tile[5];
+    const int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    const int lane = threadIdx.x, warp = threadIdx.y, g = lane >> 2, c = lane & 3;
+
+    // The keys any row of the tile sees.
+    int hi = -1, lo = 0x7fffffff;
+    for (int t = 0; t < rows; t++) {
+        const int last = agt_last_key(pos[first + t], keys);
+        if (last < 0) continue;
+        hi = max(hi, last);
+        lo = min(lo, window > 0 ? max(0, last - window + 1) : 0);
+    }
+
+    // This thread's two rows, g and g + 8 of the warp's 16, and their last keys.
+    int last[2];
+    bool live[2];
+    size_t at[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int t = 16 * warp + g + 8 * i;
+        live[i] = t < rows;
+        last[i] = live[i] ? agt_last_key(pos[first + t], keys) : -1;
+        at[i] = ((size_t)(first + t) * heads + h) * D;
+    }
+    // Queries and output gradients as A fragments (k-step s: columns 16s + 2c, + 1, and + 8).
+    u32 qa[KS][4], da[KS][4];
+#pragma unroll
+    for (int s = 0; s < KS; s++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int i = r & 1, col = 16 * s + 2 * c + 8 * (r >> 1);
+            qa[s][r] = live[i] ? *(const u32*)(q + at[i] + col) : 0u;
+            da[s][r] = live[i] ? *(const u32*)(dout + at[i] + col) : 0u;
+        }
+
+    const size_t kv_stride = (size_t)kv_heads * D;
+    const int c_first = hi < 0 ? 0 : (lo / AGT_KEYS) * AGT_KEYS;
+    const int chunks = hi < 0 ? 0 : (hi - c_first) / AGT_KEYS + 1;
+    auto load_chunk = [&](int ch, int buf) {
+        const int c0 = c_first + ch * AGT_KEYS;
+        const size_t e = ((size_t)(k0 + c0) * kv_heads + kvh) * D;
+        agt_load<D>(Ks + buf * AGT_KEYS * ROW, k + e, kv_stride, AGT_KEYS, min(AGT_KEYS, keys - c0));
+        agt_load<D>(Vs + buf * AGT_KEYS * ROW, v + e, kv_stride, AGT_KEYS, min(AGT_KEYS, keys - c0));
+        cp_async_commit();
+    };
+    // Scores S (raw products) and dP of the warp's rows against chunk `buf`'s 64 keys:
+    // tile j holds keys 8j + 2c, + 1 of rows g (registers 0, 1) and g + 8 (2, 3).
+    auto products = [&](int buf, float sc[8][4], float dp[8][4]) {
+        const u16* kb = Ks + buf * AGT_KEYS * ROW;
+        const u16* vb = Vs + buf * AGT_KEYS * ROW;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) sc[j][r] = dp[j][r] = 0.0f;
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+#pragma unroll
+            for (int s = 0; s < KS; s++) {
+                u32 b[4];
+                agt_b_nk(b, kb, ROW, 16 * p, 16 * s);
+                agt_mma<BF>(sc[2 * p], qa[s], b[0], b[1]);
+                agt_mma<BF>(sc[2 * p + 1], qa[s], b[2], b[3]);
+                agt_b_nk(b, vb, ROW, 16 * p, 16 * s);
+                agt_mma<BF>(dp[2 * p], da[s], b[0], b[1]);
+                agt_mma<BF>(dp[2 * p + 1], da[s], b[2], b[3]);
+            }
+    };
+    // Chunk ch's keys and values in shared memory (buffer ch & 1), the next chunk's loads
+    // in flight; the loop's body ends with a barrier before the next refill.
+    auto await_chunk = [&](int ch) {
+        if (ch == 0) load_chunk(0, 0);
+        if (ch + 1 < chunks) {
+            load_chunk(ch + 1, (ch + 1) & 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+    };
+
+    // Pass 1: each row's running max m, and its lanes' shares of l = Σ exp(z − m) and
+    // a = Σ exp(z − m) · dP.
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f}, a[2] = {0.0f, 0.0f};
+    for (int ch = 0; ch < chunks; ch++) {
+        await_chunk(ch);
+        const int c0 = c_first + ch * AGT_KEYS, buf = ch & 1;
+        float sc[8][4], dp[8][4];
+        products(buf, sc, dp);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float dz, z = NEG_INF;
+                    if (agt_sees(c0 + 8 * j + 2 * c + e, last[i], window))
+                        z = agt_score(sc[j][2 * i + e], scale, cap, &dz);
+                    sc[j][2 * i + e] = z;
+                    mx = fmaxf(mx, z);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[i], mx);
+            if (m_new == NEG_INF) continue;
+            const float corr = expf(m[i] - m_new);
+            float ls = 0.0f, as = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float z = sc[j][2 * i + e];
+                    const float p = z == NEG_INF ? 0.0f : expf(z - m_new);
+                    ls += p;
+                    as += p * dp[j][2 * i + e];
+                }
+            l[i] = l[i] * corr + ls;
+            a[i] = a[i] * corr + as;
+            m[i] = m_new;
+        }
+        __syncthreads();
+    }
+    float lse[2], dsum[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+#pragma unroll
+        for (int x = 1; x <= 2; x <<= 1) {
+            l[i] += __shfl_xor_sync(0xffffffffu, l[i], x);
+            a[i] += __shfl_xor_sync(0xffffffffu, a[i], x);
+        }
+        // A row that sees no key has P = 0 throughout.
+        const bool any = l[i] > 0.0f;
+        lse[i] = any ? m[i] + logf(l[i]) : (-NEG_INF);
+        dsum[i] = any ? a[i] / l[i] : 0.0f;
+        if (live[i] && c == 0) {
+            const size_t r = (size_t)(first + 16 * warp + g + 8 * i) * heads + h;
+            lse_out[r] = lse[i];
+            d_out[r] = dsum[i];
+        }
+    }
+
+    // Pass 2: dS of the chunk as A fragments (keys 16p .. 16p + 15 are score tiles 2p
+    // and 2p + 1 as they lie), times the keys: dQ tile j holds dimensions 8j + 2c, + 1.
+    float acc[2 * KS][4];
+#pragma unroll
+    for (int j = 0; j < 2 * KS; j++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[j][r] = 0.0f;
+    for (int ch = 0; ch < chunks; ch++) {
+        await_chunk(ch);
+        const int c0 = c_first + ch * AGT_KEYS, buf = ch & 1;
+        float sc[8][4], dp[8][4];
+        products(buf, sc, dp);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int i = r >> 1;
+                float ds = 0.0f;
+                if (agt_sees(c0 + 8 * j + 2 * c + (r & 1), last[i], window)) {
+                    float dz;
+                    const float z = agt_score(sc[j][r], scale, cap, &dz);
+                    const float p = expf(z - lse[i]);
+                    ds = p * (dp[j][r] - dsum[i]) * dz;
+                }
+                sc[j][r] = ds;
+            }
+        const u16* kb = Ks + buf * AGT_KEYS * ROW;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const u32 fa[4] = {agt_pack<BF>(sc[2 * p][0], sc[2 * p][1]), agt_pack<BF>(sc[2 * p][2], sc[2 * p][3]),
+                               agt_pack<BF>(sc[2 * p + 1][0], sc[2 * p + 1][1]),
+                               agt_pack<BF>(sc[2 * p + 1][2], sc[2 * p + 1][3])};
+#pragma unroll
+            for (int s = 0; s < KS; s++) {
+                u32 b[4];
+                agt_b_kn(b, kb, ROW, 16 * p, 16 * s);
+                agt_mma<BF>(acc[2 * s], fa, b[0], b[1]);
+                agt_mma<BF>(acc[2 * s + 1], fa, b[2], b[3]);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (!live[i]) continue;
+        float* dst = dq + at[i] + 2 * c;
+#pragma unroll
+        for (int j = 0; j < 2 * KS; j++) {
+            float2 o = *(float2*)(dst + 8 * j);
+            o.x += scale * acc[j][2 * i];
+            o.y += scale * acc[j][2 * i + 1];
+            *(float2*)(dst + 8 * j) = o;
+        }
+    }
+}
+
+template <int D, bool BF, int QC>
+__device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                             const u16* __restrict__ dout, const int* __restrict__ pos,
+                             const int* __restrict__ tiles, const float* __restrict__ lse_in,
+                             const float* __restrict__ d_in, float* __restrict__ dk, float* __restrict__ dv,
+                             int heads, int kv_heads, float scale, float cap, int window) {
+    constexpr int KS = D / 16, ROW = AGT_ROW(D);
+    follow_previous();
+    extern __shared__ __align__(16) u8 agt_smem[];
+    u16* Ks = (u16*)agt_smem;            // [AGT_KEYS][ROW]
+    u16* Vs = Ks + AGT_KEYS * ROW;        // [AGT_KEYS][ROW]
+    u16* Qs = Vs + AGT_KEYS * ROW;        // [2][QC][ROW]
+    u16* Ds = Qs + 2 * QC * ROW;          // [2][QC][ROW]: output gradients
+    float* lse_s = (float*)(Ds + 2 * QC * ROW);  // [2][QC]
+    float* d_s = lse_s + 2 * QC;                 // [2][QC]
+    int* last_s = (int*)(d_s + 2 * QC);          // [2][QC]
+    const int* tile = tiles + 6 * blockIdx.x;
+    const int q0 = tile[0], qn = tile[1], k0 = tile[2], keys = tile[3], t0 = tile[4], tn = tile[5];
+    const int kvh = blockIdx.y, group = heads / kv_heads;
+    const int lane = threadIdx.x, warp = threadIdx.y, g = lane >> 2, c = lane & 3;
+    const int tid = warp * 32 + lane;
+    const int q_chunks = (qn + QC - 1) / QC;
+
+    // Whether a row of chunk cq sees one of the tile's keys (the block agrees).
+    auto sees_tile = [&](int cq) {
+        bool any = false;
+        for (int r = cq * QC + tid; r < min(qn, cq * QC + QC); r += blockDim.y * 32) {
+            const int last = agt_last_key(pos[q0 + r], keys);
+            any |= last >= t0 && (window <= 0 || last - window + 1 <= t0 + tn - 1);
+        }
+        return __syncthreads_or(any) != 0;
+    };
+    auto next_chunk = [&](int cq) {
+        while (cq < q_chunks && !sees_tile(cq)) cq++;
+        return cq;
+    };
+    // Items are (chunk, head of the group), heads innermost.
+    auto load_item = [&](int cq, int hh, int buf) {
+        const int h = kvh * group + hh, r0 = cq * QC, count = min(QC, qn - r0);
+        const size_t e = ((size_t)(q0 + r0) * heads + h) * D;
+        agt_load<D>(Qs + buf * QC * ROW, q + e, (size_t)heads * D, QC, count);
+        agt_load<D>(Ds + buf * QC * ROW, dout + e, (size_t)heads * D, QC, count);
+        cp_async_commit();
+        for (int r = tid; r < QC; r += blockDim.y * 32) {
+            const bool ok = r < count;
+            const size_t at = (size_t)(q0 + r0 + r) * heads + h;
+            lse_s[buf * QC + r] = ok ? lse_in[at] : (-NEG_INF);
+            d_s[buf * QC + r] = ok ? d_in[at] : 0.0f;
+            last_s[buf * QC + r] = ok ? agt_last_key(pos[q0 + r0 + r], keys) : -1;
+        }
+    };
+
+    int cq = next_chunk(0), hh = 0;
+    if (cq >= q_chunks) return;
+    {
+        const size_t e = ((size_t)(k0 + t0) * kv_heads + kvh) * D;
+        agt_load<D>(Ks, k + e, (size_t)kv_heads * D, AGT_KEYS, tn);
+        agt_load<D>(Vs, v + e, (size_t)kv_heads * D, AGT_KEYS, tn);
+        cp_async_commit();
+    }
+    load_item(cq, hh, 0);
+
+    float dka[2 * KS][4], dva[2 * KS][4];
+#pragma unroll
+    for (int j = 0; j < 2 * KS; j++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) dka[j][r] = dva[j][r] = 0.0f;
+    // This thread's keys: rows g and g + 8 of the warp's 16.
+    const int kr0 = 16 * warp + g;
+
+    for (int buf = 0; cq < q_chunks; buf ^= 1) {
+        int ncq = cq, nhh = hh + 1;
+        if (nhh == group) {
+            nhh = 0;
+            ncq = next_chunk(cq + 1);
+        }
+        if (ncq < q_chunks) {
+            load_item(ncq, nhh, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u16* qb = Qs + buf * QC * ROW;
+        const u16* db = Ds + buf * QC * ROW;
+        const float* lb = lse_s + buf * QC;
+        const float* dsb = d_s + buf * QC;
+        const int* lastb = last_s + buf * QC;
+
+        // Sᵀ and dPᵀ of the warp's 16 keys against the chunk's QC rows: tile j holds
+        // rows 8j + 2c, + 1 of keys g (registers 0, 1) and g + 8 (2, 3).
+        float st[QC / 8][4], dpt[QC / 8][4];
+#pragma unroll
+        for (int j = 0; j < QC / 8; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) st[j][r] = dpt[j][r] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < KS; s++) {
+            u32 ka[4], va[4];
+            agt_a(ka, Ks, ROW, 16 * warp, 16 * s);
+            agt_a(va, Vs, ROW, 16 * warp, 16 * s);
+#pragma unroll
+            for (int p = 0; p < QC / 16; p++) {
+                u32 b[4];
+                agt_b_nk(b, qb, ROW, 16 * p, 16 * s);
+                agt_mma<BF>(st[2 * p], ka, b[0], b[1]);
+                agt_mma<BF>(st[2 * p + 1], ka, b[2], b[3]);
+                agt_b_nk(b, db, ROW, 16 * p, 16 * s);
+                agt_mma<BF>(dpt[2 * p], va, b[0], b[1]);
+                agt_mma<BF>(dpt[2 * p + 1], va, b[2], b[3]);
+            }
+        }
+        // Pᵀ and dSᵀ in place.
+#pragma unroll
+        for (int j = 0; j < QC / 8; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int kr = kr0 + 8 * (r >> 1), row = 8 * j + 2 * c + (r & 1);
+                float p = 0.0f, ds = 0.0f;
+                if (kr < tn && agt_sees(t0 + kr, lastb[row], window)) {
+                    float dz;
+                    const float z = agt_score(st[j][r], scale, cap, &dz);
+                    p = expf(z - lb[row]);
+                    ds = p * (dpt[j][r] - dsb[row]) * dz;
+                }
+                st[j][r] = p;
+                dpt[j][r] = ds;
+            }
+        // dV += Pᵀ·dO and dK += dSᵀ·Q: rows 16p .. 16p + 15 of the chunk are tiles 2p and
+        // 2p + 1 as they lie.
+#pragma unroll
+        for (int p = 0; p < QC / 16; p++) {
+            const u32 pa[4] = {agt_pack<BF>(st[2 * p][0], st[2 * p][1]), agt_pack<BF>(st[2 * p][2], st[2 * p][3]),
+                               agt_pack<BF>(st[2 * p + 1][0], st[2 * p + 1][1]),
+                               agt_pack<BF>(st[2 * p + 1][2], st[2 * p + 1][3])};
+            const u32 sa[4] = {agt_pack<BF>(dpt[2 * p][0], dpt[2 * p][1]),
+                               agt_pack<BF>(dpt[2 * p][2], dpt[2 * p][3]),
+                               agt_pack<BF>(dpt[2 * p + 1][0], dpt[2 * p + 1][1]),
+                               agt_pack<BF>(dpt[2 * p + 1][2], dpt[2 * p + 1][3])};
+#pragma unroll
+            for (int s = 0; s < KS; s++) {
+                u32 b[4];
+                agt_b_kn(b, db, ROW, 16 * p, 16 * s);
+                agt_mma<BF>(dva[2 * s], pa, b[0], b[1]);
+                agt_mma<BF>(dva[2 * s + 1], pa, b[2], b[3]);
+                agt_b_kn(b, qb, ROW, 16 * p, 16 * s);
+                agt_mma<BF>(dka[2 * s], sa, b[0], b[1]);
+                agt_mma<BF>(dka[2 * s + 1], sa, b[2], b[3]);
+            }
+        }
+        // Every warp is done with this buffer before the next item's loads refill it.
+        __syncthreads();
+        cq = ncq;
+        hh = nhh;
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int kr = kr0 + 8 * i;
+        if (kr >= tn) continue;
+        const size_t e = ((size_t)(k0 + t0 + kr) * kv_heads + kvh) * D + 2 * c;
+#pragma unroll
+        for (int j = 0; j < 2 * KS; j++) {
+            float2 o = *(float2*)(dk + e + 8 * j);
+            o.x += scale * dka[j][2 * i];
+            o.y += scale * dka[j][2 * i + 1];
+            *(float2*)(dk + e + 8 * j) = o;
+            o = *(float2*)(dv + e + 8 * j);
+            o.x += dva[j][2 * i];
+            o.y += dva[j][2 * i + 1];
+            *(float2*)(dv + e + 8 * j) = o;
+        }
+    }
+}
+
+// agt_dq_<head dimensions>_<bf16|f16> and agt_dkv_<...>; the chunk of query rows agt_dkv
+// holds is 64 for heads of 64 and 32 for heads of 128 (registers).
+#define AGT_KERNELS(D, BF, TYPE, QC)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) agt_dq_##D##_##TYPE(                               \
+        const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \
+        float* dq, float* lse, float* dsum, int heads, int kv_heads, float scale, float cap, int window) { \
+        agt_dq_body<D, BF>(q, k, v, dout, pos, tiles, dq, lse, dsum, heads, kv_heads, scale, cap, window); \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) agt_dkv_##D##_##TYPE(                              \
+        const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \
+        const float* lse, const float* dsum, float* dk, float* dv, int heads, int kv_heads, float scale, \
+        float cap, int window) {                                                                         \
+        agt_dkv_body<D, BF, QC>(q, k, v, dout, pos, tiles, lse, dsum, dk, dv, heads, kv_heads, scale,   \
+                                cap, window);                                                            \
+    }
+AGT_KERNELS(64, true, bf16, 64)
+AGT_KERNELS(64, false, f16, 64)
+AGT_KERNELS(128, true, bf16, 32)
+AGT_KERNELS(128, false, f16, 32)

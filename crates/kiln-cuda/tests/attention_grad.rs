@@ -1,0 +1,353 @@
+//! The attention backward under BF16 / F16 products (flash-style on tensor cores) against
+//! float64 over the operands it reads: q, k, v and dout rounded once to the 16-bit type.
+//! What the kernels add on top is the rounding of the probabilities and score gradients
+//! to the same type before their products, and F32 sums: a few units of the type's last
+//! place off the reference, relative to the largest gradient. Causal masks over positions
+//! that start past 0, grouped heads, windows, softcaps, runs of a paged pool, heads of 64
+//! and 128, and a training sequence of 1,024 tokens. Needs a GPU (ignored in CI).
+
+use half::{bf16, f16};
+use kiln_core::{AttentionParams, AttentionRun, Backend, DType, Products, Shape, Tensor};
+use kiln_cuda::CudaBackend;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn upload_f32(b: &CudaBackend, dims: &[usize], v: &[f32]) -> Tensor {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    b.upload(
+        DType::F32,
+        Shape::new(dims.to_vec()).unwrap(),
+        kiln_core::HostBytes::from_vec(bytes),
+    )
+    .unwrap()
+}
+
+fn upload_i32(b: &CudaBackend, v: &[i32]) -> Tensor {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    b.upload(
+        DType::I32,
+        Shape::new(vec![v.len()]).unwrap(),
+        kiln_core::HostBytes::from_vec(bytes),
+    )
+    .unwrap()
+}
+
+fn read(b: &CudaBackend, t: &Tensor) -> Vec<f32> {
+    b.download(t)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+struct Shape4 {
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+}
+
+/// One run's gradients in float64, added into `dq` (its rows), `dk` and `dv` (its key
+/// span): queries `q` at positions `pos`, keys and values `k`, `v` whose positions are
+/// their offsets. Operands as the kernels read them (already rounded).
+#[allow(clippy::too_many_arguments)]
+fn reference(
+    s: &Shape4,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dout: &[f64],
+    pos: &[i32],
+    keys: usize,
+    p: &AttentionParams,
+    (dq, dk, dv): (&mut [f64], &mut [f64], &mut [f64]),
+) {
+    let (h_n, kv_n, d) = (s.heads, s.kv_heads, s.d);
+    let group = h_n / kv_n;
+    let mut z = vec![0f64; keys];
+    let mut dz = vec![0f64; keys];
+    let mut dp = vec![0f64; keys];
+    for (i, &qp) in pos.iter().enumerate() {
+        let last = (qp as i64).min(keys as i64 - 1);
+        let first = p.window.map_or(0, |w| (last - w as i64 + 1).max(0));
+        if last < 0 {
+            continue;
+        }
+        let seen = first as usize..=last as usize;
+        for h in 0..h_n {
+            let kvh = h / group;
+            let qr = &q[(i * h_n + h) * d..][..d];
+            let dor = &dout[(i * h_n + h) * d..][..d];
+            let mut m = f64::NEG_INFINITY;
+            for j in seen.clone() {
+                let kr = &k[(j * kv_n + kvh) * d..][..d];
+                let raw = p.scale as f64 * qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>();
+                (z[j], dz[j]) = match p.softcap {
+                    Some(c) => {
+                        let t = (raw / c as f64).tanh();
+                        (c as f64 * t, 1.0 - t * t)
+                    }
+                    None => (raw, 1.0),
+                };
+                let vr = &v[(j * kv_n + kvh) * d..][..d];
+                dp[j] = dor.iter().zip(vr).map(|(a, b)| a * b).sum();
+                m = m.max(z[j]);
+            }
+            let l: f64 = seen.clone().map(|j| (z[j] - m).exp()).sum();
+            let delta: f64 = seen.clone().map(|j| (z[j] - m).exp() / l * dp[j]).sum();
+            for j in seen.clone() {
+                let pj = (z[j] - m).exp() / l;
+                let ds = pj * (dp[j] - delta) * dz[j] * p.scale as f64;
+                let (kr, at) = (&k[(j * kv_n + kvh) * d..][..d], (j * kv_n + kvh) * d);
+                for x in 0..d {
+                    dq[(i * h_n + h) * d + x] += ds * kr[x];
+                    dk[at + x] += ds * qr[x];
+                    dv[at + x] += pj * dor[x];
+                }
+            }
+        }
+    }
+}
+
+/// A case: the query rows and positions of each run, its key span in a pool of `pool`
+/// rows; every run goes through `attention_backward_runs` (one run over the whole pool:
+/// also through `attention_backward`).
+struct Case {
+    name: &'static str,
+    shape: Shape4,
+    pool: usize,
+    runs: Vec<(Vec<i32>, (usize, usize))>,
+    params: AttentionParams,
+}
+
+fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
+    let s = &case.shape;
+    let (hd, kvd) = (s.heads * s.d, s.kv_heads * s.d);
+    let n: usize = case.runs.iter().map(|r| r.0.len()).sum();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut values =
+        |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0..1.0)).collect() };
+    let (q, k, v, dout) = (
+        values(n * hd),
+        values(case.pool * kvd),
+        values(case.pool * kvd),
+        values(n * hd),
+    );
+    let round = |x: &[f32]| -> Vec<f64> {
+        x.iter()
+            .map(|&x| match how {
+                Products::Bf16 => bf16::from_f32(x).to_f64(),
+                _ => f16::from_f32(x).to_f64(),
+            })
+            .collect()
+    };
+    let (rq, rk, rv, rdo) = (round(&q), round(&k), round(&v), round(&dout));
+    let (mut eq, mut ek, mut ev) = (
+        vec![0f64; n * hd],
+        vec![0f64; case.pool * kvd],
+        vec![0f64; case.pool * kvd],
+    );
+    let (mut runs, mut pos, mut row) = (Vec::new(), Vec::new(), 0);
+    for (run_pos, keys) in &case.runs {
+        let rows = run_pos.len();
+        let (qs, ks) = (
+            row * hd..(row + rows) * hd,
+            keys.0 * kvd..(keys.0 + keys.1) * kvd,
+        );
+        reference(
+            s,
+            &rq[qs.clone()],
+            &rk[ks.clone()],
+            &rv[ks.clone()],
+            &rdo[qs.clone()],
+            run_pos,
+            keys.1,
+            &case.params,
+            (&mut eq[qs], &mut ek[ks.clone()], &mut ev[ks]),
+        );
+        runs.push(AttentionRun {
+            rows: (row, rows),
+            keys: *keys,
+        });
+        pos.extend_from_slice(run_pos);
+        row += rows;
+    }
+    let grad = b.grad().expect("CUDA trains");
+    let pos_t = upload_i32(b, &pos);
+    // The gradients are added to what the buffers hold.
+    const HELD: f32 = 0.25;
+    let run = |whole: bool| {
+        grad.set_products(how).unwrap();
+        let (qd, kd) = ([n, s.heads, s.d], [case.pool, s.kv_heads, s.d]);
+        let (mut dq, mut dk, mut dv) = (
+            upload_f32(b, &qd, &vec![HELD; n * hd]),
+            upload_f32(b, &kd, &vec![HELD; case.pool * kvd]),
+            upload_f32(b, &kd, &vec![HELD; case.pool * kvd]),
+        );
+        let (qt, kt, vt, dot) = (
+            upload_f32(b, &qd, &q),
+            upload_f32(b, &kd, &k),
+            upload_f32(b, &kd, &v),
+            upload_f32(b, &qd, &dout),
+        );
+        let done = if whole {
+            grad.attention_backward(
+                &qt,
+                &kt,
+                &vt,
+                &pos_t,
+                &case.params,
+                &dot,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            )
+            .map(|()| true)
+        } else {
+            grad.attention_backward_runs(
+                &qt,
+                &kt,
+                &vt,
+                &pos_t,
+                &runs,
+                &case.params,
+                &dot,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            )
+        };
+        grad.set_products(Products::F32).unwrap();
+        assert!(
+            done.unwrap(),
+            "{}: CUDA runs the paged backward in place",
+            case.name
+        );
+        [read(b, &dq), read(b, &dk), read(b, &dv)]
+    };
+    let one_run = case.runs.len() == 1 && case.runs[0].1 == (0, case.pool);
+    let bits = if how == Products::Bf16 { 8 } else { 11 };
+    let modes: &[bool] = if one_run { &[false, true] } else { &[false] };
+    for &whole in modes {
+        let got = run(whole);
+        for (name, (g, e)) in ["dq", "dk", "dv"]
+            .iter()
+            .zip(got.iter().zip([&eq, &ek, &ev]))
+        {
+            let largest = e.iter().fold(0f64, |m, x| m.max(x.abs()));
+            assert!(largest > 0.0, "{}: {name} is all zeros", case.name);
+            let off = g
+                .iter()
+                .zip(e)
+                .fold(0f64, |m, (&a, b)| m.max((a as f64 - HELD as f64 - b).abs()))
+                / largest;
+            eprintln!(
+                "{} {} {name} (whole: {whole}): {off:e} of the largest off float64",
+                case.name,
+                how.name()
+            );
+            // The probabilities and score gradients rounded once before their products.
+            let unit = 2f64.powi(-bits);
+            assert!(
+                off <= 4.0 * unit,
+                "{} {} {name}: {off:e} of the largest gradient off float64",
+                case.name,
+                how.name()
+            );
+        }
+    }
+}
+
+fn params(scale: f32, softcap: Option<f32>, window: Option<usize>) -> AttentionParams {
+    AttentionParams {
+        scale,
+        softcap,
+        window,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_attention_backward_under_16_bit_products_matches_float64() {
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
+    let cases = [
+        // A prompt continuing at position 50 over 200 keys, grouped heads.
+        Case {
+            name: "continued prompt",
+            shape: Shape4 {
+                heads: 4,
+                kv_heads: 2,
+                d: 64,
+            },
+            pool: 200,
+            runs: vec![((50..200).collect(), (0, 200))],
+            params: params(0.125, None, None),
+        },
+        // Heads of 128, four a KV head, a window and a softcap.
+        Case {
+            name: "window and softcap",
+            shape: Shape4 {
+                heads: 8,
+                kv_heads: 2,
+                d: 128,
+            },
+            pool: 130,
+            runs: vec![((0..130).collect(), (0, 130))],
+            params: params(0.088, Some(1.5), Some(37)),
+        },
+        // A paged batch: runs of 70, 1 and 130 rows over scattered spans of a pool, one
+        // of its spans shorter than its positions reach.
+        Case {
+            name: "paged runs",
+            shape: Shape4 {
+                heads: 6,
+                kv_heads: 6,
+                d: 64,
+            },
+            pool: 400,
+            runs: vec![
+                ((30..100).collect(), (250, 100)),
+                (vec![19], (0, 20)),
+                ((0..130).collect(), (100, 130)),
+                ((0..9).map(|p| p + 20).collect(), (20, 16)),
+            ],
+            params: params(0.125, None, None),
+        },
+        // Two runs over one span of keys (a shared prefix): their key gradients add.
+        Case {
+            name: "shared keys",
+            shape: Shape4 {
+                heads: 2,
+                kv_heads: 1,
+                d: 64,
+            },
+            pool: 80,
+            runs: vec![((0..40).collect(), (0, 50)), ((10..75).collect(), (0, 80))],
+            params: params(0.125, None, None),
+        },
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        for how in [Products::Bf16, Products::F16] {
+            check(&b, case, how, 0xa77 + i as u64);
+        }
+    }
+}
+
+/// Issue 18's training shape: a sequence of 1,024 tokens, heads of 64 (12 of them in the
+/// model; 4 here keep the float64 reference quick), the GPU's launch sizes of training.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_attention_backward_of_a_training_sequence_matches_float64() {
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
+    let case = Case {
+        name: "training sequence",
+        shape: Shape4 {
+            heads: 4,
+            kv_heads: 4,
+            d: 64,
+        },
+        pool: 1024,
+        runs: vec![((0..1024).collect(), (0, 1024))],
+        params: params(0.125, None, None),
+    };
+    check(&b, &case, Products::Bf16, 0x134);
+}
