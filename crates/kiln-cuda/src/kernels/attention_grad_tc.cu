@@ -76,16 +76,26 @@ __device__ __forceinline__ void agt_load(u16* dst, const u16* src, size_t stride
     }
 }
 
-// The score z of raw product s (scaled, capped) and dz/ds over scale.
-__device__ __forceinline__ float agt_score(float s, float scale, float cap, float* dz) {
-    const float z = s * scale;
+#define AGT_LOG2E 1.4426950408889634f
+
+// 2^x (the SFU's approximation, a few ulp of f32: the probabilities it makes are rounded
+// to 16 bits for their products). The softmax runs in log2 units: z · log2(e) and
+// lse · log2(e), one FMA and one ex2 a probability.
+__device__ __forceinline__ float agt_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The score z of raw product s (scaled, capped) in log2 units, and dz/ds over scale.
+__device__ __forceinline__ float agt_score2(float s, float scale, float cap, float* dz) {
     if (cap > 0.0f) {
-        const float t = tanhf(z / cap);
+        const float t = tanhf(s * scale / cap);
         *dz = 1.0f - t * t;
-        return cap * t;
+        return cap * AGT_LOG2E * t;
     }
     *dz = 1.0f;
-    return z;
+    return s * (scale * AGT_LOG2E);
 }
 
 // The position up to which a query at `p` sees a run of `keys` keys (-1: none).
@@ -131,6 +141,22 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
         last[i] = live[i] ? agt_last_key(pos[first + t], keys) : -1;
         at[i] = ((size_t)(first + t) * heads + h) * D;
     }
+    // The least and most a live row of this warp sees: a chunk of keys every row sees
+    // whole skips the mask (the causal square's tiles below the diagonal).
+    int w_min = 0x7fffffff, w_max = -1;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        if (live[i]) {
+            w_min = min(w_min, last[i]);
+            w_max = max(w_max, last[i]);
+        }
+#pragma unroll
+    for (int x = 1; x < 32; x <<= 1) {
+        w_min = min(w_min, __shfl_xor_sync(0xffffffffu, w_min, x));
+        w_max = max(w_max, __shfl_xor_sync(0xffffffffu, w_max, x));
+    }
+    auto whole = [&](int c0) { return c0 + AGT_KEYS - 1 <= w_min && (window <= 0 || c0 > w_max - window); };
+
     // Queries and output gradients as A fragments (k-step s: columns 16s + 2c, + 1, and + 8).
     u32 qa[KS][4], da[KS][4];
 #pragma unroll
@@ -188,13 +214,14 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
     };
 
     // Pass 1: each row's running max m, and its lanes' shares of l = Σ exp(z − m) and
-    // a = Σ exp(z − m) · dP.
+    // a = Σ exp(z − m) · dP (m and lse in log2 units, as written for agt_dkv).
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f}, a[2] = {0.0f, 0.0f};
     for (int ch = 0; ch < chunks; ch++) {
         await_chunk(ch);
         const int c0 = c_first + ch * AGT_KEYS, buf = ch & 1;
         float sc[8][4], dp[8][4];
         products(buf, sc, dp);
+        const bool full = whole(c0);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float mx = NEG_INF;
@@ -203,8 +230,8 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     float dz, z = NEG_INF;
-                    if (agt_sees(c0 + 8 * j + 2 * c + e, last[i], window))
-                        z = agt_score(sc[j][2 * i + e], scale, cap, &dz);
+                    if (full || agt_sees(c0 + 8 * j + 2 * c + e, last[i], window))
+                        z = agt_score2(sc[j][2 * i + e], scale, cap, &dz);
                     sc[j][2 * i + e] = z;
                     mx = fmaxf(mx, z);
                 }
@@ -212,14 +239,14 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m[i], mx);
             if (m_new == NEG_INF) continue;
-            const float corr = expf(m[i] - m_new);
+            const float corr = agt_exp2(m[i] - m_new);
             float ls = 0.0f, as = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const float z = sc[j][2 * i + e];
-                    const float p = z == NEG_INF ? 0.0f : expf(z - m_new);
+                    const float p = agt_exp2(z - m_new);
                     ls += p;
                     as += p * dp[j][2 * i + e];
                 }
@@ -239,7 +266,7 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
         }
         // A row that sees no key has P = 0 throughout.
         const bool any = l[i] > 0.0f;
-        lse[i] = any ? m[i] + logf(l[i]) : (-NEG_INF);
+        lse[i] = any ? m[i] + log2f(l[i]) : (-NEG_INF);
         dsum[i] = any ? a[i] / l[i] : 0.0f;
         if (live[i] && c == 0) {
             const size_t r = (size_t)(first + 16 * warp + g + 8 * i) * heads + h;
@@ -260,16 +287,17 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
         const int c0 = c_first + ch * AGT_KEYS, buf = ch & 1;
         float sc[8][4], dp[8][4];
         products(buf, sc, dp);
+        const bool full = whole(c0);
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 const int i = r >> 1;
                 float ds = 0.0f;
-                if (agt_sees(c0 + 8 * j + 2 * c + (r & 1), last[i], window)) {
+                if (full || agt_sees(c0 + 8 * j + 2 * c + (r & 1), last[i], window)) {
                     float dz;
-                    const float z = agt_score(sc[j][r], scale, cap, &dz);
-                    const float p = expf(z - lse[i]);
+                    const float z = agt_score2(sc[j][r], scale, cap, &dz);
+                    const float p = agt_exp2(z - lse[i]);
                     ds = p * (dp[j][r] - dsum[i]) * dz;
                 }
                 sc[j][r] = ds;
@@ -340,6 +368,15 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
         while (cq < q_chunks && !sees_tile(cq)) cq++;
         return cq;
     };
+    // Whether every row of chunk cq sees every key of the tile (the mask is skipped).
+    auto sees_whole_tile = [&](int cq) {
+        bool all = tn == AGT_KEYS;
+        for (int r = cq * QC + tid; r < min(qn, cq * QC + QC); r += blockDim.y * 32) {
+            const int last = agt_last_key(pos[q0 + r], keys);
+            all &= last >= t0 + tn - 1 && (window <= 0 || t0 > last - window);
+        }
+        return __syncthreads_and(all) != 0;
+    };
     // Items are (chunk, head of the group), heads innermost.
     auto load_item = [&](int cq, int hh, int buf) {
         const int h = kvh * group + hh, r0 = cq * QC, count = min(QC, qn - r0);
@@ -358,6 +395,7 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
 
     int cq = next_chunk(0), hh = 0;
     if (cq >= q_chunks) return;
+    bool full = sees_whole_tile(cq);
     {
         const size_t e = ((size_t)(k0 + t0) * kv_heads + kvh) * D;
         agt_load<D>(Ks, k + e, (size_t)kv_heads * D, AGT_KEYS, tn);
@@ -376,9 +414,11 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
 
     for (int buf = 0; cq < q_chunks; buf ^= 1) {
         int ncq = cq, nhh = hh + 1;
+        bool next_full = full;
         if (nhh == group) {
             nhh = 0;
             ncq = next_chunk(cq + 1);
+            if (ncq < q_chunks) next_full = sees_whole_tile(ncq);
         }
         if (ncq < q_chunks) {
             load_item(ncq, nhh, buf ^ 1);
@@ -423,10 +463,10 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
             for (int r = 0; r < 4; r++) {
                 const int kr = kr0 + 8 * (r >> 1), row = 8 * j + 2 * c + (r & 1);
                 float p = 0.0f, ds = 0.0f;
-                if (kr < tn && agt_sees(t0 + kr, lastb[row], window)) {
+                if (full || (kr < tn && agt_sees(t0 + kr, lastb[row], window))) {
                     float dz;
-                    const float z = agt_score(st[j][r], scale, cap, &dz);
-                    p = expf(z - lb[row]);
+                    const float z = agt_score2(st[j][r], scale, cap, &dz);
+                    p = agt_exp2(z - lb[row]);
                     ds = p * (dpt[j][r] - dsb[row]) * dz;
                 }
                 st[j][r] = p;
@@ -458,6 +498,7 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
         __syncthreads();
         cq = ncq;
         hh = nhh;
+        full = next_full;
     }
 
 #pragma unroll
