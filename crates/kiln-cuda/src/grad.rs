@@ -176,8 +176,12 @@ impl GradOps for CudaBackend {
         )
     }
 
+    fn frozen_as_stored(&self, dtype: DType) -> bool {
+        crate::frozen::takes(dtype)
+    }
+
     fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()> {
-        f32s(&[dy, w, dx], "matmul_dx")?;
+        f32s(&[dy, dx], "matmul_dx")?;
         let (n, m) = rows_of(dy);
         let &[wm, k] = w.dims() else {
             return Err(Error::shape(format!("matmul_dx: weight {}", w.shape())));
@@ -192,6 +196,9 @@ impl GradOps for CudaBackend {
         }
         if m == 0 {
             return Ok(());
+        }
+        if w.dtype() != DType::F32 {
+            return self.matmul_dx_stored(ptr(dy)?, w, ptr(dx)?, (n, m, k));
         }
         // Row-major dx[n, k] += dy[n, m]·w[m, k]: column-major dxᵀ = wᵀ·dyᵀ, where w read
         // as k × m column-major is wᵀ and dy as m × n is dyᵀ.
@@ -691,8 +698,14 @@ impl GradOps for CudaBackend {
         dh: Option<&mut Tensor>,
         dw: Option<&mut Tensor>,
     ) -> Result<()> {
-        f32s(&[h, w, losses], "cross_entropy")?;
+        f32s(&[h, losses], "cross_entropy")?;
         expect(targets, DType::I32, "targets")?;
+        if w.dtype() != DType::F32 && dw.is_some() {
+            return Err(Error::unsupported(format!(
+                "cross_entropy: a trained output projection is F32, not {}",
+                w.dtype()
+            )));
+        }
         let &[vocab, dim] = w.dims() else {
             return Err(Error::shape(format!(
                 "cross_entropy: projection {}",
@@ -719,7 +732,13 @@ impl GradOps for CudaBackend {
         let dw_ptr = dw.map(|t| ptr(t)).transpose()?;
         let block = (BLOCK_LOGITS / vocab).clamp(1, n);
         let z = self.scratch("grad_cross_entropy", block * vocab * 4)?;
-        let (h_ptr, w_ptr, t_ptr, l_ptr) = (ptr(h)?, ptr(w)?, ptr(targets)?, ptr(losses)?);
+        // A frozen projection kept as stored is read decoded, whole (every block of rows
+        // reads every vocabulary row).
+        let w_ptr = match w.dtype() {
+            DType::F32 => ptr(w)?,
+            _ => self.decoded_rows(w, 0, vocab)?,
+        };
+        let (h_ptr, t_ptr, l_ptr) = (ptr(h)?, ptr(targets)?, ptr(losses)?);
         for r0 in (0..n).step_by(block) {
             let rows = block.min(n - r0);
             let h_blk = h_ptr + (r0 * dim * 4) as u64;

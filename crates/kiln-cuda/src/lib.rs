@@ -14,6 +14,7 @@ mod collective;
 mod compile;
 mod device;
 mod elementwise;
+mod frozen;
 mod gemm_tc;
 mod grad;
 mod kernels;

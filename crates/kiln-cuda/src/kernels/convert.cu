@@ -1,5 +1,6 @@
-// Conversions feeding cuBLAS for prompts: weights of any stored type decoded to f16
-// (quantized types) and activations rounded to f16 or bf16 to match the weights.
+// Conversions feeding cuBLAS: for prompts, weights of any stored type decoded to f16
+// (quantized types) and activations rounded to f16 or bf16 to match the weights; for
+// training's backward, frozen weights decoded to f32.
 
 // Decode a whole [m, k] weight matrix to f16, one 32-value unit per thread.
 // Launch: 1-D, one thread per unit (m * k / 32 of them); k a multiple of 32.
@@ -20,6 +21,42 @@ extern "C" __global__ void dequant_f16_q8_0(const u8* w, u16* out, int m, int k)
 extern "C" __global__ void dequant_f16_q4_0(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q4_0>(w, out, m, k); }
 extern "C" __global__ void dequant_f16_q4_k(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q4_K>(w, out, m, k); }
 extern "C" __global__ void dequant_f16_q6_k(const u8* w, u16* out, int m, int k) { dequant_f16<W_Q6_K>(w, out, m, k); }
+
+// Rows [r0, r0 + rows) of a stored [m, k] quantized weight decoded to f32, as training's
+// backward reads a frozen weight (QLoRA). Launch: 1-D, a thread per 32-value unit of the
+// rows; k a multiple of the block.
+template <int T>
+__device__ void dequant_rows_f32(const u8* __restrict__ w, float* __restrict__ out, int m, int k, int r0,
+                                 int rows) {
+    follow_previous();
+    const size_t units_per_row = k / 32;
+    const size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (size_t)rows * units_per_row) return;
+    const size_t r = g / units_per_row;
+    const int u = (int)(g % units_per_row);
+    float v[32];
+    load_unit<T>(weight_row<T>(w, m, k, r0 + (int)r), u, v);
+    float4* dst = (float4*)(out + r * k + (size_t)u * 32);
+#pragma unroll
+    for (int i = 0; i < 8; i++) dst[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+}
+
+#define DEQUANT_ROWS_F32(NAME, T)                                                                  \
+    extern "C" __global__ void NAME(const u8* w, float* out, int m, int k, int r0, int rows) {     \
+        dequant_rows_f32<T>(w, out, m, k, r0, rows);                                             \
+    }
+DEQUANT_ROWS_F32(dequant_rows_f32_q8_0, W_Q8_0)
+DEQUANT_ROWS_F32(dequant_rows_f32_q4_0, W_Q4_0)
+DEQUANT_ROWS_F32(dequant_rows_f32_q4_k, W_Q4_K)
+DEQUANT_ROWS_F32(dequant_rows_f32_q6_k, W_Q6_K)
+
+// x [n] f16 (or bf16 when `bf16`) -> out [n] f32. Launch: 1-D, n threads.
+extern "C" __global__ void half_to_f32(const u16* __restrict__ x, float* __restrict__ out, size_t n,
+                                       int bf16) {
+    follow_previous();
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = bf16 ? bf16_to_f32(x[i]) : f16_to_f32(x[i]);
+}
 
 // x [n] f32 -> out [n] f16, or bf16 when `bf16`: four values a thread (one 16-byte load,
 // one 8-byte store). Launch: 1-D, ceil(n / 4) threads.
