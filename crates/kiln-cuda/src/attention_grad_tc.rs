@@ -13,6 +13,9 @@ use kiln_core::{AttentionParams, AttentionRun, Error, Result};
 /// 16 a warp, 4 warps (`AGT_KEYS`).
 const TILE: usize = 64;
 const WARPS: u32 = 4;
+/// Chunks of query rows the dK / dV kernel keeps a bit for (`32 · AGT_CHUNK_WORDS`): longer
+/// runs are cut into pieces of this many chunks.
+const MOST_CHUNKS: usize = 32 * 64;
 
 /// The kernels (dQ, then dK and dV) by head size and 16-bit type, with the query rows
 /// the dK / dV kernel holds a chunk (its `QC`).
@@ -105,6 +108,19 @@ pub(crate) struct Operands {
     pub kv_heads: usize,
 }
 
+/// `runs` with any longer than `most` query rows cut into pieces of `most` (over the same
+/// keys).
+fn pieces(runs: &[AttentionRun], most: usize) -> Vec<AttentionRun> {
+    runs.iter()
+        .flat_map(|r| {
+            (0..r.rows.1).step_by(most).map(move |o| AttentionRun {
+                rows: (r.rows.0 + o, most.min(r.rows.1 - o)),
+                keys: r.keys,
+            })
+        })
+        .collect()
+}
+
 /// The backward of `runs` (each a sequence's query rows and its span of key rows, a key's
 /// position its offset in the span): dQ, dK and dV added into `o.grads`. Runs whose rows
 /// (or key spans) overlap go one launch each, in order.
@@ -115,6 +131,7 @@ pub(crate) fn backward(
     runs: &[AttentionRun],
     params: &AttentionParams,
 ) -> Result<()> {
+    let runs = &pieces(runs, MOST_CHUNKS * k.chunk)[..];
     let one_launch = disjoint(runs.iter().map(|r| r.rows)) && disjoint(runs.iter().map(|r| r.keys));
     if one_launch {
         return launch(b, k, o, runs, params);
@@ -233,6 +250,24 @@ mod tests {
                 [0, 70, 100, 130, 64, 64],
                 [0, 70, 100, 130, 128, 2],
                 [70, 64, 0, 64, 0, 64],
+            ]
+        );
+    }
+
+    #[test]
+    fn long_runs_are_cut_into_pieces_over_the_same_keys() {
+        let runs = [
+            run((5, 10), (0, 40)),
+            run((15, 0), (40, 1)),
+            run((15, 4), (40, 4)),
+        ];
+        assert_eq!(
+            pieces(&runs, 4),
+            vec![
+                run((5, 4), (0, 40)),
+                run((9, 4), (0, 40)),
+                run((13, 2), (0, 40)),
+                run((15, 4), (40, 4)),
             ]
         );
     }

@@ -25,6 +25,9 @@
 // order: the sums are the same on every run.
 
 #define AGT_KEYS 64
+// Words of agt_dkv's bits a chunk of query rows: runs of at most 32 · AGT_CHUNK_WORDS
+// chunks (attention_grad_tc.rs cuts longer ones).
+#define AGT_CHUNK_WORDS 64
 #define AGT_ROW(D) ((D) + 8)
 
 // Two floats as a 16-bit pair, `lo` in the low half.
@@ -121,13 +124,18 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
     const int h = blockIdx.y, kvh = h / (heads / kv_heads);
     const int lane = threadIdx.x, warp = threadIdx.y, g = lane >> 2, c = lane & 3;
 
-    // The keys any row of the tile sees.
+    // The keys any row of the tile sees (each warp finds them, its lanes taking rows).
     int hi = -1, lo = 0x7fffffff;
-    for (int t = 0; t < rows; t++) {
+    for (int t = lane; t < rows; t += 32) {
         const int last = agt_last_key(pos[first + t], keys);
         if (last < 0) continue;
         hi = max(hi, last);
         lo = min(lo, window > 0 ? max(0, last - window + 1) : 0);
+    }
+#pragma unroll
+    for (int x = 1; x < 32; x <<= 1) {
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, x));
+        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, x));
     }
 
     // This thread's two rows, g and g + 8 of the warp's 16, and their last keys.
@@ -347,7 +355,7 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
     u16* Ds = Qs + 2 * QC * ROW;          // [2][QC][ROW]: output gradients
     float* lse_s = (float*)(Ds + 2 * QC * ROW);  // [2][QC]
     float* d_s = lse_s + 2 * QC;                 // [2][QC]
-    int* last_s = (int*)(d_s + 2 * QC);          // [2][QC]
+    int* pos_s = (int*)(d_s + 2 * QC);           // [2][QC]
     const int* tile = tiles + 6 * blockIdx.x;
     const int q0 = tile[0], qn = tile[1], k0 = tile[2], keys = tile[3], t0 = tile[4], tn = tile[5];
     const int kvh = blockIdx.y, group = heads / kv_heads;
@@ -355,42 +363,41 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
     const int tid = warp * 32 + lane;
     const int q_chunks = (qn + QC - 1) / QC;
 
-    // Whether a row of chunk cq sees one of the tile's keys (the block agrees).
-    auto sees_tile = [&](int cq) {
-        bool any = false;
-        for (int r = cq * QC + tid; r < min(qn, cq * QC + QC); r += blockDim.y * 32) {
-            const int last = agt_last_key(pos[q0 + r], keys);
-            any |= last >= t0 && (window <= 0 || last - window + 1 <= t0 + tn - 1);
-        }
-        return __syncthreads_or(any) != 0;
-    };
+    // Which chunks of query rows see one of the tile's keys, and which see all of them
+    // (those skip the mask), as bits; one pass over the run's positions.
+    __shared__ u32 sees_bits[AGT_CHUNK_WORDS], whole_bits[AGT_CHUNK_WORDS];
+    for (int i = tid; i < AGT_CHUNK_WORDS; i += blockDim.y * 32) {
+        sees_bits[i] = 0u;
+        whole_bits[i] = tn == AGT_KEYS ? ~0u : 0u;
+    }
+    __syncthreads();
+    for (int r = tid; r < qn; r += blockDim.y * 32) {
+        const int last = agt_last_key(pos[q0 + r], keys), cq = r / QC;
+        const u32 bit = 1u << (cq & 31);
+        if (last >= t0 && (window <= 0 || last - window + 1 <= t0 + tn - 1)) atomicOr(&sees_bits[cq >> 5], bit);
+        if (!(last >= t0 + tn - 1 && (window <= 0 || t0 > last - window))) atomicAnd(&whole_bits[cq >> 5], ~bit);
+    }
+    __syncthreads();
     auto next_chunk = [&](int cq) {
-        while (cq < q_chunks && !sees_tile(cq)) cq++;
+        while (cq < q_chunks && !((sees_bits[cq >> 5] >> (cq & 31)) & 1u)) cq++;
         return cq;
     };
-    // Whether every row of chunk cq sees every key of the tile (the mask is skipped).
-    auto sees_whole_tile = [&](int cq) {
-        bool all = tn == AGT_KEYS;
-        for (int r = cq * QC + tid; r < min(qn, cq * QC + QC); r += blockDim.y * 32) {
-            const int last = agt_last_key(pos[q0 + r], keys);
-            all &= last >= t0 + tn - 1 && (window <= 0 || t0 > last - window);
-        }
-        return __syncthreads_and(all) != 0;
-    };
-    // Items are (chunk, head of the group), heads innermost.
+    auto sees_whole_tile = [&](int cq) { return ((whole_bits[cq >> 5] >> (cq & 31)) & 1u) != 0; };
+    // Items are (chunk, head of the group), heads innermost. Rows past the run load as
+    // zeros (q, dO, lse, D and position): their P·dO and dS·Q add nothing.
     auto load_item = [&](int cq, int hh, int buf) {
         const int h = kvh * group + hh, r0 = cq * QC, count = min(QC, qn - r0);
         const size_t e = ((size_t)(q0 + r0) * heads + h) * D;
         agt_load<D>(Qs + buf * QC * ROW, q + e, (size_t)heads * D, QC, count);
         agt_load<D>(Ds + buf * QC * ROW, dout + e, (size_t)heads * D, QC, count);
-        cp_async_commit();
         for (int r = tid; r < QC; r += blockDim.y * 32) {
             const bool ok = r < count;
-            const size_t at = (size_t)(q0 + r0 + r) * heads + h;
-            lse_s[buf * QC + r] = ok ? lse_in[at] : (-NEG_INF);
-            d_s[buf * QC + r] = ok ? d_in[at] : 0.0f;
-            last_s[buf * QC + r] = ok ? agt_last_key(pos[q0 + r0 + r], keys) : -1;
+            const size_t at = ok ? (size_t)(q0 + r0 + r) * heads + h : 0;
+            cp_async4(lse_s + buf * QC + r, lse_in + at, ok ? 4 : 0);
+            cp_async4(d_s + buf * QC + r, d_in + at, ok ? 4 : 0);
+            cp_async4(pos_s + buf * QC + r, pos + (ok ? q0 + r0 + r : 0), ok ? 4 : 0);
         }
+        cp_async_commit();
     };
 
     int cq = next_chunk(0), hh = 0;
@@ -431,7 +438,7 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
         const u16* db = Ds + buf * QC * ROW;
         const float* lb = lse_s + buf * QC;
         const float* dsb = d_s + buf * QC;
-        const int* lastb = last_s + buf * QC;
+        const int* posb = pos_s + buf * QC;
 
         // Sᵀ and dPᵀ of the warp's 16 keys against the chunk's QC rows: tile j holds
         // rows 8j + 2c, + 1 of keys g (registers 0, 1) and g + 8 (2, 3).
@@ -463,7 +470,7 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
             for (int r = 0; r < 4; r++) {
                 const int kr = kr0 + 8 * (r >> 1), row = 8 * j + 2 * c + (r & 1);
                 float p = 0.0f, ds = 0.0f;
-                if (full || (kr < tn && agt_sees(t0 + kr, lastb[row], window))) {
+                if (full || (kr < tn && agt_sees(t0 + kr, agt_last_key(posb[row], keys), window))) {
                     float dz;
                     const float z = agt_score2(st[j][r], scale, cap, &dz);
                     p = agt_exp2(z - lb[row]);

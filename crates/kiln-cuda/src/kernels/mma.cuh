@@ -62,6 +62,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes
 #endif
 }
 
+// 4 bytes the same way (through L1), zeros with `bytes` 0.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(shared_address(dst)), "l"(src), "r"(bytes)
+                 : "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
