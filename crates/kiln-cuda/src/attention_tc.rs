@@ -4,8 +4,8 @@
 //! queries and probabilities go in as two f16 parts each, so results keep the f32
 //! kernel's accuracy (attention.rs takes every other case). F32 caches (training's pool)
 //! come here too when the F32 products were asked to round their inputs
-//! (`GradOps::set_products`: TF32, BF16 or F16): their keys and values are rounded to f16
-//! as they are loaded, an input rounding like TF32's.
+//! (`GradOps::set_products`: TF32, BF16 or F16): then keys, values, queries and
+//! probabilities go in rounded to f16 once, an input rounding like TF32's.
 //!
 //! It replaced, for prompts, attention.cu's tile kernel (f32 arithmetic on CUDA cores,
 //! 35% of an 8B model's 512-token prompt) and, for a server's prompt chunks, the decode

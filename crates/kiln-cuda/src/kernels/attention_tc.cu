@@ -5,10 +5,12 @@
 // Keys and values are f16 already, or (the attention_tc_f32_* kernels: an f32 cache, as
 // training's pool, when the products were asked to round their inputs) rounded to f16 on
 // their way into shared memory: a 10-bit mantissa, as TF32's, and f16's range, which keys
-// and values must then stay within. The queries (times the scale) and the probabilities
-// each go in as two f16 parts, hi + lo (mma.cuh's split_f16x2), two products each: the
-// results keep f32's accuracy, within the bounds the CUDA-core kernel meets, and cost
-// twice the tensor-core work, which is not what this kernel waits on.
+// and values must then stay within. Over an f16 cache the queries (times the scale) and
+// the probabilities each go in as two f16 parts, hi + lo (mma.cuh's split_f16x2), two
+// products each: the results keep f32's accuracy, within the bounds the CUDA-core kernel
+// meets. Over training's f32 pool they go in rounded to f16 once, as the products that
+// asked for rounding do with their operands (half the tensor-core work: 11% of a BF16
+// training step was this kernel with both parts).
 //
 // A block serves one KV head and a tile of 16 · T query rows of one sequence: warp w takes
 // head kvh · group + w % group and rows 16 · (w / group) .. + 16 of the tile, so every
@@ -146,7 +148,11 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
             const int i = r & 1, col = 16 * s + 2 * c + 8 * (r >> 1);
             float2 v = make_float2(0.0f, 0.0f);
             if (live[i]) v = *(const float2*)(q + ((size_t)(first + sub + g + 8 * i) * heads + h) * D + col);
-            split_f16x2(v.x * scale, v.y * scale, qh[s][r], ql[s][r]);
+            if constexpr (F32KV) {
+                qh[s][r] = pack_f16x2(v.x * scale, v.y * scale);
+            } else {
+                split_f16x2(v.x * scale, v.y * scale, qh[s][r], ql[s][r]);
+            }
         }
 
     auto load_chunk = [&](int c0, int buf) {
@@ -191,9 +197,11 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
                 ldmatrix_x4(b, kb + (16 * p + (lane & 7) + ((lane >> 4) << 3)) * ROW + 16 * s +
                                    ((lane >> 3) & 1) * 8);
                 mma_16816(sc[2 * p], qh[s], b[0], b[1]);
-                mma_16816(sc[2 * p], ql[s], b[0], b[1]);
                 mma_16816(sc[2 * p + 1], qh[s], b[2], b[3]);
-                mma_16816(sc[2 * p + 1], ql[s], b[2], b[3]);
+                if constexpr (!F32KV) {
+                    mma_16816(sc[2 * p], ql[s], b[0], b[1]);
+                    mma_16816(sc[2 * p + 1], ql[s], b[2], b[3]);
+                }
             }
 
         // Online softmax of each row: masked scores are -inf; the row's four lanes share
@@ -245,19 +253,28 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
 #pragma unroll
         for (int p = 0; p < 4; p++) {
             u32 ph[4], pl[4];
-            split_f16x2(sc[2 * p][0], sc[2 * p][1], ph[0], pl[0]);
-            split_f16x2(sc[2 * p][2], sc[2 * p][3], ph[1], pl[1]);
-            split_f16x2(sc[2 * p + 1][0], sc[2 * p + 1][1], ph[2], pl[2]);
-            split_f16x2(sc[2 * p + 1][2], sc[2 * p + 1][3], ph[3], pl[3]);
+            if constexpr (F32KV) {
+                ph[0] = pack_f16x2(sc[2 * p][0], sc[2 * p][1]);
+                ph[1] = pack_f16x2(sc[2 * p][2], sc[2 * p][3]);
+                ph[2] = pack_f16x2(sc[2 * p + 1][0], sc[2 * p + 1][1]);
+                ph[3] = pack_f16x2(sc[2 * p + 1][2], sc[2 * p + 1][3]);
+            } else {
+                split_f16x2(sc[2 * p][0], sc[2 * p][1], ph[0], pl[0]);
+                split_f16x2(sc[2 * p][2], sc[2 * p][3], ph[1], pl[1]);
+                split_f16x2(sc[2 * p + 1][0], sc[2 * p + 1][1], ph[2], pl[2]);
+                split_f16x2(sc[2 * p + 1][2], sc[2 * p + 1][3], ph[3], pl[3]);
+            }
 #pragma unroll
             for (int s = 0; s < KS; s++) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, vb + (16 * p + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW +
                                          16 * s + (lane >> 4) * 8);
                 mma_16816(o[2 * s], ph, b[0], b[1]);
-                mma_16816(o[2 * s], pl, b[0], b[1]);
                 mma_16816(o[2 * s + 1], ph, b[2], b[3]);
-                mma_16816(o[2 * s + 1], pl, b[2], b[3]);
+                if constexpr (!F32KV) {
+                    mma_16816(o[2 * s], pl, b[0], b[1]);
+                    mma_16816(o[2 * s + 1], pl, b[2], b[3]);
+                }
             }
         }
         // Every warp is done with this buffer before the next chunk's loads refill it.
