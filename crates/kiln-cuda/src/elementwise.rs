@@ -62,9 +62,10 @@ pub(crate) fn gated(
     same_shape(gate, up, kernel)?;
     same_shape(gate, out, kernel)?;
     let n = out.shape().numel();
+    // Four elements a thread.
     b.launch_1d(
         kernel,
-        n,
+        n.div_ceil(4),
         &[
             Arg::Ptr(ptr(gate)?),
             Arg::Ptr(ptr(up)?),

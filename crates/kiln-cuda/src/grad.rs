@@ -75,7 +75,7 @@ impl GradOps for CudaBackend {
         let n = src.shape().numel();
         self.launch_1d(
             "grad_copy",
-            n,
+            n.div_ceil(4),
             &[Arg::Ptr(ptr(dst)?), Arg::Ptr(ptr(src)?), Arg::U64(n as u64)],
         )
     }
@@ -99,7 +99,7 @@ impl GradOps for CudaBackend {
         }
         self.launch_1d(
             "grad_copy",
-            n,
+            n.div_ceil(4),
             &[
                 Arg::Ptr(ptr(dst)? + 4 * dst_at as u64),
                 Arg::Ptr(ptr(src)? + 4 * src_at as u64),
@@ -144,7 +144,7 @@ impl GradOps for CudaBackend {
         }
         self.launch_1d(
             "grad_add_scaled",
-            n,
+            n.div_ceil(4),
             &[
                 Arg::Ptr(ptr(acc)?),
                 Arg::Ptr(ptr(x)?),
@@ -559,7 +559,7 @@ impl GradOps for CudaBackend {
         let n = gate.shape().numel();
         self.launch_1d(
             "grad_gated",
-            n,
+            n.div_ceil(4),
             &[
                 Arg::Ptr(ptr(gate)?),
                 Arg::Ptr(ptr(up)?),

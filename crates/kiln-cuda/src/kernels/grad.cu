@@ -3,11 +3,22 @@
 // fixed order (a thread per column walking the rows), never by atomics, so that a step
 // gives the same bits every run and a resumed run equals an uninterrupted one.
 
-// dst = src, 4-byte words (F32 values, I32 ids).   Launch: 1-D over n.
+// The elementwise kernels below that move most of a training step's bytes (the tape's
+// copies of saved values, the gated activation's gradient) take four consecutive
+// elements a thread, one 16-byte access an operand where every operand's address allows
+// it (the allocator's buffers do), else one element at a time: single-element accesses
+// reached ~1.7 TB/s on an H100, 16-byte ones ~2.7.
+#define GRAD_VEC4(i, n, ptrs) ((i) + 3 < (n) && ((ptrs) & 15) == 0)
+
+// dst = src, 4-byte words (F32 values, I32 ids).   Launch: 1-D over ceil(n / 4).
 extern "C" __global__ void grad_copy(u32* dst, const u32* src, size_t n) {
     follow_previous();
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dst[i] = src[i];
+    const size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (GRAD_VEC4(i, n, (size_t)dst | (size_t)src)) {
+        *(uint4*)(dst + i) = *(const uint4*)(src + i);
+    } else {
+        for (size_t j = i; j < n && j < i + 4; j++) dst[j] = src[j];
+    }
 }
 
 // partial[b] = Σ x² over block b's share of x, each square and the sums in f64 (a finite
@@ -31,11 +42,21 @@ extern "C" __global__ void grad_sum_squares(const float* x, u64 n, double* parti
     if (threadIdx.x == 0) partial[blockIdx.x] = sums[0];
 }
 
-// acc += a * x.   Launch: 1-D over n.
+// acc += a * x.   Launch: 1-D over ceil(n / 4).
 extern "C" __global__ void grad_add_scaled(float* acc, const float* x, size_t n, float a) {
     follow_previous();
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) acc[i] += a * x[i];
+    const size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (GRAD_VEC4(i, n, (size_t)acc | (size_t)x)) {
+        float4 o = *(float4*)(acc + i);
+        const float4 v = *(const float4*)(x + i);
+        o.x += a * v.x;
+        o.y += a * v.y;
+        o.z += a * v.z;
+        o.w += a * v.w;
+        *(float4*)(acc + i) = o;
+    } else {
+        for (size_t j = i; j < n && j < i + 4; j++) acc[j] += a * x[j];
+    }
 }
 
 // acc[c] += sum_r x[r, c].   Launch: 1-D over cols.
@@ -207,14 +228,8 @@ extern "C" __global__ void grad_rope(float* d, const int* pos, const float* inv_
     }
 }
 
-// out = act(gate) * up: dgate += dout * up * act'(gate), dup += dout * act(gate); act is
-// SiLU, or GELU (tanh) when gelu.   Launch: 1-D over n.
-extern "C" __global__ void grad_gated(const float* gate, const float* up, const float* dout,
-                                      float* dgate, float* dup, size_t n, int gelu) {
-    follow_previous();
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const float g = gate[i], d = dout[i];
+// One element of the gated activation's gradient (below).
+__device__ __forceinline__ void grad_gated_one(float g, float u, float d, bool gelu, float& dg, float& du) {
     float act, slope;
     if (gelu) {
         const float c = 0.7978845608028654f;
@@ -226,8 +241,28 @@ extern "C" __global__ void grad_gated(const float* gate, const float* up, const 
         act = g * s;
         slope = s * (1.0f + g * (1.0f - s));
     }
-    dgate[i] += d * up[i] * slope;
-    dup[i] += d * act;
+    dg += d * u * slope;
+    du += d * act;
+}
+
+// out = act(gate) * up: dgate += dout * up * act'(gate), dup += dout * act(gate); act is
+// SiLU, or GELU (tanh) when gelu.   Launch: 1-D over ceil(n / 4).
+extern "C" __global__ void grad_gated(const float* gate, const float* up, const float* dout,
+                                      float* dgate, float* dup, size_t n, int gelu) {
+    follow_previous();
+    const size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (GRAD_VEC4(i, n, (size_t)gate | (size_t)up | (size_t)dout | (size_t)dgate | (size_t)dup)) {
+        const float4 g = *(const float4*)(gate + i), u = *(const float4*)(up + i), d = *(const float4*)(dout + i);
+        float4 dg = *(float4*)(dgate + i), du = *(float4*)(dup + i);
+        grad_gated_one(g.x, u.x, d.x, gelu, dg.x, du.x);
+        grad_gated_one(g.y, u.y, d.y, gelu, dg.y, du.y);
+        grad_gated_one(g.z, u.z, d.z, gelu, dg.z, du.z);
+        grad_gated_one(g.w, u.w, d.w, gelu, dg.w, du.w);
+        *(float4*)(dgate + i) = dg;
+        *(float4*)(dup + i) = du;
+    } else {
+        for (size_t j = i; j < n && j < i + 4; j++) grad_gated_one(gate[j], up[j], dout[j], gelu, dgate[j], dup[j]);
+    }
 }
 
 // dx += gelu'(x) * dy (tanh approximation).   Launch: 1-D over n.
