@@ -23,9 +23,10 @@ pub(crate) fn broadcast_assign(
             acc.shape()
         )));
     }
+    // Four elements a thread.
     b.launch_1d(
         kernel,
-        n,
+        n.div_ceil(4),
         &[
             Arg::Ptr(ptr(acc)?),
             Arg::Ptr(ptr(x)?),

@@ -657,7 +657,7 @@ impl GradOps for CudaBackend {
         }
         self.launch_1d(
             "grad_gather_rows",
-            rows * row,
+            (rows * row).div_ceil(4),
             &[
                 Arg::Ptr(ptr(ddst)?),
                 Arg::Ptr(ptr(pos)?),

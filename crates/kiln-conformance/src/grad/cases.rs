@@ -682,39 +682,42 @@ pub fn slice_cols_and_write_rows_gradients(t: &Target) {
         },
     );
 
-    // write_rows: 3 rows of [2, 5] into rows 4, 0, 6 of [7, 2, 5].
-    let (rows, row, dst_rows) = (3, 10, 7);
-    let pos = [4, 0, 6];
-    let src = random(&mut rng, rows * row, 1.0);
-    let dst = random(&mut rng, dst_rows * row, 1.0);
-    let r = cotangent(&mut rng, dst_rows * row);
-    let forward = |s: &[f64], d: &[f64]| {
-        let mut out = d.to_vec();
-        for (i, &p) in pos.iter().enumerate() {
-            out[p as usize * row..][..row].copy_from_slice(&s[i * row..][..row]);
-        }
-        out
-    };
-    let rt = t.upload(DType::F32, &[dst_rows, 2, 5], &r);
-    let (mut dsrc, bs) = t.grad_buffer(&mut rng, &[rows, 2, 5]);
-    g.gather_rows(&rt, &t.ints(&pos), &mut dsrc).unwrap();
-    let mut ddst = t.upload(DType::F32, &[dst_rows, 2, 5], &r);
-    g.zero_rows(&mut ddst, &t.ints(&pos)).unwrap();
-    let (s64, d64, r) = (widen(&src), widen(&dst), widen(&r));
-    check(
-        "write_rows dsrc",
-        &t.added(&dsrc, &bs),
-        &src,
-        Elements::All,
-        |s| weighted(&forward(s, &d64), &r),
-    );
-    check(
-        "write_rows ddst",
-        &widen(&t.read(&ddst)),
-        &dst,
-        Elements::All,
-        |d| weighted(&forward(&s64, d), &r),
-    );
+    // write_rows: 3 rows of [2, w] into rows 4, 0, 6 of [7, 2, w]; rows of 12 values take
+    // the GPUs' 16-byte path.
+    for w in [5, 6] {
+        let (rows, row, dst_rows) = (3, 2 * w, 7);
+        let pos = [4, 0, 6];
+        let src = random(&mut rng, rows * row, 1.0);
+        let dst = random(&mut rng, dst_rows * row, 1.0);
+        let r = cotangent(&mut rng, dst_rows * row);
+        let forward = |s: &[f64], d: &[f64]| {
+            let mut out = d.to_vec();
+            for (i, &p) in pos.iter().enumerate() {
+                out[p as usize * row..][..row].copy_from_slice(&s[i * row..][..row]);
+            }
+            out
+        };
+        let rt = t.upload(DType::F32, &[dst_rows, 2, w], &r);
+        let (mut dsrc, bs) = t.grad_buffer(&mut rng, &[rows, 2, w]);
+        g.gather_rows(&rt, &t.ints(&pos), &mut dsrc).unwrap();
+        let mut ddst = t.upload(DType::F32, &[dst_rows, 2, w], &r);
+        g.zero_rows(&mut ddst, &t.ints(&pos)).unwrap();
+        let (s64, d64, r) = (widen(&src), widen(&dst), widen(&r));
+        check(
+            &format!("write_rows dsrc, rows of {row}"),
+            &t.added(&dsrc, &bs),
+            &src,
+            Elements::All,
+            |s| weighted(&forward(s, &d64), &r),
+        );
+        check(
+            &format!("write_rows ddst, rows of {row}"),
+            &widen(&t.read(&ddst)),
+            &dst,
+            Elements::All,
+            |d| weighted(&forward(&s64, d), &r),
+        );
+    }
 }
 
 /// The scale of the fused loss's sum in its cases.

@@ -1,16 +1,28 @@
 // Element-wise ops and row copies. Launch (unless noted): 1-D, one thread per element.
 
-// acc[i] += x[i % period] (period = numel of x: equal shapes, or one row broadcast).
-extern "C" __global__ void add_assign(float* acc, const float* x, size_t n, size_t period) {
+// acc[i] += x[i % period] (period = numel of x: equal shapes, or one row broadcast); four
+// consecutive elements a thread, 16-byte accesses where the addresses and the period
+// allow.   Launch: 1-D over ceil(n / 4).
+template <bool MUL>
+__device__ __forceinline__ void assign_body(float* acc, const float* x, size_t n, size_t period) {
     follow_previous();
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) acc[i] += x[i % period];
+    auto op = [](float a, float b) { return MUL ? a * b : a + b; };
+    const size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i + 3 < n && period % 4 == 0 && (((size_t)acc | (size_t)x) & 15) == 0) {
+        float4 a = *(float4*)(acc + i);
+        const float4 v = *(const float4*)(x + i % period);
+        *(float4*)(acc + i) = make_float4(op(a.x, v.x), op(a.y, v.y), op(a.z, v.z), op(a.w, v.w));
+    } else {
+        for (size_t j = i; j < n && j < i + 4; j++) acc[j] = op(acc[j], x[j % period]);
+    }
+}
+
+extern "C" __global__ void add_assign(float* acc, const float* x, size_t n, size_t period) {
+    assign_body<false>(acc, x, n, period);
 }
 
 extern "C" __global__ void mul_assign(float* acc, const float* x, size_t n, size_t period) {
-    follow_previous();
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) acc[i] *= x[i % period];
+    assign_body<true>(acc, x, n, period);
 }
 
 extern "C" __global__ void scale(float* x, size_t n, float s) {

@@ -296,15 +296,30 @@ extern "C" __global__ void grad_slice_cols(const float* ddst, float* dsrc, int r
 }
 
 // dsrc[i, c] += ddst[pos[i], c] (positions outside ddst's rows skipped, as the forward
-// skipped them).   Launch: 1-D over rows * row_len.
+// skipped them).   Launch: 1-D over ceil(rows * row_len / 4).
 extern "C" __global__ void grad_gather_rows(const float* ddst, const int* pos, float* dsrc,
                                             int rows, int row_len, int dst_rows) {
     follow_previous();
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)rows * row_len) return;
-    const size_t r = i / row_len, c = i % row_len;
-    const int p = pos[r];
-    if (p >= 0 && p < dst_rows) dsrc[i] += ddst[(size_t)p * row_len + c];
+    const size_t n = (size_t)rows * row_len, i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (GRAD_VEC4(i, n, (size_t)ddst | (size_t)dsrc | (size_t)(row_len & 3))) {
+        // A multiple of 4 in rows of a multiple of 4: the four are in one row.
+        const size_t r = i / row_len, c = i % row_len;
+        const int p = pos[r];
+        if (p < 0 || p >= dst_rows) return;
+        float4 o = *(float4*)(dsrc + i);
+        const float4 v = *(const float4*)(ddst + (size_t)p * row_len + c);
+        o.x += v.x;
+        o.y += v.y;
+        o.z += v.z;
+        o.w += v.w;
+        *(float4*)(dsrc + i) = o;
+        return;
+    }
+    for (size_t j = i; j < n && j < i + 4; j++) {
+        const size_t r = j / row_len, c = j % row_len;
+        const int p = pos[r];
+        if (p >= 0 && p < dst_rows) dsrc[j] += ddst[(size_t)p * row_len + c];
+    }
 }
 
 // ddst[pos[i], c] = 0.   Launch: 1-D over rows * row_len.
