@@ -739,20 +739,50 @@ impl GradOps for CudaBackend {
             _ => self.decoded_rows(w, 0, vocab)?,
         };
         let (h_ptr, t_ptr, l_ptr) = (ptr(h)?, ptr(targets)?, ptr(losses)?);
+        // Under BF16 / F16 products the projection is rounded once for every block (the
+        // products would round it twice a block), each block's rows once for both of
+        // their products, and its logits' gradient once for both of its.
+        let half = match self.blas.f32_products() {
+            Products::Bf16 => Some(true),
+            Products::F16 => Some(false),
+            Products::F32 | Products::Tf32 => None,
+        };
+        let w_half = half
+            .map(|bf16| rounded_copy(self, "grad_ce_w_half", w_ptr, vocab * dim, bf16))
+            .transpose()?;
+        let one = |at: u64, ld: usize| Strided { at, ld, stride: 0 };
         for r0 in (0..n).step_by(block) {
             let rows = block.min(n - r0);
             let h_blk = h_ptr + (r0 * dim * 4) as u64;
+            let rounded = |slot, p, len| {
+                half.map(|bf16| rounded_copy(self, slot, p, len, bf16))
+                    .transpose()
+            };
+            let h_half = rounded("grad_ce_h_half", h_blk, rows * dim)?;
             // z[rows, vocab] = h·wᵀ: column-major zᵀ (vocab × rows) = w (read as dim ×
             // vocab, transposed) · hᵀ (read as dim × rows).
-            sgemm(
-                self,
-                (true, false),
-                (vocab, rows, dim),
-                (w_ptr, dim),
-                (h_blk, dim),
-                0.0,
-                (z, vocab),
-            )?;
+            match (w_half, h_half) {
+                (Some(wh), Some(hh)) => sgemm_batched(
+                    self,
+                    half,
+                    (true, false),
+                    (vocab, rows, dim),
+                    one(wh, dim),
+                    one(hh, dim),
+                    0.0,
+                    one(z, vocab),
+                    1,
+                )?,
+                _ => sgemm(
+                    self,
+                    (true, false),
+                    (vocab, rows, dim),
+                    (w_ptr, dim),
+                    (h_blk, dim),
+                    0.0,
+                    (z, vocab),
+                )?,
+            }
             self.launch_rows(
                 "grad_cross_entropy_rows",
                 rows,
@@ -767,30 +797,60 @@ impl GradOps for CudaBackend {
                     Arg::I32(grad as i32),
                 ],
             )?;
+            if !grad {
+                continue;
+            }
+            let dz_half = rounded("grad_ce_dz_half", z, rows * vocab)?;
             if let Some(dh) = dh_ptr {
                 // dh[rows, dim] += dz[rows, vocab]·w[vocab, dim] (as matmul_dx).
                 let dh_blk = dh + (r0 * dim * 4) as u64;
-                sgemm(
-                    self,
-                    (false, false),
-                    (dim, rows, vocab),
-                    (w_ptr, dim),
-                    (z, vocab),
-                    1.0,
-                    (dh_blk, dim),
-                )?;
+                match (w_half, dz_half) {
+                    (Some(wh), Some(dzh)) => sgemm_batched(
+                        self,
+                        half,
+                        (false, false),
+                        (dim, rows, vocab),
+                        one(wh, dim),
+                        one(dzh, vocab),
+                        1.0,
+                        one(dh_blk, dim),
+                        1,
+                    )?,
+                    _ => sgemm(
+                        self,
+                        (false, false),
+                        (dim, rows, vocab),
+                        (w_ptr, dim),
+                        (z, vocab),
+                        1.0,
+                        (dh_blk, dim),
+                    )?,
+                }
             }
             if let Some(dw) = dw_ptr {
                 // dw[vocab, dim] += dzᵀ·h (as matmul_dw).
-                sgemm(
-                    self,
-                    (false, true),
-                    (dim, vocab, rows),
-                    (h_blk, dim),
-                    (z, vocab),
-                    1.0,
-                    (dw, dim),
-                )?;
+                match (h_half, dz_half) {
+                    (Some(hh), Some(dzh)) => sgemm_batched(
+                        self,
+                        half,
+                        (false, true),
+                        (dim, vocab, rows),
+                        one(hh, dim),
+                        one(dzh, vocab),
+                        1.0,
+                        one(dw, dim),
+                        1,
+                    )?,
+                    _ => sgemm(
+                        self,
+                        (false, true),
+                        (dim, vocab, rows),
+                        (h_blk, dim),
+                        (z, vocab),
+                        1.0,
+                        (dw, dim),
+                    )?,
+                }
             }
         }
         Ok(())

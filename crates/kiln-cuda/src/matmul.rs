@@ -655,9 +655,6 @@ pub(crate) fn sgemm_batched(
     .map_err(|e| Error::Device(format!("cuBLAS batched GEMM {count} x {m}x{n}x{k}: {e:?}")))
 }
 
-/// The stored operand of a column-major product rounded to BF16 (or F16) into the scratch
-/// `slot`: `rows` × `cols` (op(A) = A when `trans` is N) with leading dimension `ld`, the
-/// whole span it covers converted so the same `ld` addresses the copy.
 /// `span` F32 values at `src` rounded to BF16 (or F16) into work buffer `slot`; its
 /// address.
 pub(crate) fn rounded_copy(
@@ -686,6 +683,10 @@ pub(crate) fn rounded_copy(
     Ok(dst)
 }
 
+/// The stored operand of a column-major product rounded to BF16 (or F16) into the scratch
+/// `slot`: `rows` × `cols` (op(A) = A when `trans` is N) with leading dimension `ld`, the
+/// whole span it covers converted so the same `ld` addresses the copy (or `last`, the copy
+/// made before, while it still holds this operand).
 fn half_operand(
     b: &CudaBackend,
     slot: usize,
