@@ -132,3 +132,20 @@ pub fn load(path: &Path, held_out: &HeldOut, tokenizer: &Tokenizer) -> Result<Te
         files: files.iter().map(|p| p.display().to_string()).collect(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::TextData;
+
+    /// The value a replay outside kiln computes from its own tokenization
+    /// (scripts/train/loss_parity.py checks its token stream against kiln's with it).
+    #[test]
+    fn the_fingerprint_is_fnv1a_over_little_endian_ids() {
+        let d = TextData {
+            train: vec![1, 2, 3],
+            held_out: vec![4],
+            files: Vec::new(),
+        };
+        assert_eq!(d.fingerprint(), "e445b178a8670195");
+    }
+}

@@ -56,6 +56,18 @@ mod tests {
         assert_eq!(Rng::new(7).below(10), Rng::new(7).below(10));
     }
 
+    /// The draws a replay outside kiln reproduces (scripts/train/loss_parity.py draws each
+    /// step's window starts as `Trainer::step` does, with the same SplitMix64).
+    #[test]
+    fn draws_are_splitmix64s() {
+        let mut r = Rng::new(7);
+        assert_eq!(r.next_u64(), 0x63cb_e1e4_5932_0dd7);
+        assert_eq!(r.next_u64(), 0x044c_3cd7_f43c_661c);
+        let mut r = Rng::new(7);
+        let starts: Vec<u64> = (0..5).map(|_| r.below(1000)).collect();
+        assert_eq!(starts, [487, 804, 346, 203, 674]);
+    }
+
     #[test]
     fn normal_draws_have_unit_variance() {
         let mut r = Rng::new(1);
