@@ -6,39 +6,14 @@
 //! that start past 0, grouped heads, windows, softcaps, runs of a paged pool, heads of 64
 //! and 128, and a training sequence of 1,024 tokens. Needs a GPU (ignored in CI).
 
+mod common;
+
+use common::{read, upload_f32, upload_i32};
 use half::{bf16, f16};
-use kiln_core::{AttentionParams, AttentionRun, Backend, DType, Products, Shape, Tensor};
+use kiln_core::{AttentionParams, AttentionRun, Backend, Products};
 use kiln_cuda::CudaBackend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-fn upload_f32(b: &CudaBackend, dims: &[usize], v: &[f32]) -> Tensor {
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    b.upload(
-        DType::F32,
-        Shape::new(dims.to_vec()).unwrap(),
-        kiln_core::HostBytes::from_vec(bytes),
-    )
-    .unwrap()
-}
-
-fn upload_i32(b: &CudaBackend, v: &[i32]) -> Tensor {
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    b.upload(
-        DType::I32,
-        Shape::new(vec![v.len()]).unwrap(),
-        kiln_core::HostBytes::from_vec(bytes),
-    )
-    .unwrap()
-}
-
-fn read(b: &CudaBackend, t: &Tensor) -> Vec<f32> {
-    b.download(t)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
 
 struct Shape4 {
     heads: usize,
@@ -172,7 +147,7 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
         row += rows;
     }
     let grad = b.grad().expect("CUDA trains");
-    let pos_t = upload_i32(b, &pos);
+    let pos_t = upload_i32(b, &[pos.len()], &pos);
     // The gradients are added to what the buffers hold.
     const HELD: f32 = 0.25;
     let run = |whole: bool| {

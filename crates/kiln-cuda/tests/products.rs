@@ -3,28 +3,13 @@
 //! and the rounding must really happen. Needs a GPU (ignored in CI).
 
 use half::bf16;
-use kiln_core::{Backend, DType, Products, Shape};
+mod common;
+
+use common::{read, upload_f32 as upload, upload_i32};
+use kiln_core::{Backend, Products};
 use kiln_cuda::CudaBackend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-fn upload(b: &CudaBackend, dims: &[usize], v: &[f32]) -> kiln_core::Tensor {
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    b.upload(
-        DType::F32,
-        Shape::new(dims.to_vec()).unwrap(),
-        kiln_core::HostBytes::from_vec(bytes),
-    )
-    .unwrap()
-}
-
-fn read(b: &CudaBackend, t: &kiln_core::Tensor) -> Vec<f32> {
-    b.download(t)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
 
 /// `x · wᵀ` in float64 over `round`ed inputs, and Σ|x·w| per output.
 fn reference(x: &[f32], w: &[f32], k: usize, round: fn(f32) -> f32) -> (Vec<f64>, Vec<f64>) {
@@ -220,24 +205,15 @@ fn attention_over_an_f32_pool_rounds_keys_and_values_only_under_rounded_products
         let q: Vec<f32> = (0..n * heads * d)
             .map(|_| rng.random_range(-1.0..1.0))
             .collect();
-        let ints = |v: Vec<i32>, dims: &[usize]| {
-            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            b.upload(
-                DType::I32,
-                Shape::new(dims.to_vec()).unwrap(),
-                kiln_core::HostBytes::from_vec(bytes),
-            )
-            .unwrap()
-        };
         let qt = upload(&b, &[n, heads, d], &q);
         let kt = upload(&b, &[pool_blocks * block, kv_heads, d], &pool_k);
         let vt = upload(&b, &[pool_blocks * block, kv_heads, d], &pool_v);
-        let pos_t = ints(pos.iter().map(|&p| p as i32).collect(), &[n]);
-        let seq_t = ints(seq.iter().map(|&s| s as i32).collect(), &[n]);
+        let pos_t = upload_i32(&b, &[n], &pos.iter().map(|&p| p as i32).collect::<Vec<_>>());
+        let seq_t = upload_i32(&b, &[n], &seq.iter().map(|&s| s as i32).collect::<Vec<_>>());
         let mut flat_tables = vec![0i32; 2 * 5];
         flat_tables[..5].copy_from_slice(tables[0]);
         flat_tables[5..8].copy_from_slice(tables[1]);
-        let tables_t = ints(flat_tables, &[2, 5]);
+        let tables_t = upload_i32(&b, &[2, 5], &flat_tables);
         let scale = 1.0 / (d as f32).sqrt();
         let params = kiln_core::AttentionParams {
             scale,
@@ -309,14 +285,7 @@ fn the_attention_backward_under_16_bit_products_stays_near_f32() {
         values(&mut rng, n * kv_heads * d),
         values(&mut rng, n * heads * d),
     );
-    let pos: Vec<u8> = (0..n as i32).flat_map(|p| p.to_le_bytes()).collect();
-    let pos = b
-        .upload(
-            DType::I32,
-            Shape::new(vec![n]).unwrap(),
-            kiln_core::HostBytes::from_vec(pos),
-        )
-        .unwrap();
+    let pos = upload_i32(&b, &[n], &(0..n as i32).collect::<Vec<_>>());
     let params = kiln_core::AttentionParams {
         scale: 0.125,
         softcap: None,
