@@ -548,6 +548,60 @@ async fn bad_requests_get_openai_errors() {
         r.json::<Value>().await.unwrap()["error"]["code"],
         "request_too_large"
     );
+    // Chat messages: every role but the assistant's has content; text parts only.
+    let chat_cases = [
+        (json!({"messages": []}), "messages"),
+        (
+            json!({"messages": [{"role": "user"}]}),
+            "messages[0].content",
+        ),
+        (
+            json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": null}]}),
+            "messages[1].content",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            "messages[0].content[0]",
+        ),
+    ];
+    for (body, param) in chat_cases {
+        let r = s
+            .client
+            .post(format!("{}/v1/chat/completions", s.url))
+            .bearer_auth("sesame")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 400, "{body}");
+        let e = r.json::<Value>().await.unwrap();
+        assert_eq!(e["error"]["param"], param, "{body}: {e}");
+    }
+    // A content-less assistant turn (a tool call's) is part of a conversation.
+    let r = s
+        .client
+        .post(format!("{}/v1/chat/completions", s.url))
+        .bearer_auth("sesame")
+        .json(&json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": null},
+                                    {"role": "user", "content": "Go on"}], "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    // A wrong method: 405 as an error object.
+    let r = s
+        .client
+        .get(format!("{}/v1/chat/completions", s.url))
+        .bearer_auth("sesame")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    let e = r.json::<Value>().await.unwrap();
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("POST"),
+        "{e}"
+    );
     // Health and metrics need no key; the models list does.
     assert_eq!(s.get("/health").await.0, 200);
     assert_eq!(s.get("/v1/models").await.0, 401);

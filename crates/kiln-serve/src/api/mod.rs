@@ -69,7 +69,15 @@ impl App {
         let mut plain = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
             let content = match &m.content {
-                None => String::new(),
+                // An assistant's turn may be content-less (it called a tool); every other
+                // role's message is its content.
+                None if m.role == "assistant" => String::new(),
+                None => {
+                    return Err(ApiError::field(
+                        format!("messages[{i}].content"),
+                        format!("is required in a `{}` message", m.role),
+                    ))
+                }
                 Some(MessageContent::Text(t)) => t.clone(),
                 Some(MessageContent::Parts(parts)) => {
                     let mut text = String::new();
@@ -133,6 +141,17 @@ pub fn router(app: Arc<App>) -> Router {
             ApiError {
                 status: StatusCode::NOT_FOUND,
                 message: "no such endpoint".into(),
+                param: None,
+                code: None,
+            }
+        })
+        .method_not_allowed_fallback(|| async {
+            ApiError {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                message: "this endpoint takes another method: POST for /v1/completions, \
+                          /v1/chat/completions, /tokenize and /detokenize, GET for /v1/models, \
+                          /health and /metrics"
+                    .into(),
                 param: None,
                 code: None,
             }
