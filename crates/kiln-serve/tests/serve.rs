@@ -512,6 +512,16 @@ async fn bad_requests_get_openai_errors() {
         assert_eq!(status, 400, "{body}: {e}");
         assert_eq!(e["error"]["param"], param, "{body}: {e}");
     }
+    // A field of several forms says which it takes.
+    let (status, e, _) = send(r#"{"prompt": ["x", [1, 2]]}"#, key).await;
+    assert_eq!(status, 400);
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("an array of token ids"),
+        "{e}"
+    );
     let long = format!(r#"{{"prompt": "{}"}}"#, "licence ".repeat(CONTEXT));
     let long: &'static str = Box::leak(long.into_boxed_str());
     let (status, e, _) = send(long, key).await;

@@ -25,7 +25,10 @@ pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 }
 
 #[derive(Deserialize, Debug)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
+)]
 pub enum PromptInput {
     Text(String),
     Ids(Vec<u32>),
@@ -34,7 +37,7 @@ pub enum PromptInput {
 }
 
 #[derive(Deserialize, Debug)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or an array of strings")]
 pub enum StopInput {
     One(String),
     Many(Vec<String>),
@@ -42,14 +45,17 @@ pub enum StopInput {
 
 /// `logprobs`: a count of alternatives in `/v1/completions`, a switch in chat.
 #[derive(Deserialize, Debug, Clone, Copy)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "true or false (chat), or a count of alternatives (completions)"
+)]
 pub enum LogprobsInput {
     On(bool),
     Top(u64),
 }
 
 #[derive(Deserialize, Debug)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or an array of content parts")]
 pub enum MessageContent {
     Text(String),
     Parts(Vec<ContentPart>),
