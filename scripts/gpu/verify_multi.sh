@@ -2,7 +2,7 @@
 # Issue 19 on a machine of 2-4 GPUs, in one device call, from the repository root after
 # packing (see scripts/gpu/pack.sh; this needs the `collective`, `tp` and `train` test
 # binaries and `kiln` in .gpu-bin/):
-#   gunzip .gpu-bin/*.gz; chmod +x .gpu-bin/*; bash scripts/gpu/verify_multi.sh
+#   source .gpu-bin/unpack.sh; bash scripts/gpu/verify_multi.sh
 # 1. NCCL and the one-shot kernel: sums, gathers, scatters exact; the one-shot timings;
 # 2. the split llama fixtures (heads, head and embedding split) through both paths;
 # 3. data parallelism on two GPUs, plain and ZeRO-1, against the CPU run;
