@@ -16,8 +16,8 @@
 // key positions for agt_dkv). Positions as grad_attention_rows: a query at p sees keys
 // min(p, keys - 1) and back (to p - window + 1 with a window).
 //   agt_dq_*: a block of 4 warps owns 64 query rows of one head (16 a warp). A first
-//     pass over the keys it sees gives each row lse and D, written for agt_dkv; a second
-//     adds dQ. Launch: grid (tiles, heads), block (32, 4).
+//     pass over the keys it sees gives each row lse (in log2 units) and D, written for
+//     agt_dkv; a second adds dQ. Launch: grid (tiles, heads), block (32, 4).
 //   agt_dkv_*: a block owns 64 key positions of one KV head (16 a warp), and runs every
 //     head of its group over every chunk of QC query rows that sees one of them, two
 //     chunks in flight; it adds dK and dV. Launch: grid (tiles, kv_heads), block (32, 4).
@@ -25,8 +25,8 @@
 // order: the sums are the same on every run.
 
 #define AGT_KEYS 64
-// Words of agt_dkv's bits a chunk of query rows: runs of at most 32 · AGT_CHUNK_WORDS
-// chunks (attention_grad_tc.rs cuts longer ones).
+// Words of agt_dkv's bit sets over a run's chunks of query rows (a bit a chunk): runs of
+// at most 32 · AGT_CHUNK_WORDS chunks (attention_grad_tc.rs cuts longer ones).
 #define AGT_CHUNK_WORDS 64
 #define AGT_ROW(D) ((D) + 8)
 
