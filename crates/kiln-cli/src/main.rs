@@ -249,6 +249,20 @@ fn clap_message(e: &clap::Error) -> String {
         .to_string()
 }
 
+/// A tokenizer.json is written whole (`tokenizer.huggingface.json`): kiln reads it, but
+/// llama.cpp needs `tokenizer.ggml.*` keys, which kiln derives from SentencePiece
+/// vocabularies only.
+fn warn_if_only_kiln_reads_its_tokenizer(path: &std::path::Path) {
+    if let Ok(f) = kiln_io::gguf::GgufFile::open(path) {
+        if f.get("tokenizer.ggml.model").is_none() {
+            tracing::warn!(
+                "{}: its tokenizer is stored as tokenizer.huggingface.json (tokenizer.json whole), which kiln reads and llama.cpp does not",
+                path.display()
+            );
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // kiln picks its GPU itself. Mesa's implicit Vulkan layer that ranks GPUs by the
     // desktop's display (VK_LAYER_MESA_device_select) connects to a Wayland display to do
@@ -285,7 +299,10 @@ fn main() -> ExitCode {
         Command::Devices => devices::run().map_err(Failure::from),
         Command::Convert { dir, out, ty, name } => match kiln_core::DType::from_name(&ty) {
             Some(dtype) => kiln_models::convert_hf_to_gguf(&dir, &out, dtype, &name)
-                .map(|n| eprintln!("wrote {} ({n} tensors, {ty})", out.display()))
+                .map(|n| {
+                    eprintln!("wrote {} ({n} tensors, {ty})", out.display());
+                    warn_if_only_kiln_reads_its_tokenizer(&out);
+                })
                 .map_err(Failure::from),
             None => Err(Failure::usage(format!(
                 "--type {ty}: the types are f32, f16, bf16, q8_0, q4_0, q4_K, q6_K"

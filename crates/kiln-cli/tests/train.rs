@@ -517,3 +517,76 @@ fn data_parallel_replicas_train_as_one() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("do not divide among 3 ranks"), "{err}");
 }
+
+/// A Hugging Face model whose tokenizer is a tokenizer.json (Llama 3's byte-level BPE)
+/// fine-tunes, and what it writes carries that tokenizer: the checkpoint and the exports
+/// run and tokenize as the model does.
+#[test]
+fn a_fine_tune_of_a_model_with_a_tokenizer_json_writes_models_that_run() {
+    // The llama3 fixture without its rope scaling, which kiln's Hugging Face export does
+    // not write.
+    let from = tempfile::tempdir().unwrap();
+    let fixture = repo().join("tests/fixtures/llama3/hf");
+    for e in std::fs::read_dir(&fixture).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, from.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).unwrap()).unwrap();
+    config["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 500000.0});
+    std::fs::write(from.path().join("config.json"), config.to_string()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().to_str().unwrap();
+    let o = kiln(
+        &[
+            "train",
+            "--from",
+            from.path().to_str().unwrap(),
+            "--data",
+            "tests/fixtures/ppl.txt",
+            "--out",
+            out,
+            "--seq-len",
+            "32",
+            "--batch",
+            "2",
+            "--steps",
+            "2",
+            "--eval-windows",
+            "2",
+            "-t",
+            "2",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let hf = dir.path().join("hf");
+    assert!(hf.join("tokenizer.json").exists(), "{}", stderr(&o));
+    let given =
+        kiln_tokenizer::Tokenizer::from_hf_dir(&repo().join("tests/fixtures/llama3/hf")).unwrap();
+    let text = "Hello, wörld! 12345 tokens\n\tand more";
+    let want = given.encode(text, true).unwrap();
+    for name in ["model.gguf", "checkpoint.gguf"] {
+        let f = GgufFile::open(dir.path().join(name)).unwrap();
+        let tok = kiln_tokenizer::Tokenizer::from_gguf(&f).unwrap();
+        assert_eq!(tok.encode(text, true).unwrap(), want, "{name}");
+        let path = dir.path().join(name);
+        let o = kiln(
+            &[
+                "run",
+                "-m",
+                path.to_str().unwrap(),
+                "-p",
+                "Hi",
+                "-n",
+                "3",
+                "-t",
+                "2",
+            ],
+            &[],
+        );
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    }
+    let back = kiln_tokenizer::Tokenizer::from_hf_dir(&hf).unwrap();
+    assert_eq!(back.encode(text, true).unwrap(), want);
+}

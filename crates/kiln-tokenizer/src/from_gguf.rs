@@ -1,8 +1,10 @@
 //! Loading the vocabulary embedded in a GGUF file (`tokenizer.ggml.*` keys).
 
 use crate::byte_bpe::ByteBpe;
+use crate::hf_json::HfJson;
 use crate::pretokenize::PreTokenizer;
 use crate::sentencepiece::{Algorithm, SentencePiece};
+use crate::to_gguf::HF_JSON_KEY;
 use crate::vocab::{TokenType, Vocab};
 use crate::{Model, Tokenizer};
 use kiln_core::{Error, Result};
@@ -163,7 +165,13 @@ pub fn load(f: &GgufFile) -> Result<Tokenizer> {
 
 fn load_keys(f: &GgufFile) -> Result<Tokenizer> {
     const MODEL: &str = "tokenizer.ggml.model";
-    let kind = opt_str(f, MODEL)?.ok_or_else(|| key_err(MODEL, "is missing"))?;
+    let kind = match opt_str(f, MODEL)? {
+        Some(kind) => kind,
+        None => match opt_str(f, HF_JSON_KEY)? {
+            Some(json) => return load_hf_json(f, json),
+            None => return Err(key_err(MODEL, "is missing")),
+        },
+    };
     let is_llama = match kind {
         "llama" => true,
         "gpt2" => false,
@@ -224,6 +232,49 @@ fn load_keys(f: &GgufFile) -> Result<Tokenizer> {
     };
     Ok(Tokenizer {
         model,
+        bos,
+        eos: eos_ids,
+        add_bos: add_bos && bos.is_some(),
+        add_eos: add_eos && eos.is_some(),
+        eos_primary: eos,
+        chat_template,
+    })
+}
+
+/// A tokenizer.json kept whole (`tokenizer.huggingface.json`, as kiln writes a model
+/// whose tokenizer came as one), with the special tokens of the `tokenizer.ggml.*` keys.
+fn load_hf_json(f: &GgufFile, json: &str) -> Result<Tokenizer> {
+    let h = HfJson::parse(json.to_string(), &format!("GGUF {HF_JSON_KEY}"))?;
+    let id = |key: &str| -> Result<Option<u32>> {
+        match opt_u64(f, key)? {
+            Some(id) => match u32::try_from(id).ok().filter(|&i| h.has_id(i)) {
+                Some(i) => Ok(Some(i)),
+                None => Err(key_err(
+                    key,
+                    &format!("{id} is not a token of its vocabulary"),
+                )),
+            },
+            None => Ok(None),
+        }
+    };
+    let bos = id("tokenizer.ggml.bos_token_id")?;
+    let eos = id("tokenizer.ggml.eos_token_id")?;
+    let mut eos_ids: Vec<u32> = [
+        eos,
+        id("tokenizer.ggml.eot_token_id")?,
+        id("tokenizer.ggml.eom_token_id")?,
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    eos_ids.extend(EOG_TEXTS.iter().filter_map(|t| h.id(t)));
+    let mut seen = std::collections::HashSet::new();
+    eos_ids.retain(|id| seen.insert(*id));
+    let add_bos = opt_bool(f, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+    let add_eos = opt_bool(f, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+    let chat_template = opt_str(f, "tokenizer.chat_template")?.map(str::to_string);
+    Ok(Tokenizer {
+        model: Model::Hf(Box::new(h)),
         bos,
         eos: eos_ids,
         add_bos: add_bos && bos.is_some(),

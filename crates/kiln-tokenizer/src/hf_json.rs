@@ -18,6 +18,9 @@ pub struct HfJson {
     added: HashSet<u32>,
     /// The decoder maps GPT-2's byte alphabet back to bytes (else SentencePiece-style).
     byte_level: bool,
+    /// The file's text, written out again as it was (GGUF's `tokenizer.huggingface.json`,
+    /// a Hugging Face export's tokenizer.json).
+    json: String,
 }
 
 fn has_byte_level(v: &serde_json::Value) -> bool {
@@ -112,14 +115,25 @@ fn undefined_template_tokens(v: &serde_json::Value, out: &mut Vec<String>) {
 impl HfJson {
     pub fn load(path: &Path) -> Result<HfJson> {
         let text = file::read_to_string(path, FileKind::TOKENIZER_JSON)?;
-        let json: Checked = serde_json::from_str(&text)
-            .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
+        HfJson::parse(text, &path.display().to_string())
+    }
+
+    /// A tokenizer.json's text; errors name `origin` (a file, or a GGUF key).
+    pub fn parse(text: String, origin: &str) -> Result<HfJson> {
+        let limit = FileKind::TOKENIZER_JSON.max_bytes;
+        if text.len() as u64 > limit {
+            return Err(Error::format(format!(
+                "{origin}: {} bytes of tokenizer.json, more than kiln reads ({limit})",
+                text.len()
+            )));
+        }
+        let json: Checked =
+            serde_json::from_str(&text).map_err(|e| Error::format(format!("{origin}: {e}")))?;
         for (part, v) in [("normalizer", &json.normalizer), ("decoder", &json.decoder)] {
             let g = v.as_ref().map_or(1.0, growth);
             if g > MAX_GROWTH {
                 return Err(Error::format(format!(
-                    "{}: its {part} can make a text {g:.0} times longer (chained replacements); kiln refuses more than {MAX_GROWTH:.0}",
-                    path.display()
+                    "{origin}: its {part} can make a text {g:.0} times longer (chained replacements); kiln refuses more than {MAX_GROWTH:.0}"
                 )));
             }
         }
@@ -129,14 +143,13 @@ impl HfJson {
         }
         if !undefined.is_empty() {
             return Err(Error::format(format!(
-                "{}: the post-processor's template uses special tokens it does not define in its special_tokens: {}",
-                path.display(),
+                "{origin}: the post-processor's template uses special tokens it does not define in its special_tokens: {}",
                 undefined.join(", ")
             )));
         }
         let tok: tokenizers::Tokenizer = text
             .parse()
-            .map_err(|e| Error::format(format!("{}: {e}", path.display())))?;
+            .map_err(|e| Error::format(format!("{origin}: {e}")))?;
         let byte_level = json.decoder.as_ref().is_some_and(has_byte_level);
         let texts = tok
             .get_vocab(true)
@@ -149,7 +162,17 @@ impl HfJson {
             texts,
             added,
             byte_level,
+            json: text,
         })
+    }
+
+    pub fn json(&self) -> &str {
+        &self.json
+    }
+
+    /// Whether `id` names a token (the ids may have holes).
+    pub fn has_id(&self, id: u32) -> bool {
+        self.texts.contains_key(&id)
     }
 
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {

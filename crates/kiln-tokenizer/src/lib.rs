@@ -46,7 +46,7 @@ impl Model {
         match self {
             Model::Spm(m) => (id as usize) < m.vocab.len(),
             Model::ByteBpe(m) => (id as usize) < m.vocab.len(),
-            Model::Hf(h) => h.text(id).is_some(),
+            Model::Hf(h) => h.has_id(id),
         }
     }
 

@@ -3,7 +3,7 @@
 //! reads) and `tokenizer_config.json` (its special tokens), so that a model kiln trained
 //! can be written as a Hugging Face directory.
 
-use crate::sentencepiece::Algorithm;
+use crate::sentencepiece::{Algorithm, SentencePiece};
 use crate::vocab::TokenType;
 use crate::{Model, Tokenizer};
 use kiln_core::{Error, Result};
@@ -45,14 +45,55 @@ fn type_number(t: TokenType) -> i64 {
 }
 
 impl Tokenizer {
-    /// `(file name, contents)` of the tokenizer's files in a Hugging Face directory.
-    /// SentencePiece vocabularies only.
+    /// `(file name, contents)` of the tokenizer's files in a Hugging Face directory:
+    /// a tokenizer.json as it came, or a SentencePiece vocabulary as tokenizer.model.
     pub fn hf_files(&self) -> Result<Vec<(&'static str, Vec<u8>)>> {
-        let Model::Spm(spm) = &self.model else {
-            return Err(Error::unsupported(
-                "writing this tokenizer as tokenizer.model (only SentencePiece vocabularies so far)",
-            ));
-        };
+        match &self.model {
+            Model::Spm(spm) => self.spm_files(spm),
+            Model::Hf(h) => {
+                let config = self.config_json(
+                    serde_json::json!({"tokenizer_class": "PreTrainedTokenizerFast"}),
+                    |id| h.text(id).map(str::to_string),
+                    None,
+                )?;
+                Ok(vec![
+                    ("tokenizer.json", h.json().as_bytes().to_vec()),
+                    ("tokenizer_config.json", config),
+                ])
+            }
+            Model::ByteBpe(_) => Err(Error::unsupported(
+                "writing a GGUF file's byte-level BPE vocabulary as tokenizer.json",
+            )),
+        }
+    }
+
+    /// tokenizer_config.json: `base` with the special tokens (their texts by `text`),
+    /// the BOS/EOS flags and the chat template.
+    fn config_json(
+        &self,
+        mut config: serde_json::Value,
+        text: impl Fn(u32) -> Option<String>,
+        unk: Option<u32>,
+    ) -> Result<Vec<u8>> {
+        config["add_bos_token"] = self.add_bos.into();
+        config["add_eos_token"] = self.add_eos.into();
+        for (k, id) in [
+            ("bos_token", self.bos),
+            ("eos_token", self.eos_primary),
+            ("unk_token", unk),
+        ] {
+            if let Some(t) = id.and_then(&text) {
+                config[k] = serde_json::Value::String(t);
+            }
+        }
+        if let Some(t) = &self.chat_template {
+            config["chat_template"] = serde_json::Value::String(t.clone());
+        }
+        serde_json::to_vec_pretty(&config)
+            .map_err(|e| Error::format(format!("tokenizer_config.json: {e}")))
+    }
+
+    fn spm_files(&self, spm: &SentencePiece) -> Result<Vec<(&'static str, Vec<u8>)>> {
         let v = &spm.vocab;
         let mut proto = Vec::new();
         for ((piece, &score), &ty) in v.tokens.iter().zip(&v.scores).zip(&v.types) {
@@ -84,27 +125,11 @@ impl Tokenizer {
         int_field(&mut normalizer, 5, spm.escape_whitespaces as i64);
         bytes_field(&mut proto, 3, &normalizer);
 
-        let text = |id: Option<u32>| id.and_then(|i| v.text(i)).map(str::to_string);
-        let mut config = serde_json::json!({
-            "tokenizer_class": "LlamaTokenizer",
-            "add_bos_token": self.add_bos,
-            "add_eos_token": self.add_eos,
-            "legacy": true,
-        });
-        for (k, t) in [
-            ("bos_token", text(self.bos)),
-            ("eos_token", text(self.eos_primary)),
-            ("unk_token", text(v.first_of_type(TokenType::Unknown))),
-        ] {
-            if let Some(t) = t {
-                config[k] = serde_json::Value::String(t);
-            }
-        }
-        if let Some(t) = &self.chat_template {
-            config["chat_template"] = serde_json::Value::String(t.clone());
-        }
-        let config = serde_json::to_vec_pretty(&config)
-            .map_err(|e| Error::format(format!("tokenizer_config.json: {e}")))?;
+        let config = self.config_json(
+            serde_json::json!({"tokenizer_class": "LlamaTokenizer", "legacy": true}),
+            |i| v.text(i).map(str::to_string),
+            v.first_of_type(TokenType::Unknown),
+        )?;
         Ok(vec![
             ("tokenizer.model", proto),
             ("tokenizer_config.json", config),

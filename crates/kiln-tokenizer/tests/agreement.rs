@@ -225,3 +225,73 @@ fn tokenizer_config_overrides_the_post_processor() {
     assert_eq!(ids.last(), Some(&2));
     assert_eq!(tok.chat_template(), Some("D"));
 }
+
+/// A GGUF holding only `tok`'s metadata, read back.
+fn through_gguf(tok: &Tokenizer) -> Tokenizer {
+    let mut w = kiln_io::gguf::GgufWriter::new();
+    for (k, v) in tok.gguf_metadata().unwrap() {
+        w.set(&k, v).unwrap();
+    }
+    let mut bytes = Vec::new();
+    w.write_to(&mut bytes).unwrap();
+    Tokenizer::from_gguf(&GgufFile::from_bytes("t.gguf", bytes).unwrap()).unwrap()
+}
+
+/// `tok`'s Hugging Face files written to a directory, read back.
+fn through_hf_dir(tok: &Tokenizer) -> Tokenizer {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, bytes) in tok.hf_files().unwrap() {
+        std::fs::write(dir.path().join(name), bytes).unwrap();
+    }
+    Tokenizer::from_hf_dir(dir.path()).unwrap()
+}
+
+/// What a model kiln writes (a checkpoint, an export) carries of a tokenizer.json: the
+/// same ids for every test string, the same special tokens and template.
+#[test]
+fn a_tokenizer_json_survives_gguf_and_hugging_face_exports() {
+    for (dir, key) in [
+        ("hf_bpe", "bpe"),
+        ("hf_llama3", "llama3"),
+        ("hf_qwen2", "qwen2"),
+    ] {
+        // The fixture with BOS added and a chat template, so that both must survive.
+        let src = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            data(dir).join("tokenizer.json"),
+            src.path().join("tokenizer.json"),
+        )
+        .unwrap();
+        let template = "{% for m in messages %}{{ m['content'] }}{% endfor %}";
+        let config = serde_json::json!({
+            "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+            "add_bos_token": true, "chat_template": template,
+        });
+        std::fs::write(src.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        let tok = Tokenizer::from_hf_dir(src.path()).unwrap();
+        assert!(tok.add_bos() && tok.bos_id().is_some(), "{dir}");
+        for (how, back) in [("GGUF", through_gguf(&tok)), ("HF", through_hf_dir(&tok))] {
+            let what = format!("{dir} through {how}");
+            for text in expected(key).tests {
+                assert_eq!(
+                    back.encode(&text, true).unwrap(),
+                    tok.encode(&text, true).unwrap(),
+                    "{what}: {text:?}"
+                );
+            }
+            assert_eq!(back.bos_id(), tok.bos_id(), "{what}");
+            assert_eq!(back.add_bos(), tok.add_bos(), "{what}");
+            assert_eq!(back.add_eos(), tok.add_eos(), "{what}");
+            assert_eq!(back.eos_ids().first(), tok.eos_ids().first(), "{what}");
+            // GGUF readers add the end-of-generation texts of the vocabulary.
+            assert!(
+                tok.eos_ids().iter().all(|id| back.eos_ids().contains(id)),
+                "{what}: {:?} lost some of {:?}",
+                back.eos_ids(),
+                tok.eos_ids()
+            );
+            assert_eq!(back.vocab_size(), tok.vocab_size(), "{what}");
+            assert_eq!(back.chat_template(), Some(template), "{what}");
+        }
+    }
+}

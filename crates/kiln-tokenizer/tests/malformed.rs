@@ -225,3 +225,26 @@ fn missing_or_bad_hf_files() {
     let e = Tokenizer::from_hf_dir(dir.path()).err().unwrap();
     assert!(e.to_string().contains("tokenizer_config.json"), "{e}");
 }
+
+#[test]
+fn a_bad_tokenizer_json_in_gguf_is_named() {
+    let e = gguf_err(vec![(
+        "tokenizer.huggingface.json",
+        Value::String("{\"model\": 3".into()),
+    )]);
+    assert!(e.contains("tokenizer.huggingface.json"), "{e}");
+    let json = std::fs::read_to_string(data("hf_bpe/tokenizer.json")).unwrap();
+    let e = gguf_err(vec![
+        ("tokenizer.huggingface.json", Value::String(json.clone())),
+        ("tokenizer.ggml.bos_token_id", Value::U32(1 << 30)),
+    ]);
+    assert!(
+        e.contains("tokenizer.ggml.bos_token_id 1073741824 is not a token"),
+        "{e}"
+    );
+    let e = gguf_err(vec![
+        ("tokenizer.huggingface.json", Value::String(json)),
+        ("tokenizer.ggml.eos_token_id", Value::String("x".into())),
+    ]);
+    assert!(e.contains("tokenizer.ggml.eos_token_id is a string"), "{e}");
+}

@@ -952,7 +952,7 @@ impl Trainer {
 
     /// Write the model to the directory `dir` as Hugging Face lays a model out
     /// (`config.json`, `model.safetensors` in F32, and `tokenizer`'s files), each file
-    /// atomically; llama and mistral models with SentencePiece vocabularies.
+    /// atomically; llama and mistral models (a SentencePiece vocabulary or a tokenizer.json).
     pub fn export_hf(&self, dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
         self.check_not_broken()?;
         let model = self.model.to_hf_with(
