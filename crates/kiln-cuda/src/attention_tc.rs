@@ -4,14 +4,16 @@
 //! queries and probabilities go in as two f16 parts each, so results keep the f32
 //! kernel's accuracy (attention.rs takes every other case). F32 caches (training's pool)
 //! come here too when the F32 products were asked to round their inputs
-//! (`GradOps::set_products`: TF32, BF16 or F16): then keys, values, queries and
-//! probabilities go in rounded to f16 once, an input rounding like TF32's.
+//! (`GradOps::set_products`: TF32, BF16 or F16): then keys and values are rounded to f16
+//! into work buffers first, and queries and probabilities go in rounded to f16 once, an
+//! input rounding like TF32's.
 //!
 //! It replaced, for prompts, attention.cu's tile kernel (f32 arithmetic on CUDA cores,
 //! 35% of an 8B model's 512-token prompt) and, for a server's prompt chunks, the decode
 //! kernel, which read every key again for each query row.
 
 use crate::kernels::{Arg, LaunchNeed};
+use crate::matmul::rounded_copy;
 use crate::{ptr, to_i32, CudaBackend};
 use kiln_core::{AttentionParams, DType, Products, Result, Tensor};
 
@@ -19,8 +21,8 @@ use kiln_core::{AttentionParams, DType, Products, Result, Tensor};
 const KERNELS: [(DType, usize, &str); 4] = [
     (DType::F16, 64, "attention_tc_64"),
     (DType::F16, 128, "attention_tc_128"),
-    (DType::F32, 64, "attention_tc_f32_64"),
-    (DType::F32, 128, "attention_tc_f32_128"),
+    (DType::F32, 64, "attention_tc_once_64"),
+    (DType::F32, 128, "attention_tc_once_128"),
 ];
 /// Keys a chunk holds (`ATC_KEYS`).
 const KEYS: usize = 64;
@@ -97,6 +99,17 @@ pub(crate) fn launch(
         return Ok(());
     }
     let (seq, tables, max_blocks, block) = l.paged.unwrap_or((0, 0, 0, 1));
+    // An F32 cache as f16 (the kernels read f16 by cp.async, overlapping the products).
+    let (k, v) = match l.k_cache.dtype() {
+        DType::F32 => {
+            let span = l.k_cache.shape().numel();
+            (
+                rounded_copy(b, "attention_k_f16", ptr(l.k_cache)?, span, false)?,
+                rounded_copy(b, "attention_v_f16", ptr(l.v_cache)?, span, false)?,
+            )
+        }
+        _ => (ptr(l.k_cache)?, ptr(l.v_cache)?),
+    };
     b.launch(
         name,
         (to_i32(count, "query tiles")? as u32, l.kv_heads as u32, 1),
@@ -104,8 +117,8 @@ pub(crate) fn launch(
         shared_bytes(l.d) as u32,
         &[
             Arg::Ptr(ptr(l.q)?),
-            Arg::Ptr(ptr(l.k_cache)?),
-            Arg::Ptr(ptr(l.v_cache)?),
+            Arg::Ptr(k),
+            Arg::Ptr(v),
             Arg::Ptr(ptr(l.pos)?),
             Arg::Ptr(ptr(out)?),
             Arg::Ptr(seq),

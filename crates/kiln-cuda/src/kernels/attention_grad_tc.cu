@@ -528,21 +528,23 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
 }
 
 // agt_dq_<head dimensions>_<bf16|f16> and agt_dkv_<...>; the chunk of query rows agt_dkv
-// holds is 64 for heads of 64 and 32 for heads of 128 (registers).
-#define AGT_KERNELS(D, BF, TYPE, QC)                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) agt_dq_##D##_##TYPE(                               \
+// holds is 64 for heads of 64 and 32 for heads of 128 (registers). Heads of 64 are held to
+// 168 registers, three blocks an SM: at two (197 and 223 registers) the SMs had 8 warps,
+// and no warp could issue in 62-72% of cycles (Nsight Compute, H200).
+#define AGT_KERNELS(D, BF, TYPE, QC, MIN_BLOCKS)                                                          \
+    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) agt_dq_##D##_##TYPE(                               \
         const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \
         float* dq, float* lse, float* dsum, int heads, int kv_heads, float scale, float cap, int window) { \
         agt_dq_body<D, BF>(q, k, v, dout, pos, tiles, dq, lse, dsum, heads, kv_heads, scale, cap, window); \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) agt_dkv_##D##_##TYPE(                              \
+    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) agt_dkv_##D##_##TYPE(                              \
         const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \
         const float* lse, const float* dsum, float* dk, float* dv, int heads, int kv_heads, float scale, \
         float cap, int window) {                                                                         \
         agt_dkv_body<D, BF, QC>(q, k, v, dout, pos, tiles, lse, dsum, dk, dv, heads, kv_heads, scale,   \
                                 cap, window);                                                            \
     }
-AGT_KERNELS(64, true, bf16, 64)
-AGT_KERNELS(64, false, f16, 64)
-AGT_KERNELS(128, true, bf16, 32)
-AGT_KERNELS(128, false, f16, 32)
+AGT_KERNELS(64, true, bf16, 64, 3)
+AGT_KERNELS(64, false, f16, 64, 3)
+AGT_KERNELS(128, true, bf16, 32, 1)
+AGT_KERNELS(128, false, f16, 32, 1)

@@ -1,16 +1,18 @@
 // Prompt-shaped attention on tensor cores over an f16 KV cache (a prompt, or a server's
 // prompt chunks): the scores Q·Kᵀ and the value sum P·V are mma.m16n8k16 products of f16
-// tiles with f32 sums, under the same online softmax as attention.cu.
+// tiles with f32 sums, under the same online softmax as attention.cu, in log2 units (the
+// queries carry scale · log2(e), so a probability is one ex2).
 //
-// Keys and values are f16 already, or (the attention_tc_f32_* kernels: an f32 cache, as
-// training's pool, when the products were asked to round their inputs) rounded to f16 on
-// their way into shared memory: a 10-bit mantissa, as TF32's, and f16's range, which keys
-// and values must then stay within. Over an f16 cache the queries (times the scale) and
-// the probabilities each go in as two f16 parts, hi + lo (mma.cuh's split_f16x2), two
-// products each: the results keep f32's accuracy, within the bounds the CUDA-core kernel
-// meets. Over training's f32 pool they go in rounded to f16 once, as the products that
-// asked for rounding do with their operands (half the tensor-core work: 11% of a BF16
-// training step was this kernel with both parts).
+// Over an f16 cache (attention_tc_*) the queries (times the scale) and the probabilities
+// each go in as two f16 parts, hi + lo (mma.cuh's split_f16x2), two products each: the
+// results keep f32's accuracy, within the bounds the CUDA-core kernel meets. Over
+// training's f32 pool, when the products were asked to round their inputs, the host
+// rounds keys and values to f16 first (a 10-bit mantissa, as TF32's, and f16's range,
+// which they must then stay within) and attention_tc_once_* takes queries and
+// probabilities rounded to f16 once too, as the products that asked for rounding do with
+// their operands (half the tensor-core work: 11% of a BF16 training step was this kernel
+// with both parts; rounding keys and values on their way into shared memory kept the
+// loads from overlapping the products).
 //
 // A block serves one KV head and a tile of 16 · T query rows of one sequence: warp w takes
 // head kvh · group + w % group and rows 16 · (w / group) .. + 16 of the tile, so every
@@ -24,8 +26,8 @@
 // its row count (a paged batch's runs of one sequence, cut by the host). Positions and
 // paged tables as attention.cu (table entries outside the pool hide their keys).
 //
-// The queries times the scale must stay within f16's range (|q · scale| < 65504), as any
-// real model's do.
+// The queries times the scale must stay within f16's range (|q · scale · log2(e)| <
+// 65504), as any real model's do.
 //
 // Launch: grid (tiles, kv_heads), block (32, group · T) with group · T <= 8, dynamic
 // shared memory 2 · 2 · ATC_KEYS · ATC_ROW(D) halves and 2 · ATC_KEYS ints
@@ -35,6 +37,14 @@
 // Halfs a shared key or value row holds: D and 8 of padding, so that the 8 rows one
 // ldmatrix reads start in different banks.
 #define ATC_ROW(D) ((D) + 8)
+#define ATC_LOG2E 1.4426950408889634f
+
+// 2^x, the SFU's approximation (a few ulp of f32).
+__device__ __forceinline__ float atc_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // Where position kp's key and value lie: the cache row itself, or through a block table
 // (NO_ROW for an entry outside the pool or past the table).
@@ -51,18 +61,10 @@ struct KvRows {
     }
 };
 
-// Eight f32 values as eight f16 ones (16 bytes).
-__device__ __forceinline__ uint4 atc_f16x8(const float* p) {
-    const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
-    return make_uint4(pack_f16x2(a.x, a.y), pack_f16x2(a.z, a.w), pack_f16x2(b.x, b.y),
-                      pack_f16x2(b.z, b.w));
-}
-
 // Positions c0 .. c0 + 63 of KV head kvh into chunk buffer `buf` (keys, values, and a
-// flag each: present and within [lo, hi]), 16-byte pieces of f16, zeros elsewhere; the
-// block's threads take the pieces in turn. An f16 cache's pieces go by cp.async (and one
-// group is committed); an f32 cache's are loaded, rounded and stored by the threads.
-template <int D, bool F32KV>
+// flag each: present and within [lo, hi]), 16-byte pieces of f16 by cp.async, zeros
+// elsewhere; the block's threads take the pieces in turn, and one group is committed.
+template <int D>
 __device__ __forceinline__ void atc_load_chunk(u16* Ks, u16* Vs, int* seen, const u8* kc, const u8* vc,
                                                const KvRows& src, int kv_heads, int kvh, int c0,
                                                int lo, int hi, int buf) {
@@ -75,20 +77,14 @@ __device__ __forceinline__ void atc_load_chunk(u16* Ks, u16* Vs, int* seen, cons
         const size_t row = kp >= lo && kp <= hi ? src.row(kp) : KvRows::NO_ROW;
         const bool ok = row != KvRows::NO_ROW;
         const size_t e = ok ? (row * kv_heads + kvh) * D + 8 * part : 0;
-        if constexpr (F32KV) {
-            const uint4 zero = make_uint4(0, 0, 0, 0);
-            *(uint4*)(kd + j * ROW + 8 * part) = ok ? atc_f16x8((const float*)kc + e) : zero;
-            *(uint4*)(vd + j * ROW + 8 * part) = ok ? atc_f16x8((const float*)vc + e) : zero;
-        } else {
-            cp_async16(kd + j * ROW + 8 * part, kc + 2 * e, ok ? 16 : 0);
-            cp_async16(vd + j * ROW + 8 * part, vc + 2 * e, ok ? 16 : 0);
-        }
+        cp_async16(kd + j * ROW + 8 * part, kc + 2 * e, ok ? 16 : 0);
+        cp_async16(vd + j * ROW + 8 * part, vc + 2 * e, ok ? 16 : 0);
         if (part == 0) seen[buf * ATC_KEYS + j] = ok;
     }
     cp_async_commit();
 }
 
-template <int D, bool F32KV>
+template <int D, bool SPLIT>
 __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restrict__ kc,
                                   const u8* __restrict__ vc, const int* __restrict__ pos,
                                   float* __restrict__ out, const int* __restrict__ seq,
@@ -138,8 +134,25 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
         rpos[i] = live[i] ? pos[first + t] : -1;
     }
 
-    // The queries as A fragments, hi and lo parts, scaled: k-step s holds columns
-    // 16s + 2c, + 1 (registers 0, 1 for rows g, g + 8) and the same + 8 (registers 2, 3).
+    // The least and most position of the warp's live rows: a chunk of keys all of them
+    // see whole (every key present) skips the mask.
+    int w_min = 0x7fffffff, w_max = -1;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        if (live[i]) {
+            w_min = min(w_min, rpos[i]);
+            w_max = max(w_max, rpos[i]);
+        }
+#pragma unroll
+    for (int x = 1; x < 32; x <<= 1) {
+        w_min = min(w_min, __shfl_xor_sync(0xffffffffu, w_min, x));
+        w_max = max(w_max, __shfl_xor_sync(0xffffffffu, w_max, x));
+    }
+
+    // The queries as A fragments (hi and lo parts when SPLIT), times scale · log2(e):
+    // k-step s holds columns 16s + 2c, + 1 (registers 0, 1 for rows g, g + 8) and the same
+    // + 8 (registers 2, 3). A softcap applies in natural units.
+    const float qscale = scale * ATC_LOG2E, cap2 = cap * ATC_LOG2E;
     u32 qh[KS][4], ql[KS][4];
 #pragma unroll
     for (int s = 0; s < KS; s++)
@@ -148,15 +161,15 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
             const int i = r & 1, col = 16 * s + 2 * c + 8 * (r >> 1);
             float2 v = make_float2(0.0f, 0.0f);
             if (live[i]) v = *(const float2*)(q + ((size_t)(first + sub + g + 8 * i) * heads + h) * D + col);
-            if constexpr (F32KV) {
-                qh[s][r] = pack_f16x2(v.x * scale, v.y * scale);
+            if constexpr (SPLIT) {
+                split_f16x2(v.x * qscale, v.y * qscale, qh[s][r], ql[s][r]);
             } else {
-                split_f16x2(v.x * scale, v.y * scale, qh[s][r], ql[s][r]);
+                qh[s][r] = pack_f16x2(v.x * qscale, v.y * qscale);
             }
         }
 
     auto load_chunk = [&](int c0, int buf) {
-        atc_load_chunk<D, F32KV>(Ks, Vs, seen, kc, vc, src, kv_heads, kvh, c0, lo, hi, buf);
+        atc_load_chunk<D>(Ks, Vs, seen, kc, vc, src, kv_heads, kvh, c0, lo, hi, buf);
     };
 
     float o[2 * KS][4];
@@ -198,14 +211,17 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
                                    ((lane >> 3) & 1) * 8);
                 mma_16816(sc[2 * p], qh[s], b[0], b[1]);
                 mma_16816(sc[2 * p + 1], qh[s], b[2], b[3]);
-                if constexpr (!F32KV) {
+                if constexpr (SPLIT) {
                     mma_16816(sc[2 * p], ql[s], b[0], b[1]);
                     mma_16816(sc[2 * p + 1], ql[s], b[2], b[3]);
                 }
             }
 
         // Online softmax of each row: masked scores are -inf; the row's four lanes share
-        // its max.
+        // its max. A chunk every row of the warp sees whole, each key present, skips the
+        // mask (the causal square's tiles below the diagonal).
+        const bool full = __all_sync(0xffffffffu, sb[lane] && sb[lane + 32]) && c0 + ATC_KEYS - 1 <= w_min &&
+                          (window <= 0 || c0 > w_max - window);
         float corr[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -216,9 +232,9 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
                 for (int e = 0; e < 2; e++) {
                     const int kj = 8 * j + 2 * c + e, kp = c0 + kj;
                     float s = NEG_INF;
-                    if (sb[kj] && kp <= rpos[i] && (window <= 0 || kp > rpos[i] - window)) {
+                    if (full || (sb[kj] && kp <= rpos[i] && (window <= 0 || kp > rpos[i] - window))) {
                         s = sc[j][2 * i + e];
-                        if (cap > 0.0f) s = cap * tanhf(s / cap);
+                        if (cap > 0.0f) s = cap2 * tanhf(s / cap2);
                     }
                     sc[j][2 * i + e] = s;
                     mx = fmaxf(mx, s);
@@ -226,7 +242,7 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m[i], mx);
-            corr[i] = m_new == NEG_INF ? 1.0f : expf(m[i] - m_new);
+            corr[i] = m_new == NEG_INF ? 1.0f : atc_exp2(m[i] - m_new);
             m[i] = m_new;
             float sum = 0.0f;
 #pragma unroll
@@ -234,7 +250,7 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const float s = sc[j][2 * i + e];
-                    const float p = s == NEG_INF ? 0.0f : expf(s - m_new);
+                    const float p = s == NEG_INF ? 0.0f : atc_exp2(s - m_new);
                     sc[j][2 * i + e] = p;
                     sum += p;
                 }
@@ -253,16 +269,16 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
 #pragma unroll
         for (int p = 0; p < 4; p++) {
             u32 ph[4], pl[4];
-            if constexpr (F32KV) {
-                ph[0] = pack_f16x2(sc[2 * p][0], sc[2 * p][1]);
-                ph[1] = pack_f16x2(sc[2 * p][2], sc[2 * p][3]);
-                ph[2] = pack_f16x2(sc[2 * p + 1][0], sc[2 * p + 1][1]);
-                ph[3] = pack_f16x2(sc[2 * p + 1][2], sc[2 * p + 1][3]);
-            } else {
+            if constexpr (SPLIT) {
                 split_f16x2(sc[2 * p][0], sc[2 * p][1], ph[0], pl[0]);
                 split_f16x2(sc[2 * p][2], sc[2 * p][3], ph[1], pl[1]);
                 split_f16x2(sc[2 * p + 1][0], sc[2 * p + 1][1], ph[2], pl[2]);
                 split_f16x2(sc[2 * p + 1][2], sc[2 * p + 1][3], ph[3], pl[3]);
+            } else {
+                ph[0] = pack_f16x2(sc[2 * p][0], sc[2 * p][1]);
+                ph[1] = pack_f16x2(sc[2 * p][2], sc[2 * p][3]);
+                ph[2] = pack_f16x2(sc[2 * p + 1][0], sc[2 * p + 1][1]);
+                ph[3] = pack_f16x2(sc[2 * p + 1][2], sc[2 * p + 1][3]);
             }
 #pragma unroll
             for (int s = 0; s < KS; s++) {
@@ -271,7 +287,7 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
                                          16 * s + (lane >> 4) * 8);
                 mma_16816(o[2 * s], ph, b[0], b[1]);
                 mma_16816(o[2 * s + 1], ph, b[2], b[3]);
-                if constexpr (!F32KV) {
+                if constexpr (SPLIT) {
                     mma_16816(o[2 * s], pl, b[0], b[1]);
                     mma_16816(o[2 * s + 1], pl, b[2], b[3]);
                 }
@@ -296,17 +312,17 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
     }
 }
 
-// Named attention_tc_<head dimensions> (f16 caches) and attention_tc_f32_<head
+// Named attention_tc_<head dimensions> (two parts) and attention_tc_once_<head
 // dimensions>; blocks of up to 8 warps.
-#define ATTENTION_TC(NAME, D, F32KV)                                                           \
+#define ATTENTION_TC(NAME, D, SPLIT)                                                           \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                    \
         const float* q, const u8* kc, const u8* vc, const int* pos, float* out, const int* seq, \
         const int* tables, const int* tiles, int max_blocks, int block, int pool_rows, int n,   \
         int heads, int kv_heads, float scale, float cap, int window) {                          \
-        attention_tc_body<D, F32KV>(q, kc, vc, pos, out, seq, tables, tiles, max_blocks, block,\
+        attention_tc_body<D, SPLIT>(q, kc, vc, pos, out, seq, tables, tiles, max_blocks, block,\
                                     pool_rows, n, heads, kv_heads, scale, cap, window);        \
     }
-ATTENTION_TC(attention_tc_64, 64, false)
-ATTENTION_TC(attention_tc_128, 128, false)
-ATTENTION_TC(attention_tc_f32_64, 64, true)
-ATTENTION_TC(attention_tc_f32_128, 128, true)
+ATTENTION_TC(attention_tc_64, 64, true)
+ATTENTION_TC(attention_tc_128, 128, true)
+ATTENTION_TC(attention_tc_once_64, 64, false)
+ATTENTION_TC(attention_tc_once_128, 128, false)
