@@ -109,8 +109,17 @@ pub trait GradOps: Send + Sync {
     /// [`GradOps::frozen_as_stored`] takes).
     fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()>;
 
-    /// Matmul's weight gradient: `dw[m, k] += dy[n, m]ᵀ · x[n, k]`.
+    /// Matmul's weight gradient: `dw[m, k] += dy[n, m]ᵀ · x[n, k]` (`x` F32, or what
+    /// [`GradOps::rounded_for_products`] made of one).
     fn matmul_dw(&self, dy: &Tensor, x: &Tensor, dw: &mut Tensor) -> Result<()>;
+
+    /// `x` (F32) rounded as the products round their operands (BF16 or F16 products), a
+    /// new tensor of that type, or `None` where the products read F32: what the tape
+    /// keeps of a matmul's input for [`GradOps::matmul_dw`], which would round it so
+    /// anyway (half the bytes of an F32 copy, and no rounding in the backward pass).
+    fn rounded_for_products(&self, _x: &Tensor) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
 
     /// Embedding's table gradient: `dtable[ids[i]] += dy[i]` (`ids` I32 `[n]`; repeated
     /// ids sum).

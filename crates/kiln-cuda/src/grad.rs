@@ -7,7 +7,7 @@
 
 use crate::attention_grad_tc;
 use crate::kernels::Arg;
-use crate::matmul::{rounded_copy, sgemm, sgemm_batched, Strided};
+use crate::matmul::{rounded_copy, sgemm, sgemm_batched, sgemm_rounded_a, Strided};
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{
     AttentionParams, AttentionRun, Backend, DType, Error, GradOps, Products, Result, RopeLayout,
@@ -180,6 +180,30 @@ impl GradOps for CudaBackend {
         crate::frozen::takes(dtype)
     }
 
+    fn rounded_for_products(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        expect(x, DType::F32, "a rounded copy")?;
+        let Some(dtype) = self.rounded_type() else {
+            return Ok(None);
+        };
+        let out = self.alloc_tensor(dtype, x.shape().clone())?;
+        let n = x.shape().numel();
+        let (src, dst, bf16) = (ptr(x)?, ptr(&out)?, dtype == DType::BF16);
+        self.launch_1d(
+            "f32_to_half",
+            n.div_ceil(4),
+            &[
+                Arg::Ptr(src),
+                Arg::Ptr(dst),
+                Arg::U64(n as u64),
+                Arg::I32(bf16 as i32),
+            ],
+        )?;
+        // The forward product over `x` that follows reads this copy instead of rounding.
+        let queued = self.queued.load(std::sync::atomic::Ordering::Relaxed);
+        self.blas.note_rounded_copy(src, n, bf16, dst, queued);
+        Ok(Some(out))
+    }
+
     fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()> {
         f32s(&[dy, dx], "matmul_dx")?;
         let (n, m) = rows_of(dy);
@@ -214,7 +238,16 @@ impl GradOps for CudaBackend {
     }
 
     fn matmul_dw(&self, dy: &Tensor, x: &Tensor, dw: &mut Tensor) -> Result<()> {
-        f32s(&[dy, x, dw], "matmul_dw")?;
+        f32s(&[dy, dw], "matmul_dw")?;
+        // F32, or 16-bit as the products round it (rounded_for_products).
+        let x_rounded = x.dtype() != DType::F32;
+        if x_rounded && Some(x.dtype()) != self.rounded_type() {
+            return Err(Error::unsupported(format!(
+                "matmul_dw over a {} input under {} products",
+                x.dtype(),
+                self.blas.f32_products().name()
+            )));
+        }
         let (n, m) = rows_of(dy);
         let &[wm, k] = dw.dims() else {
             return Err(Error::shape(format!("matmul_dw: weight {}", dw.shape())));
@@ -232,7 +265,8 @@ impl GradOps for CudaBackend {
         }
         // Row-major dw[m, k] += dyᵀ·x: column-major dwᵀ (k × m) = xᵀ (x read as k × n) ·
         // dy (dy read as m × n, transposed).
-        sgemm(
+        let product = if x_rounded { sgemm_rounded_a } else { sgemm };
+        product(
             self,
             (false, true),
             (k, m, n),
@@ -950,12 +984,20 @@ impl CudaBackend {
     /// Under BF16 / F16 products, whether BF16 and 16-bit copies of `spans` (address and
     /// F32 count each: the attention backward's q, k, v and dout) in work buffers; the
     /// products then read those.
+    /// The type the products round their F32 operands to, if they do.
+    fn rounded_type(&self) -> Option<DType> {
+        match self.blas.f32_products() {
+            Products::Bf16 => Some(DType::BF16),
+            Products::F16 => Some(DType::F16),
+            Products::F32 | Products::Tf32 => None,
+        }
+    }
+
     fn attention_half_copies(&self, spans: [(u64, usize); 4]) -> Result<Option<(bool, [u64; 4])>> {
-        let bf16 = match self.blas.f32_products() {
-            Products::Bf16 => true,
-            Products::F16 => false,
-            Products::F32 | Products::Tf32 => return Ok(None),
+        let Some(dtype) = self.rounded_type() else {
+            return Ok(None);
         };
+        let bf16 = dtype == DType::BF16;
         let slots = [
             "attention_half_q",
             "attention_half_k",

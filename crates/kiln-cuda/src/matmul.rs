@@ -24,8 +24,10 @@ pub(crate) struct Blas {
     /// How F32 products are computed (`GradOps::set_products`): an index into
     /// [`F32_COMPUTE`].
     f32_products: std::sync::atomic::AtomicU8,
-    /// What each of the two 16-bit work buffers of [`f32_gemm`] holds.
-    half_copies: Mutex<[Option<HalfCopy>; 2]>,
+    /// What each of the two 16-bit work buffers of [`f32_gemm`] holds, and (third) the
+    /// last rounded copy `GradOps::rounded_for_products` made, which a product of the same
+    /// operand reads too (training's forward product over the input the tape keeps).
+    half_copies: Mutex<[Option<HalfCopy>; 3]>,
 }
 
 /// An F32 operand rounded to 16 bits in a work buffer, and the stream's `queued` count
@@ -40,6 +42,34 @@ struct HalfCopy {
     bf16: bool,
     dst: u64,
     queued_at: u64,
+}
+
+impl Blas {
+    /// `dst` now holds the F32 `span` at `src` rounded (BF16 or F16), made by the op
+    /// queued last (count `queued`); the copies made before it stay whole (it wrote only
+    /// `dst`).
+    pub(crate) fn note_rounded_copy(
+        &self,
+        src: u64,
+        span: usize,
+        bf16: bool,
+        dst: u64,
+        queued: u64,
+    ) {
+        let mut copies = self.half_copies.lock().expect("half copies lock");
+        for h in copies.iter_mut().flatten() {
+            if h.queued_at + 1 == queued {
+                h.queued_at = queued;
+            }
+        }
+        copies[2] = Some(HalfCopy {
+            src,
+            span,
+            bf16,
+            dst,
+            queued_at: queued,
+        });
+    }
 }
 
 /// The arithmetic of F32 products, in [`Products`]' order.
@@ -81,7 +111,7 @@ impl Blas {
         let blas = Blas {
             handle: Mutex::new(BlasHandle(handle)),
             f32_products: std::sync::atomic::AtomicU8::new(0),
-            half_copies: Mutex::new([None; 2]),
+            half_copies: Mutex::new([None; 3]),
         };
         // Opt-in, as PyTorch's `allow_tf32`: F32 products (F32 weights, and every product
         // of training) on tensor cores with TF32 inputs (10-bit mantissas), F32 sums.
@@ -569,7 +599,34 @@ pub(crate) fn sgemm(
         b,
         (blas_op(ta), blas_op(tb)),
         (i(m)?, i(n)?, i(k)?),
-        (a, i(lda)?),
+        (a, i(lda)?, false),
+        (bm, i(ldb)?),
+        beta,
+        (c, i(ldc)?),
+    )
+}
+
+/// [`sgemm`] with `a` 16-bit already, rounded as the products round their operands (BF16
+/// or F16 products only): `b` is rounded as usual.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sgemm_rounded_a(
+    b: &CudaBackend,
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (a, lda): (u64, usize),
+    (bm, ldb): (u64, usize),
+    beta: f32,
+    (c, ldc): (u64, usize),
+) -> Result<()> {
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let i = |v: usize| to_i32(v, "a product's size");
+    f32_gemm(
+        b,
+        (blas_op(ta), blas_op(tb)),
+        (i(m)?, i(n)?, i(k)?),
+        (a, i(lda)?, true),
         (bm, i(ldb)?),
         beta,
         (c, i(ldc)?),
@@ -685,8 +742,8 @@ pub(crate) fn rounded_copy(
 
 /// The stored operand of a column-major product rounded to BF16 (or F16) into the scratch
 /// `slot`: `rows` × `cols` (op(A) = A when `trans` is N) with leading dimension `ld`, the
-/// whole span it covers converted so the same `ld` addresses the copy (or `last`, the copy
-/// made before, while it still holds this operand).
+/// whole span it covers converted so the same `ld` addresses the copy (or one of `known`,
+/// copies made before that still hold this operand); whether it was rounded now.
 fn half_operand(
     b: &CudaBackend,
     slot: usize,
@@ -694,8 +751,8 @@ fn half_operand(
     trans: blas_sys::cublasOperation_t,
     (rows, cols): (i32, i32),
     bf16: bool,
-    last: Option<HalfCopy>,
-) -> Result<HalfCopy> {
+    known: [Option<HalfCopy>; 2],
+) -> Result<(HalfCopy, bool)> {
     let (r, c) = match trans {
         blas_sys::cublasOperation_t::CUBLAS_OP_N => (rows, cols),
         _ => (cols, rows),
@@ -705,17 +762,22 @@ fn half_operand(
     } else {
         ld as usize * (c as usize - 1) + r as usize
     };
-    if let Some(h) = last.filter(|h| h.src == p && h.span == span && h.bf16 == bf16) {
-        return Ok(h);
+    if let Some(h) = known
+        .into_iter()
+        .flatten()
+        .find(|h| h.src == p && h.span == span && h.bf16 == bf16)
+    {
+        return Ok((h, false));
     }
     let dst = rounded_copy(b, ["half_a", "half_b"][slot], p, span, bf16)?;
-    Ok(HalfCopy {
+    let fresh = HalfCopy {
         src: p,
         span,
         bf16,
         dst,
         queued_at: 0,
-    })
+    };
+    Ok((fresh, true))
 }
 
 /// An F32 product through cuBLAS (column-major terms, as [`sgemm`]), in the arithmetic
@@ -727,7 +789,7 @@ fn f32_gemm(
     b: &CudaBackend,
     (ta, tb): (blas_sys::cublasOperation_t, blas_sys::cublasOperation_t),
     (m, n, k): (i32, i32, i32),
-    (a, lda): (u64, i32),
+    (a, lda, a_rounded): (u64, i32, bool),
     (bm, ldb): (u64, i32),
     beta: f32,
     (c, ldc): (u64, i32),
@@ -737,6 +799,11 @@ fn f32_gemm(
     let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
     let mut rounded = None;
     let (a, bm, in_type, compute) = match b.blas.f32_products() {
+        Products::F32 | Products::Tf32 if a_rounded => {
+            return Err(Error::unsupported(
+                "a 16-bit operand in a product over F32 (rounded operands are for BF16 and F16 products)",
+            ))
+        }
         Products::F32 => (a, bm, f32_type, Compute::CUBLAS_COMPUTE_32F),
         Products::Tf32 => (a, bm, f32_type, Compute::CUBLAS_COMPUTE_32F_FAST_TF32),
         half @ (Products::Bf16 | Products::F16) => {
@@ -749,11 +816,23 @@ fn f32_gemm(
                 .lock()
                 .expect("half copies lock")
                 .map(|h| h.filter(|h| h.queued_at == now));
-            let ha = half_operand(b, 0, (a, lda), ta, (m, k), bf16, last[0])?;
-            let hb = half_operand(b, 1, (bm, ldb), tb, (k, n), bf16, last[1])?;
-            rounded = Some([ha, hb]);
+            // Each operand from its own work buffer's last copy or the kept one (never
+            // the other work buffer's: its operand may be rounded over it now). A
+            // rounded `a` goes in as it is.
+            let ha = match a_rounded {
+                true => None,
+                false => Some(half_operand(b, 0, (a, lda), ta, (m, k), bf16, [last[0], last[2]])?),
+            };
+            let hb = half_operand(b, 1, (bm, ldb), tb, (k, n), bf16, [last[1], last[2]])?;
+            // What each work buffer holds now: its new copy, or what it held.
+            let held = |h: Option<(HalfCopy, bool)>, before: Option<HalfCopy>| match h {
+                Some((h, true)) => Some(h),
+                _ => before,
+            };
+            rounded = Some([held(ha, last[0]), held(Some(hb), last[1]), last[2]]);
+            let (ha, hb) = (ha.map(|h| h.0), hb.0);
             (
-                ha.dst,
+                ha.map_or(a, |h| h.dst),
                 hb.dst,
                 if bf16 {
                     blas_sys::cudaDataType::CUDA_R_16BF
@@ -794,7 +873,7 @@ fn f32_gemm(
     if let Some(copies) = rounded {
         let after = b.queued.load(std::sync::atomic::Ordering::Relaxed);
         *b.blas.half_copies.lock().expect("half copies lock") = copies.map(|h| {
-            Some(HalfCopy {
+            h.map(|h| HalfCopy {
                 queued_at: after,
                 ..h
             })
@@ -831,7 +910,7 @@ fn gemm(
                 blas_sys::cublasOperation_t::CUBLAS_OP_N,
             ),
             (mi, ni, ki),
-            (ptr(w)?, ki),
+            (ptr(w)?, ki, false),
             (ptr(x)?, ki),
             beta,
             (out_ptr, mi),

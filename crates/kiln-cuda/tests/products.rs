@@ -164,7 +164,7 @@ fn attention_reference(
 }
 
 /// Training's attention over its F32 pool runs on tensor cores once the products round
-/// their inputs: queries (times the scale), keys and values rounded to f16, and the
+/// their inputs: queries (times the scale and log2(e)), keys and values rounded to f16, and the
 /// probabilities rounded to f16 for the value sum, so the result is float64's over the
 /// rounded queries, keys and values within what rounding the probabilities moves (a unit
 /// of f16's last place of the largest value), and not float64's over the exact ones.
@@ -237,7 +237,12 @@ fn attention_over_an_f32_pool_rounds_keys_and_values_only_under_rounded_products
         let shape = (heads, kv_heads, d);
         let exact = attention_reference(&q, &k, &v, &pos, &seq, shape, scale as f64, |x| x);
         let to_f16 = |x: f32| half::f16::from_f32(x).to_f32();
-        let q_scaled: Vec<f32> = q.iter().map(|&x| to_f16(x * scale)).collect();
+        // The kernels work in log2 units: queries times scale · log2(e) rounded to f16.
+        let log2e = std::f32::consts::LOG2_E;
+        let q_scaled: Vec<f32> = q
+            .iter()
+            .map(|&x| to_f16(x * (scale * log2e)) / log2e)
+            .collect();
         let rounded = attention_reference(&q_scaled, &k, &v, &pos, &seq, shape, 1.0, to_f16);
         let worst = |got: &[f32], want: &[f64]| {
             got.iter()
@@ -340,4 +345,69 @@ fn the_attention_backward_under_16_bit_products_stays_near_f32() {
             );
         }
     }
+}
+
+/// What the tape keeps of a matmul's input under 16-bit products, the input rounded as
+/// the products round it: a weight gradient over it is the one over the F32 input, to the
+/// bit, and a forward product over the input just kept (which reads the kept copy instead
+/// of rounding again) is the one it would be. Under F32 and TF32 products nothing is
+/// rounded: the tape keeps F32.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_kept_rounded_input_gives_the_products_of_the_f32_one() {
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
+    let mut rng = StdRng::seed_from_u64(0x5eed);
+    let (n, m, k) = (67, 45, 130);
+    let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let w: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let dy: Vec<f32> = (0..n * m).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let (xt, wt, dyt) = (
+        upload(&b, &[n, k], &x),
+        upload(&b, &[m, k], &w),
+        upload(&b, &[n, m], &dy),
+    );
+    let g = b.grad().expect("CUDA trains");
+    for how in [Products::F32, Products::Tf32] {
+        g.set_products(how).unwrap();
+        assert!(g.rounded_for_products(&xt).unwrap().is_none(), "{how:?}");
+    }
+    for (how, dtype) in [
+        (Products::Bf16, kiln_core::DType::BF16),
+        (Products::F16, kiln_core::DType::F16),
+    ] {
+        g.set_products(how).unwrap();
+        let run = || -> kiln_core::Result<_> {
+            let mut out_f32 = upload(&b, &[n, m], &vec![0.0; n * m]);
+            b.matmul(&xt, &wt, &mut out_f32)?;
+            let mut dw_f32 = upload(&b, &[m, k], &vec![0.0; m * k]);
+            g.matmul_dw(&dyt, &xt, &mut dw_f32)?;
+            let kept = g.rounded_for_products(&xt)?.expect("16-bit products round");
+            assert_eq!(kept.dtype(), dtype);
+            let mut out_kept = upload(&b, &[n, m], &vec![0.0; n * m]);
+            b.matmul(&xt, &wt, &mut out_kept)?;
+            let mut dw_kept = upload(&b, &[m, k], &vec![0.0; m * k]);
+            g.matmul_dw(&dyt, &kept, &mut dw_kept)?;
+            Ok([out_f32, dw_f32, out_kept, dw_kept].map(|t| read(&b, &t)))
+        };
+        let r = run();
+        g.set_products(Products::F32).unwrap();
+        let [out_f32, dw_f32, out_kept, dw_kept] = r.unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&out_kept), bits(&out_f32), "{how:?}: forward");
+        assert_eq!(bits(&dw_kept), bits(&dw_f32), "{how:?}: weight gradient");
+        // And the products did round (the F32 weight gradient differs).
+        let mut dw_exact = upload(&b, &[m, k], &vec![0.0; m * k]);
+        g.matmul_dw(&dyt, &xt, &mut dw_exact).unwrap();
+        assert_ne!(bits(&read(&b, &dw_exact)), bits(&dw_kept), "{how:?}");
+    }
+    // A rounded input under F32 products is refused, not read as F32.
+    let kept = {
+        g.set_products(Products::Bf16).unwrap();
+        let kept = g.rounded_for_products(&xt);
+        g.set_products(Products::F32).unwrap();
+        kept.unwrap().unwrap()
+    };
+    let mut dw = upload(&b, &[m, k], &vec![0.0; m * k]);
+    let e = g.matmul_dw(&dyt, &kept, &mut dw).unwrap_err().to_string();
+    assert!(e.contains("bf16 input under f32 products"), "{e}");
 }

@@ -57,9 +57,11 @@ pub(crate) struct State {
     current: HashMap<usize, ValueId>,
     pub values: Vec<ValueInfo>,
     pub nodes: Vec<Node>,
-    /// Copies made for backward, and which value each holds.
+    /// Copies made for backward, and which value each holds (as it is, and rounded as
+    /// the products round their operands: see `Recorder::save_rounded`).
     pub saved: Vec<Tensor>,
     saved_of: HashMap<ValueId, usize>,
+    rounded_of: HashMap<ValueId, usize>,
     /// Buffer → parameter index.
     params: HashMap<usize, usize>,
     param_keys: Vec<usize>,
@@ -178,7 +180,7 @@ impl Tape {
             let (xr, wr) = (rec.read(x), rec.read(w));
             let (gx, gw) = (rec.needs(&xr), rec.needs(&wr));
             let sx = match gw {
-                true => Some(rec.save(&xr, x)?),
+                true => Some(rec.save_rounded(&xr, x)?),
                 false => None,
             };
             let sw = match gx {
@@ -283,6 +285,7 @@ impl Tape {
         st.nodes.clear();
         st.saved.clear();
         st.saved_of.clear();
+        st.rounded_of.clear();
         st.first_read.clear();
     }
 
@@ -508,6 +511,7 @@ impl Tape {
         st.param_grads = param_grads;
         st.saved.clear();
         st.saved_of.clear();
+        st.rounded_of.clear();
         result
     }
 
@@ -560,6 +564,29 @@ impl Recorder<'_, '_> {
         self.st.saved.push(copy);
         let s = self.st.saved.len() - 1;
         self.st.saved_of.insert(v, s);
+        Ok(Saved::Copy(s))
+    }
+
+    /// What a matmul's weight gradient needs of its input `t`: rounded as the products
+    /// round their operands where they do (the product would round it so anyway), else
+    /// as [`Recorder::save`] keeps it.
+    fn save_rounded(&mut self, r: &Read, t: &Tensor) -> Result<Saved> {
+        let v = match r.op {
+            Operand::Param(i) => return Ok(Saved::Param(i)),
+            Operand::Value(v) => v,
+        };
+        if let Some(&s) = self.st.rounded_of.get(&v) {
+            return Ok(Saved::Copy(s));
+        }
+        if !self.st.keep {
+            return Ok(Saved::Copy(usize::MAX));
+        }
+        let Some(rounded) = self.tape.grad_ops().rounded_for_products(t)? else {
+            return self.save(r, t);
+        };
+        self.st.saved.push(rounded);
+        let s = self.st.saved.len() - 1;
+        self.st.rounded_of.insert(v, s);
         Ok(Saved::Copy(s))
     }
 
