@@ -394,14 +394,16 @@ extern "C" __global__ void grad_attention_rows(float* S, float* DS, const int* p
 }
 
 // Fused cross-entropy, one row of a block of logits z [rows, vocab] per block (z = h.W^T,
-// made by cuBLAS): the softcap, loss[r] = logsumexp(z) - z[target], and, when grad, z
-// replaced in place by scale * (softmax(z) - onehot) * dz/draw. Two passes over the row
-// (a running max and sum, then the gradient; the softcap recomputed, not written): the
-// rows of a 1,048-row block (134 MB at 32,000 words) do not stay in L2 between passes.
+// made by cuBLAS): the softcap, loss[r] = logsumexp(z) - z[target], and, when grad, the
+// gradient scale * (softmax(z) - onehot) * dz/draw: in place of z, or (`half` not null,
+// under BF16 / F16 products, whose two products read it rounded) rounded into `half`, a
+// quarter of the bytes written and no rounding pass after. Two passes over the row (a
+// running max and sum, then the gradient; the softcap recomputed, not written): the rows
+// of a 1,048-row block (134 MB at 32,000 words) do not stay in L2 between passes.
 // Launch: grid (rows), block 256.
 extern "C" __global__ void grad_cross_entropy_rows(float* z, const int* targets, float* loss,
                                                    int vocab, float softcap, float scale,
-                                                   int grad) {
+                                                   int grad, u16* half, int bf16) {
     follow_previous();
     __shared__ float scratch[32];
     float* zr = z + (size_t)blockIdx.x * vocab;
@@ -426,9 +428,15 @@ extern "C" __global__ void grad_cross_entropy_rows(float* z, const int* targets,
     const float lse = mb + logf(block_sum(m == NEG_INF ? 0.0f : s * expf(m - mb), scratch));
     if (threadIdx.x == 0) loss[blockIdx.x] = valid ? lse - zt : __int_as_float(0x7fc00000);
     if (!grad || !valid) return;
+    u16* hr = half == nullptr ? nullptr : half + (size_t)blockIdx.x * vocab;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
         const float zj = capped(zr[j]);
         const float through = softcap > 0.0f ? 1.0f - (zj / softcap) * (zj / softcap) : 1.0f;
-        zr[j] = (expf(zj - lse) - (j == t ? 1.0f : 0.0f)) * scale * through;
+        const float g = (expf(zj - lse) - (j == t ? 1.0f : 0.0f)) * scale * through;
+        if (hr != nullptr) {
+            hr[j] = bf16 ? f32_to_bf16(g) : f32_to_f16(g);
+        } else {
+            zr[j] = g;
+        }
     }
 }
