@@ -185,7 +185,8 @@ pub trait GradOps: Send + Sync {
     /// sequence's queries and cache (positions `0..keys.1` at pool rows `keys.0..`), the
     /// gradients added into those rows of `dq`, `dk` and `dv`. Returns false, having done
     /// nothing, where the backend has no such path: the caller then copies each run's
-    /// rows out and back around [`GradOps::attention_backward`].
+    /// rows out and back around [`GradOps::attention_backward`]. `q`, `k_pool` and
+    /// `v_pool` may be what [`GradOps::rounded_for_products`] made of them.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward_runs(
         &self,

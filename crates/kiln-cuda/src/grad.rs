@@ -454,13 +454,7 @@ impl GradOps for CudaBackend {
         }
         let ptrs = [ptr(q)?, ptr(k_cache)?, ptr(v_cache)?, ptr(dout)?, ptr(pos)?];
         let grads = [ptr(dq)?, ptr(dk)?, ptr(dv)?];
-        let (q_len, kv_len) = (n * heads * d, cap * kv_heads * d);
-        let half = self.attention_half_copies([
-            (ptrs[0], q_len),
-            (ptrs[1], kv_len),
-            (ptrs[2], kv_len),
-            (ptrs[3], q_len),
-        ])?;
+        let half = self.attention_half_copies([q, k_cache, v_cache, dout])?;
         if let Some((kernels, copies)) = self.flash_backward(half, d) {
             let operands = attention_grad_tc::Operands {
                 half: copies,
@@ -492,10 +486,8 @@ impl GradOps for CudaBackend {
         dk: &mut Tensor,
         dv: &mut Tensor,
     ) -> Result<bool> {
-        f32s(
-            &[q, k_pool, v_pool, dout, dq, dk, dv],
-            "paged attention gradient",
-        )?;
+        f32s(&[dout, dq, dk, dv], "paged attention gradient")?;
+        self.attention_operands([q, k_pool, v_pool], "paged attention gradient")?;
         expect(pos, DType::I32, "attention positions")?;
         let (&[n, heads, d], &[pool_rows, kv_heads, kd]) = (q.dims(), k_pool.dims()) else {
             return Err(Error::shape(format!(
@@ -528,13 +520,7 @@ impl GradOps for CudaBackend {
             (ptr(q)?, ptr(k_pool)?, ptr(v_pool)?, ptr(dout)?, ptr(pos)?);
         let (dq_p, dk_p, dv_p) = (ptr(dq)?, ptr(dk)?, ptr(dv)?);
         // The 16-bit copies (under BF16 / F16 products) of all rows at once.
-        let (q_len, kv_len) = (n * heads * d, pool_rows * kv_heads * d);
-        let half = self.attention_half_copies([
-            (q_p, q_len),
-            (k_p, kv_len),
-            (v_p, kv_len),
-            (do_p, q_len),
-        ])?;
+        let half = self.attention_half_copies([q, k_pool, v_pool, dout])?;
         if let Some((kernels, copies)) = self.flash_backward(half, d) {
             let operands = attention_grad_tc::Operands {
                 half: copies,
@@ -775,7 +761,8 @@ impl GradOps for CudaBackend {
         let (h_ptr, t_ptr, l_ptr) = (ptr(h)?, ptr(targets)?, ptr(losses)?);
         // Under BF16 / F16 products the projection is rounded once for every block (the
         // products would round it twice a block), each block's rows once for both of
-        // their products, and its logits' gradient once for both of its.
+        // their products, and its logits' gradient, as the rows kernel writes it, once for
+        // both of its.
         let half = match self.blas.f32_products() {
             Products::Bf16 => Some(true),
             Products::F16 => Some(false),
@@ -788,11 +775,9 @@ impl GradOps for CudaBackend {
         for r0 in (0..n).step_by(block) {
             let rows = block.min(n - r0);
             let h_blk = h_ptr + (r0 * dim * 4) as u64;
-            let rounded = |slot, p, len| {
-                half.map(|bf16| rounded_copy(self, slot, p, len, bf16))
-                    .transpose()
-            };
-            let h_half = rounded("grad_ce_h_half", h_blk, rows * dim)?;
+            let h_half = half
+                .map(|bf16| rounded_copy(self, "grad_ce_h_half", h_blk, rows * dim, bf16))
+                .transpose()?;
             // z[rows, vocab] = h·wᵀ: column-major zᵀ (vocab × rows) = w (read as dim ×
             // vocab, transposed) · hᵀ (read as dim × rows).
             match (w_half, h_half) {
@@ -817,6 +802,11 @@ impl GradOps for CudaBackend {
                     (z, vocab),
                 )?,
             }
+            // The logits' gradient, rounded by the rows kernel itself for 16-bit products.
+            let dz_half = match (grad, half) {
+                (true, Some(_)) => Some(self.scratch("grad_ce_dz_half", 2 * rows * vocab)?),
+                _ => None,
+            };
             self.launch_rows(
                 "grad_cross_entropy_rows",
                 rows,
@@ -829,12 +819,13 @@ impl GradOps for CudaBackend {
                     Arg::F32(softcap.unwrap_or(0.0)),
                     Arg::F32(scale),
                     Arg::I32(grad as i32),
+                    Arg::Ptr(dz_half.unwrap_or(0)),
+                    Arg::I32((half == Some(true)) as i32),
                 ],
             )?;
             if !grad {
                 continue;
             }
-            let dz_half = rounded("grad_ce_dz_half", z, rows * vocab)?;
             if let Some(dh) = dh_ptr {
                 // dh[rows, dim] += dz[rows, vocab]·w[vocab, dim] (as matmul_dx).
                 let dh_blk = dh + (r0 * dim * 4) as u64;
@@ -993,7 +984,10 @@ impl CudaBackend {
         }
     }
 
-    fn attention_half_copies(&self, spans: [(u64, usize); 4]) -> Result<Option<(bool, [u64; 4])>> {
+    /// The 16-bit copies of q, k, v and dout the attention's backward reads under BF16 /
+    /// F16 products: each tensor's own data where it is one already (what the tape kept,
+    /// `rounded_for_products`), else rounded into a work buffer.
+    fn attention_half_copies(&self, ts: [&Tensor; 4]) -> Result<Option<(bool, [u64; 4])>> {
         let Some(dtype) = self.rounded_type() else {
             return Ok(None);
         };
@@ -1005,10 +999,29 @@ impl CudaBackend {
             "attention_half_do",
         ];
         let mut out = [0u64; 4];
-        for ((&(src, len), slot), dst) in spans.iter().zip(slots).zip(&mut out) {
-            *dst = rounded_copy(self, slot, src, len, bf16)?;
+        for ((t, slot), dst) in ts.iter().zip(slots).zip(&mut out) {
+            *dst = match t.dtype() {
+                d if d == dtype => ptr(t)?,
+                _ => rounded_copy(self, slot, ptr(t)?, t.shape().numel(), bf16)?,
+            };
         }
         Ok(Some((bf16, out)))
+    }
+
+    /// Attention's q, k and v as the backward takes them: F32, or (under BF16 / F16
+    /// products) rounded as the products round them.
+    fn attention_operands(&self, ts: [&Tensor; 3], op: &str) -> Result<()> {
+        let rounded = self.rounded_type();
+        for t in ts {
+            if t.dtype() != DType::F32 && Some(t.dtype()) != rounded {
+                return Err(Error::unsupported(format!(
+                    "{op}: a {} operand under {} products",
+                    t.dtype(),
+                    self.blas.f32_products().name()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The flash-style kernels for heads of `d` and the 16-bit copies they read, when the

@@ -150,7 +150,8 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
     let pos_t = upload_i32(b, &[pos.len()], &pos);
     // The gradients are added to what the buffers hold.
     const HELD: f32 = 0.25;
-    let run = |whole: bool| {
+    // `kept`: q, k and v as the tape keeps them under 16-bit products (rounded).
+    let run = |whole: bool, kept: bool| {
         grad.set_products(how).unwrap();
         let (qd, kd) = ([n, s.heads, s.d], [case.pool, s.kv_heads, s.d]);
         let (mut dq, mut dk, mut dv) = (
@@ -158,12 +159,20 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
             upload_f32(b, &kd, &vec![HELD; case.pool * kvd]),
             upload_f32(b, &kd, &vec![HELD; case.pool * kvd]),
         );
-        let (qt, kt, vt, dot) = (
+        let (mut qt, mut kt, mut vt, dot) = (
             upload_f32(b, &qd, &q),
             upload_f32(b, &kd, &k),
             upload_f32(b, &kd, &v),
             upload_f32(b, &qd, &dout),
         );
+        if kept {
+            for t in [&mut qt, &mut kt, &mut vt] {
+                *t = grad
+                    .rounded_for_products(t)
+                    .unwrap()
+                    .expect("16-bit products");
+            }
+        }
         let done = if whole {
             grad.attention_backward(
                 &qt,
@@ -202,8 +211,16 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
     let one_run = case.runs.len() == 1 && case.runs[0].1 == (0, case.pool);
     let bits = if how == Products::Bf16 { 8 } else { 11 };
     let modes: &[bool] = if one_run { &[false, true] } else { &[false] };
+    // The rounded inputs the tape keeps give the same gradients, to the bit.
+    let bits_of = |v: &[Vec<f32>; 3]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits_of(&run(false, true)),
+        bits_of(&run(false, false)),
+        "{}: kept rounded inputs",
+        case.name
+    );
     for &whole in modes {
-        let got = run(whole);
+        let got = run(whole, false);
         for (name, (g, e)) in ["dq", "dk", "dv"]
             .iter()
             .zip(got.iter().zip([&eq, &ek, &ev]))

@@ -199,6 +199,13 @@ pub(crate) fn attention_backward(
             return Ok(());
         }
     }
+    // Rows are copied out and back as F32 below: inputs the tape kept rounded (16-bit
+    // products) go only to a backend's runs in place, as training's pool always allows.
+    if [q, k_pool, v_pool].iter().any(|t| t.dtype() != DType::F32) {
+        return Err(Error::unsupported(
+            "a paged attention gradient over rounded inputs whose keys are not one span of the pool",
+        ));
+    }
     let (q_width, kv_width) = (heads * d, kv_heads * d);
     for (rows, keys) in plans {
         let len = rows.len();

@@ -567,9 +567,9 @@ impl Recorder<'_, '_> {
         Ok(Saved::Copy(s))
     }
 
-    /// What a matmul's weight gradient needs of its input `t`: rounded as the products
-    /// round their operands where they do (the product would round it so anyway), else
-    /// as [`Recorder::save`] keeps it.
+    /// What a matmul's weight gradient (or a paged attention's backward) needs of its
+    /// input `t`: rounded as the products round their operands where they do (the
+    /// product would round it so anyway), else as [`Recorder::save`] keeps it.
     fn save_rounded(&mut self, r: &Read, t: &Tensor) -> Result<Saved> {
         let v = match r.op {
             Operand::Param(i) => return Ok(Saved::Param(i)),
@@ -993,10 +993,12 @@ impl Backend for Tape {
             let saved = match grad {
                 true => {
                     let (pr, sr, tr) = (rec.read(pos), rec.read(pages.seq), rec.read(pages.tables));
+                    // Kept as the backward's products read them (rounded under 16-bit
+                    // products), as a matmul's input is.
                     Some([
-                        rec.save(&qr, q)?,
-                        rec.save(&kr, k_pool)?,
-                        rec.save(&vr, v_pool)?,
+                        rec.save_rounded(&qr, q)?,
+                        rec.save_rounded(&kr, k_pool)?,
+                        rec.save_rounded(&vr, v_pool)?,
                         rec.save(&pr, pos)?,
                         rec.save(&sr, pages.seq)?,
                         rec.save(&tr, pages.tables)?,
