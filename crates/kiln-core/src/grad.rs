@@ -18,6 +18,18 @@ pub struct AttentionRun {
     pub keys: (usize, usize),
 }
 
+/// What a training forward pass kept of a paged attention
+/// ([`GradOps::paged_attention_saving`]) for its backward: each query row's log-sum-exp
+/// of its scores per head (in log2 units: `log2 Σ 2^(z·log2 e)`; F32 `[n, heads]`) and
+/// the output rounded as the products round their operands (`[n, heads, head_dim]`).
+/// The backward then computes each row's `Σ P·dP` as `dout · out` and reads the
+/// softmax's normaliser instead of recomputing both from the scores.
+#[derive(Clone, Copy)]
+pub struct AttentionSaved<'a> {
+    pub lse: &'a Tensor,
+    pub out: &'a Tensor,
+}
+
 /// How the products of training (the forward pass's matmuls over F32 weights and the
 /// backward pass's) are computed. The weights, gradients and every sum stay F32: TF32
 /// and BF16 round the products' inputs only (PyTorch's `allow_tf32`, and BF16 compute
@@ -110,7 +122,8 @@ pub trait GradOps: Send + Sync {
     fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()>;
 
     /// Matmul's weight gradient: `dw[m, k] += dy[n, m]ᵀ · x[n, k]` (`x` F32, or what
-    /// [`GradOps::rounded_for_products`] made of one).
+    /// [`GradOps::rounded_for_products`] or [`GradOps::paged_attention_saving`] made of
+    /// one: then any shape of `n · k` elements, read row-major as `[n, k]`).
     fn matmul_dw(&self, dy: &Tensor, x: &Tensor, dw: &mut Tensor) -> Result<()>;
 
     /// `x` (F32) rounded as the products round their operands (BF16 or F16 products), a
@@ -119,6 +132,28 @@ pub trait GradOps: Send + Sync {
     /// anyway (half the bytes of an F32 copy, and no rounding in the backward pass).
     fn rounded_for_products(&self, _x: &Tensor) -> Result<Option<Tensor>> {
         Ok(None)
+    }
+
+    /// [`crate::Backend::paged_attention`] over `q`, `k_pool` and `v_pool` as
+    /// [`GradOps::rounded_for_products`] made them (the forward then reads the operands
+    /// its backward will), keeping what the backward can use: each row's log-sum-exp
+    /// into `lse` (F32 `[n, heads]`) and the output, besides `out`, rounded into
+    /// `out_rounded` (see [`AttentionSaved`]). Returns false, having done nothing, where
+    /// the backend has no such path.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention_saving(
+        &self,
+        _q: &Tensor,
+        _k_pool: &Tensor,
+        _v_pool: &Tensor,
+        _pos: &Tensor,
+        _pages: &crate::Pages,
+        _params: &AttentionParams,
+        _out: &mut Tensor,
+        _lse: &mut Tensor,
+        _out_rounded: &mut Tensor,
+    ) -> Result<bool> {
+        Ok(false)
     }
 
     /// Embedding's table gradient: `dtable[ids[i]] += dy[i]` (`ids` I32 `[n]`; repeated
@@ -187,6 +222,7 @@ pub trait GradOps: Send + Sync {
     /// nothing, where the backend has no such path: the caller then copies each run's
     /// rows out and back around [`GradOps::attention_backward`]. `q`, `k_pool` and
     /// `v_pool` may be what [`GradOps::rounded_for_products`] made of them.
+    /// `saved`, where the forward kept it, spares recomputing the softmax's statistics.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward_runs(
         &self,
@@ -196,6 +232,7 @@ pub trait GradOps: Send + Sync {
         _pos: &Tensor,
         _runs: &[AttentionRun],
         _params: &AttentionParams,
+        _saved: Option<AttentionSaved>,
         _dout: &Tensor,
         _dq: &mut Tensor,
         _dk: &mut Tensor,

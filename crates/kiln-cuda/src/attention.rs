@@ -301,6 +301,128 @@ pub(crate) fn paged_attention(
     run(b, q, k_pool, v_pool, pos, Some(&paged), params, out)
 }
 
+/// Training's forward of a paged attention over the operands the tape keeps for the
+/// backward (`GradOps::paged_attention_saving`): q, k and v rounded already (bf16 or
+/// f16), on tensor cores (attention_tc.cu's kept kernels), with each row's log-sum-exp
+/// (log2 units) into `lse` and the output rounded into `out_half` besides `out`. False,
+/// having done nothing, where those kernels do not serve: another head size or group,
+/// a GPU before sm_80, or runs of a few rows (decode-shaped).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_kept(
+    b: &CudaBackend,
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    pos: &Tensor,
+    pages: &Pages,
+    params: &AttentionParams,
+    out: &mut Tensor,
+    lse: &mut Tensor,
+    out_half: &mut Tensor,
+) -> Result<bool> {
+    let half = q.dtype();
+    for (t, what) in [
+        (k_pool, "keys"),
+        (v_pool, "values"),
+        (&*out_half, "rounded output"),
+    ] {
+        if t.dtype() != half {
+            return Err(Error::unsupported(format!(
+                "attention over kept operands: {half} queries and {} {what}",
+                t.dtype()
+            )));
+        }
+    }
+    expect(out, DType::F32, "attention output")?;
+    expect(lse, DType::F32, "attention log-sum-exp")?;
+    let (&[n, heads, d], &[_, kv_heads, kd]) = (q.dims(), k_pool.dims()) else {
+        return Err(Error::shape(format!(
+            "attention over kept operands: q {}, pool {}",
+            q.shape(),
+            k_pool.shape()
+        )));
+    };
+    if kd != d
+        || v_pool.dims() != k_pool.dims()
+        || out.dims() != q.dims()
+        || out_half.dims() != q.dims()
+        || lse.shape().numel() != n * heads
+        || kv_heads == 0
+        || !heads.is_multiple_of(kv_heads)
+    {
+        return Err(Error::shape(format!(
+            "attention over kept operands: q {}, pools {}, output {}, lse {}",
+            q.shape(),
+            k_pool.shape(),
+            out.shape(),
+            lse.shape()
+        )));
+    }
+    let Some(kernel) = attention_tc::kept_kernel(b, half, d, heads / kv_heads) else {
+        return Ok(false);
+    };
+    if pages.runs.iter().any(|&r| r <= SPLIT_MAX_QUERIES) {
+        return Ok(false);
+    }
+    expect(pages.seq, DType::I32, "query sequences")?;
+    expect(pages.tables, DType::I32, "block tables")?;
+    expect(pos, DType::I32, "attention positions")?;
+    let &[_, max_blocks] = pages.tables.dims() else {
+        return Err(Error::shape(format!(
+            "block tables must be [sequences, max_blocks], got {}",
+            pages.tables.shape()
+        )));
+    };
+    let rows = k_pool.dims()[0];
+    if pages.block == 0
+        || !rows.is_multiple_of(pages.block)
+        || pages.seq.shape().numel() != n
+        || pos.shape().numel() != n
+        || pages.runs.iter().sum::<usize>() != n
+    {
+        return Err(Error::shape(format!(
+            "attention over kept operands: a pool of {rows} rows in blocks of {}, {} sequences and {} positions for {n} queries in runs of {}",
+            pages.block,
+            pages.seq.shape().numel(),
+            pos.shape().numel(),
+            pages.runs.iter().sum::<usize>()
+        )));
+    }
+    if n == 0 {
+        return Ok(true);
+    }
+    let (qt, _) = attention_tc::block_shape(heads / kv_heads);
+    let (_, tiles) = attention_tc::split_runs(pages.runs, SPLIT_MAX_QUERIES, qt);
+    let words: Vec<u8> = tiles
+        .iter()
+        .flatten()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let list = upload_rows(b, words)?;
+    let launch = TcLaunch {
+        q,
+        k_cache: k_pool,
+        v_cache: v_pool,
+        pos,
+        paged: Some((ptr(pages.seq)?, ptr(pages.tables)?, max_blocks, pages.block)),
+        cap: rows,
+        heads,
+        kv_heads,
+        d,
+    };
+    let kept = Some((ptr(lse)?, ptr(out_half)?));
+    attention_tc::launch(
+        b,
+        kernel,
+        &launch,
+        Some((list, tiles.len())),
+        params,
+        kept,
+        out,
+    )?;
+    Ok(true)
+}
+
 /// A paged launch's tables (device pointers) and their sizes, and its rows' runs.
 struct Paged<'a> {
     seq: u64,
@@ -399,7 +521,7 @@ fn run(
         }
     }
     if let (None, Some(tc)) = (paged, tc) {
-        return attention_tc::launch(b, tc, &operands.tc(), None, params, out);
+        return attention_tc::launch(b, tc, &operands.tc(), None, params, None, out);
     }
     let dv = d.div_ceil(32);
     if dv == 0 || dv > kernels.len() {
@@ -502,6 +624,19 @@ fn paged_runs(
         .chain(tiles.iter().flatten())
         .flat_map(|v| v.to_le_bytes())
         .collect();
+    let base = upload_rows(b, words)?;
+    if !singles.is_empty() {
+        let reach = p.max_blocks * p.block;
+        decode(b, dk, reach, o, Some((base, singles.len())), params, out)?;
+    }
+    let tile_list = (base + 4 * singles.len() as u64, tiles.len());
+    attention_tc::launch(b, tc, &o.tc(), Some(tile_list), params, None, out)
+}
+
+/// `words` (a row or tile list) in the work buffer the tensor-core launches read, copied
+/// only when it differs from what the buffer holds (the step's first layer copies it; the
+/// others find it there); its address.
+fn upload_rows(b: &CudaBackend, words: Vec<u8>) -> Result<u64> {
     let base = b.scratch("attention_rows", words.len())?;
     let mut uploaded = b.attention_rows.lock().expect("attention rows lock");
     if !matches!(uploaded.as_ref(), Some((at, w)) if *at == base && *w == words) {
@@ -513,13 +648,7 @@ fn paged_runs(
             .map_err(driver_error)?;
         *uploaded = Some((base, words));
     }
-    drop(uploaded);
-    if !singles.is_empty() {
-        let reach = p.max_blocks * p.block;
-        decode(b, dk, reach, o, Some((base, singles.len())), params, out)?;
-    }
-    let tile_list = (base + 4 * singles.len() as u64, tiles.len());
-    attention_tc::launch(b, tc, &o.tc(), Some(tile_list), params, out)
+    Ok(base)
 }
 
 /// Launch an attention kernel as (`name`, (blocks along the queries, warps a block,

@@ -25,6 +25,13 @@ const KERNELS: [(usize, bool, &str, &str, usize); 4] = [
     (128, true, "agt_dq_128_bf16", "agt_dkv_128_bf16", 32),
     (128, false, "agt_dq_128_f16", "agt_dkv_128_f16", 32),
 ];
+/// Each row's D from a kept output, by head size and 16-bit type.
+const DSUM_KERNELS: [(usize, bool, &str); 4] = [
+    (64, true, "agt_dsum_64_bf16"),
+    (64, false, "agt_dsum_64_f16"),
+    (128, true, "agt_dsum_128_bf16"),
+    (128, false, "agt_dsum_128_f16"),
+];
 
 /// The dQ and dK / dV kernels for heads of `d` over operands rounded to bf16 (or f16),
 /// if this GPU has them.
@@ -35,7 +42,17 @@ pub(crate) fn kernels(b: &CudaBackend, d: usize, bf16: bool) -> Option<Kernels> 
     KERNELS
         .iter()
         .find(|k| k.0 == d && k.1 == bf16)
-        .map(|&(d, _, dq, dkv, chunk)| Kernels { d, dq, dkv, chunk })
+        .map(|&(d, bf, dq, dkv, chunk)| Kernels {
+            d,
+            dq,
+            dkv,
+            dsum: DSUM_KERNELS
+                .iter()
+                .find(|k| k.0 == d && k.1 == bf)
+                .map(|k| k.2)
+                .expect("a D kernel for every pair"),
+            chunk,
+        })
 }
 
 #[derive(Clone, Copy)]
@@ -43,6 +60,7 @@ pub(crate) struct Kernels {
     d: usize,
     dq: &'static str,
     dkv: &'static str,
+    dsum: &'static str,
     chunk: usize,
 }
 
@@ -59,6 +77,12 @@ fn shared_bytes(d: usize, chunk: Option<usize>) -> usize {
 
 /// What the launch code needs of a kernel of this file (see `kernels::launch_need`).
 pub(crate) fn launch_need(name: &str) -> Option<LaunchNeed> {
+    if DSUM_KERNELS.iter().any(|k| k.2 == name) {
+        return Some(LaunchNeed {
+            threads: 256,
+            dynamic_shared: 0,
+        });
+    }
     let k = KERNELS.iter().find(|k| k.2 == name || k.3 == name)?;
     let chunk = (k.3 == name).then_some(k.4);
     Some(LaunchNeed {
@@ -121,23 +145,65 @@ fn pieces(runs: &[AttentionRun], most: usize) -> Vec<AttentionRun> {
         .collect()
 }
 
+/// Each query row's lse and D (F32 `[rows, heads]` each), from the dQ kernel to the
+/// dK / dV one: device addresses, and whether they are given before the dQ kernel runs.
+#[derive(Clone, Copy)]
+struct Stats {
+    lse: u64,
+    dsum: u64,
+    given: bool,
+}
+
 /// The backward of `runs` (each a sequence's query rows and its span of key rows, a key's
 /// position its offset in the span): dQ, dK and dV added into `o.grads`. Runs whose rows
-/// (or key spans) overlap go one launch each, in order.
+/// (or key spans) overlap go one launch each, in order. `kept`: the forward's lse and
+/// rounded output (device addresses), from which the dQ kernel's first pass is spared.
 pub(crate) fn backward(
     b: &CudaBackend,
     k: Kernels,
     o: &Operands,
     runs: &[AttentionRun],
     params: &AttentionParams,
+    kept: Option<(u64, u64)>,
 ) -> Result<()> {
+    let count = o.rows * o.heads;
+    let stats = match kept {
+        Some((lse, out_half)) => {
+            let dsum = b.scratch("grad_attention_dsum", 4 * count)?;
+            b.launch(
+                k.dsum,
+                (to_i32(count.div_ceil(8), "query rows")? as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[
+                    Arg::Ptr(o.half[3]),
+                    Arg::Ptr(out_half),
+                    Arg::Ptr(dsum),
+                    Arg::I32(to_i32(count, "query rows")?),
+                ],
+            )?;
+            Stats {
+                lse,
+                dsum,
+                given: true,
+            }
+        }
+        None => {
+            let lse = b.scratch("grad_attention_lse", 2 * 4 * count)?;
+            Stats {
+                lse,
+                dsum: lse + 4 * count as u64,
+                given: false,
+            }
+        }
+    };
     let runs = &pieces(runs, MOST_CHUNKS * k.chunk)[..];
     let one_launch = disjoint(runs.iter().map(|r| r.rows)) && disjoint(runs.iter().map(|r| r.keys));
     if one_launch {
-        return launch(b, k, o, runs, params);
+        return launch(b, k, o, runs, params, stats);
     }
     runs.iter()
-        .try_for_each(|r| launch(b, k, o, std::slice::from_ref(r), params))
+        .try_for_each(|r| launch(b, k, o, std::slice::from_ref(r), params, stats))
 }
 
 fn launch(
@@ -146,6 +212,7 @@ fn launch(
     o: &Operands,
     runs: &[AttentionRun],
     params: &AttentionParams,
+    stats: Stats,
 ) -> Result<()> {
     let (dq_tiles, dkv_tiles) = (tiles(runs, false)?, tiles(runs, true)?);
     if dq_tiles.is_empty() {
@@ -164,10 +231,7 @@ fn launch(
     b.queued_other_work();
     unsafe { result::memcpy_htod_async(list, &words[..], b.stream.cu_stream()) }
         .map_err(driver_error)?;
-    // Each query row's lse and D, from the dQ kernel to the dK / dV one.
-    let stats = o.rows * o.heads;
-    let lse = b.scratch("grad_attention_lse", 2 * 4 * stats)?;
-    let dsum = lse + 4 * stats as u64;
+    let Stats { lse, dsum, given } = stats;
     let [q, kk, v, dout] = o.half;
     let [dq, dk, dv] = o.grads;
     let window = params.window.map_or(Ok(0), |w| to_i32(w, "window"))?;
@@ -193,6 +257,7 @@ fn launch(
     let mut args = operands.to_vec();
     args.extend([Arg::Ptr(list), Arg::Ptr(dq), Arg::Ptr(lse), Arg::Ptr(dsum)]);
     args.extend(tail);
+    args.push(Arg::I32(given as i32));
     b.launch(
         k.dq,
         grid(dq_tiles.len(), o.heads)?,

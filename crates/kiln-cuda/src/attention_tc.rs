@@ -24,6 +24,13 @@ const KERNELS: [(DType, usize, &str); 4] = [
     (DType::F32, 64, "attention_tc_once_64"),
     (DType::F32, 128, "attention_tc_once_128"),
 ];
+/// Training's kernels over the kept (rounded) operands, by their type and head size.
+const KEPT_KERNELS: [(DType, usize, &str); 4] = [
+    (DType::F16, 64, "attention_tc_kept_f16_64"),
+    (DType::F16, 128, "attention_tc_kept_f16_128"),
+    (DType::BF16, 64, "attention_tc_kept_bf16_64"),
+    (DType::BF16, 128, "attention_tc_kept_bf16_128"),
+];
 /// Keys a chunk holds (`ATC_KEYS`).
 const KEYS: usize = 64;
 /// Warps a block aims at: tiles of 16 rows are added until a block has this many.
@@ -45,6 +52,23 @@ pub(crate) fn kernel(b: &CudaBackend, kv: DType, d: usize, group: usize) -> Opti
         .map(|&(_, _, k)| k)
 }
 
+/// The kernel over kept operands of type `half` (bf16 or f16), heads of `d` and `group`
+/// query heads a KV head, if this GPU (sm_80 and later) has one.
+pub(crate) fn kept_kernel(
+    b: &CudaBackend,
+    half: DType,
+    d: usize,
+    group: usize,
+) -> Option<&'static str> {
+    if group > MAX_WARPS || b.arch.0 < 8 {
+        return None;
+    }
+    KEPT_KERNELS
+        .iter()
+        .find(|&&(t, hd, _)| t == half && hd == d)
+        .map(|&(_, _, k)| k)
+}
+
 /// Query rows a tile holds and warps a block has, for `group` heads a KV head.
 pub(crate) fn block_shape(group: usize) -> (usize, usize) {
     let tiles = (WARPS / group).max(1);
@@ -59,7 +83,10 @@ fn shared_bytes(d: usize) -> usize {
 
 /// What the launch code needs of a kernel of this file (see `kernels::launch_need`).
 pub(crate) fn launch_need(name: &str) -> Option<LaunchNeed> {
-    let &(_, d, _) = KERNELS.iter().find(|&&(_, _, k)| k == name)?;
+    let &(_, d, _) = KERNELS
+        .iter()
+        .chain(&KEPT_KERNELS)
+        .find(|&&(_, _, k)| k == name)?;
     Some(LaunchNeed {
         threads: 32 * MAX_WARPS as u32,
         dynamic_shared: shared_bytes(d) as u32,
@@ -84,12 +111,14 @@ pub(crate) struct TcLaunch<'a> {
 
 /// Launch `name` over `tiles` (device pointer and count of (first row, rows) pairs, each
 /// within one sequence), or with none over the rows in order as one sequence's tiles.
+/// `kept`: a kept kernel's log-sum-exp and rounded output (device pointers).
 pub(crate) fn launch(
     b: &CudaBackend,
     name: &'static str,
     l: &TcLaunch,
     tiles: Option<(u64, usize)>,
     params: &AttentionParams,
+    kept: Option<(u64, u64)>,
     out: &mut Tensor,
 ) -> Result<()> {
     let n = l.q.dims()[0];
@@ -133,6 +162,8 @@ pub(crate) fn launch(
             Arg::F32(params.scale),
             Arg::F32(params.softcap.unwrap_or(0.0)),
             Arg::I32(params.window.map_or(0, |w| w.min(i32::MAX as usize) as i32)),
+            Arg::Ptr(kept.map_or(0, |k| k.0)),
+            Arg::Ptr(kept.map_or(0, |k| k.1)),
         ],
     )
 }

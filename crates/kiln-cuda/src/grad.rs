@@ -10,8 +10,8 @@ use crate::kernels::Arg;
 use crate::matmul::{rounded_copy, sgemm, sgemm_batched, sgemm_rounded_a, Strided};
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{
-    AttentionParams, AttentionRun, Backend, DType, Error, GradOps, Products, Result, RopeLayout,
-    Shape, Tensor,
+    AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradOps, Pages, Products,
+    Result, RopeLayout, Shape, Tensor,
 };
 
 /// Logits a block of the fused loss holds at once (128 MiB of f32): 1,048 rows of a
@@ -180,6 +180,49 @@ impl GradOps for CudaBackend {
         crate::frozen::takes(dtype)
     }
 
+    fn paged_attention_saving(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+        out_rounded: &mut Tensor,
+    ) -> Result<bool> {
+        // Kept operands of the products' type only, and a flash backward to read them.
+        let Some(half) = self.rounded_type() else {
+            return Ok(false);
+        };
+        let d = q.dims().last().copied().unwrap_or(0);
+        if q.dtype() != half || attention_grad_tc::kernels(self, d, half == DType::BF16).is_none() {
+            return Ok(false);
+        }
+        if !crate::attention::paged_kept(
+            self,
+            q,
+            k_pool,
+            v_pool,
+            pos,
+            pages,
+            params,
+            out,
+            lse,
+            out_rounded,
+        )? {
+            return Ok(false);
+        }
+        // The output projection's product that follows reads the rounded output as its
+        // input, instead of rounding `out` again.
+        let queued = self.queued.load(std::sync::atomic::Ordering::Relaxed);
+        let n = out.shape().numel();
+        self.blas
+            .note_rounded_copy(ptr(out)?, n, half == DType::BF16, ptr(out_rounded)?, queued);
+        Ok(true)
+    }
+
     fn rounded_for_products(&self, x: &Tensor) -> Result<Option<Tensor>> {
         expect(x, DType::F32, "a rounded copy")?;
         let Some(dtype) = self.rounded_type() else {
@@ -252,7 +295,14 @@ impl GradOps for CudaBackend {
         let &[wm, k] = dw.dims() else {
             return Err(Error::shape(format!("matmul_dw: weight {}", dw.shape())));
         };
-        if wm != m || rows_of(x) != (n, k) {
+        // A kept rounded input may carry the shape of the op that made it (the attention's
+        // [n, heads, head_dim] output, read by its projection as [n, dim]): its elements,
+        // row-major, are what count.
+        let x_fits = match x_rounded {
+            true => x.shape().numel() == n * k,
+            false => rows_of(x) == (n, k),
+        };
+        if wm != m || !x_fits {
             return Err(Error::shape(format!(
                 "matmul_dw: dy {}ᵀ · x {} into {}",
                 dy.shape(),
@@ -468,7 +518,7 @@ impl GradOps for CudaBackend {
                 rows: (0, n),
                 keys: (0, cap),
             };
-            return attention_grad_tc::backward(self, kernels, &operands, &[run], params);
+            return attention_grad_tc::backward(self, kernels, &operands, &[run], params, None);
         }
         self.attention_backward_at(ptrs, grads, (n, cap, heads, kv_heads, d), params, half)
     }
@@ -481,6 +531,7 @@ impl GradOps for CudaBackend {
         pos: &Tensor,
         runs: &[AttentionRun],
         params: &AttentionParams,
+        saved: Option<AttentionSaved>,
         dout: &Tensor,
         dq: &mut Tensor,
         dk: &mut Tensor,
@@ -530,7 +581,28 @@ impl GradOps for CudaBackend {
                 heads,
                 kv_heads,
             };
-            attention_grad_tc::backward(self, kernels, &operands, runs, params)?;
+            let kept = match saved {
+                Some(sv) => {
+                    let heads_n = n * heads;
+                    if sv.lse.dtype() != DType::F32
+                        || sv.lse.shape().numel() != heads_n
+                        || sv.out.dims() != q.dims()
+                        || Some(sv.out.dtype()) != self.rounded_type()
+                    {
+                        return Err(Error::shape(format!(
+                            "paged attention gradient: kept lse {} {} and output {} {} for q {}",
+                            sv.lse.dtype(),
+                            sv.lse.shape(),
+                            sv.out.dtype(),
+                            sv.out.shape(),
+                            q.shape()
+                        )));
+                    }
+                    Some((ptr(sv.lse)?, ptr(sv.out)?))
+                }
+                None => None,
+            };
+            attention_grad_tc::backward(self, kernels, &operands, runs, params, kept)?;
             return Ok(true);
         }
         // Each run in place: its query rows and its span of pool rows, by offsets.

@@ -35,6 +35,7 @@ fn reference(
     keys: usize,
     p: &AttentionParams,
     (dq, dk, dv): (&mut [f64], &mut [f64], &mut [f64]),
+    (out, lse2): (&mut [f64], &mut [f64]),
 ) {
     let (h_n, kv_n, d) = (s.heads, s.kv_heads, s.d);
     let group = h_n / kv_n;
@@ -69,8 +70,13 @@ fn reference(
             }
             let l: f64 = seen.clone().map(|j| (z[j] - m).exp()).sum();
             let delta: f64 = seen.clone().map(|j| (z[j] - m).exp() / l * dp[j]).sum();
+            lse2[i * h_n + h] = (m + l.ln()) * std::f64::consts::LOG2_E;
             for j in seen.clone() {
                 let pj = (z[j] - m).exp() / l;
+                let vr = &v[(j * kv_n + kvh) * d..][..d];
+                for x in 0..d {
+                    out[(i * h_n + h) * d + x] += pj * vr[x];
+                }
                 let ds = pj * (dp[j] - delta) * dz[j] * p.scale as f64;
                 let (kr, at) = (&k[(j * kv_n + kvh) * d..][..d], (j * kv_n + kvh) * d);
                 for x in 0..d {
@@ -121,6 +127,7 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
         vec![0f64; case.pool * kvd],
         vec![0f64; case.pool * kvd],
     );
+    let (mut eo, mut e_lse) = (vec![0f64; n * hd], vec![f64::INFINITY; n * s.heads]);
     let (mut runs, mut pos, mut row) = (Vec::new(), Vec::new(), 0);
     for (run_pos, keys) in &case.runs {
         let rows = run_pos.len();
@@ -137,7 +144,11 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
             run_pos,
             keys.1,
             &case.params,
-            (&mut eq[qs], &mut ek[ks.clone()], &mut ev[ks]),
+            (&mut eq[qs.clone()], &mut ek[ks.clone()], &mut ev[ks]),
+            (
+                &mut eo[qs],
+                &mut e_lse[row * s.heads..(row + rows) * s.heads],
+            ),
         );
         runs.push(AttentionRun {
             rows: (row, rows),
@@ -150,8 +161,26 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
     let pos_t = upload_i32(b, &[pos.len()], &pos);
     // The gradients are added to what the buffers hold.
     const HELD: f32 = 0.25;
-    // `kept`: q, k and v as the tape keeps them under 16-bit products (rounded).
-    let run = |whole: bool, kept: bool| {
+    // The runs as a paged batch (blocks of one position, positions past a run's keys
+    // outside the pool), for the forward over kept operands.
+    let max_pos = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
+    let mut tables = vec![-1i32; runs.len() * max_pos];
+    let mut seq = Vec::with_capacity(n);
+    for (i, r) in runs.iter().enumerate() {
+        for j in 0..r.keys.1.min(max_pos) {
+            tables[i * max_pos + j] = (r.keys.0 + j) as i32;
+        }
+        seq.extend(std::iter::repeat_n(i as i32, r.rows.1));
+    }
+    let (seq_t, tables_t) = (
+        upload_i32(b, &[n], &seq),
+        upload_i32(b, &[runs.len(), max_pos], &tables),
+    );
+    let run_rows: Vec<usize> = runs.iter().map(|r| r.rows.1).collect();
+    // `kept`: q, k and v as the tape keeps them under 16-bit products (rounded);
+    // `forward`: and the forward over them keeps its lse and rounded output, which the
+    // backward reads (its output and lse come back too).
+    let run = |whole: bool, kept: bool, forward: bool| {
         grad.set_products(how).unwrap();
         let (qd, kd) = ([n, s.heads, s.d], [case.pool, s.kv_heads, s.d]);
         let (mut dq, mut dk, mut dv) = (
@@ -173,6 +202,36 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
                     .expect("16-bit products");
             }
         }
+        let mut fwd = None;
+        if forward {
+            let mut out = upload_f32(b, &qd, &vec![f32::NAN; n * hd]);
+            let mut lse = upload_f32(b, &[n, s.heads], &vec![f32::NAN; n * s.heads]);
+            let mut out_r = grad.rounded_for_products(&out).unwrap().unwrap();
+            let pages = kiln_core::Pages {
+                seq: &seq_t,
+                tables: &tables_t,
+                block: 1,
+                runs: &run_rows,
+            };
+            let ran = grad
+                .paged_attention_saving(
+                    &qt,
+                    &kt,
+                    &vt,
+                    &pos_t,
+                    &pages,
+                    &case.params,
+                    &mut out,
+                    &mut lse,
+                    &mut out_r,
+                )
+                .unwrap();
+            assert!(ran, "{}: the forward over kept operands runs", case.name);
+            fwd = Some((out, lse, out_r));
+        }
+        let saved = fwd
+            .as_ref()
+            .map(|(_, lse, out_r)| kiln_core::AttentionSaved { lse, out: out_r });
         let done = if whole {
             grad.attention_backward(
                 &qt,
@@ -194,6 +253,7 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
                 &pos_t,
                 &runs,
                 &case.params,
+                saved,
                 &dot,
                 &mut dq,
                 &mut dk,
@@ -206,7 +266,8 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
             "{}: CUDA runs the paged backward in place",
             case.name
         );
-        [read(b, &dq), read(b, &dk), read(b, &dv)]
+        let fwd = fwd.map(|(out, lse, _)| (read(b, &out), read(b, &lse)));
+        ([read(b, &dq), read(b, &dk), read(b, &dv)], fwd)
     };
     let one_run = case.runs.len() == 1 && case.runs[0].1 == (0, case.pool);
     let bits = if how == Products::Bf16 { 8 } else { 11 };
@@ -214,13 +275,50 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
     // The rounded inputs the tape keeps give the same gradients, to the bit.
     let bits_of = |v: &[Vec<f32>; 3]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(
-        bits_of(&run(false, true)),
-        bits_of(&run(false, false)),
+        bits_of(&run(false, true, false).0),
+        bits_of(&run(false, false, false).0),
         "{}: kept rounded inputs",
         case.name
     );
+    let unit = 2f64.powi(-bits);
+    let mut results = Vec::new();
     for &whole in modes {
-        let got = run(whole, false);
+        results.push((whole, run(whole, false, false).0));
+    }
+    // The forward over kept operands (where every run is prompt-shaped): its output within
+    // what rounding the probabilities moves, its log-sum-exp within f32's sums; then the
+    // backward from what it kept, within the same bound as the others.
+    if case.runs.iter().all(|r| r.0.len() > 8) {
+        let (grads, fwd) = run(false, true, true);
+        let (out, lse) = fwd.expect("the forward ran");
+        let largest = eo.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let off = out
+            .iter()
+            .zip(&eo)
+            .fold(0f64, |m, (&a, b)| m.max((a as f64 - b).abs()))
+            / largest;
+        eprintln!(
+            "{} {} forward: {off:e} of the largest off float64",
+            case.name,
+            how.name()
+        );
+        assert!(
+            off <= 2.0 * unit,
+            "{} {}: forward {off:e} off",
+            case.name,
+            how.name()
+        );
+        for (i, (&a, &b)) in lse.iter().zip(&e_lse).enumerate() {
+            assert!(
+                (a as f64 - b).abs() <= 1e-4 * b.abs().max(1.0),
+                "{} {}: lse[{i}] {a} against {b}",
+                case.name,
+                how.name()
+            );
+        }
+        results.push((false, grads));
+    }
+    for (whole, got) in results {
         for (name, (g, e)) in ["dq", "dk", "dv"]
             .iter()
             .zip(got.iter().zip([&eq, &ek, &ev]))
@@ -238,7 +336,6 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
                 how.name()
             );
             // The probabilities and score gradients rounded once before their products.
-            let unit = 2f64.powi(-bits);
             assert!(
                 off <= 4.0 * unit,
                 "{} {} {name}: {off:e} of the largest gradient off float64",

@@ -7,7 +7,8 @@
 
 use crate::tape::{Operand, ValueId, ValueInfo};
 use kiln_core::{
-    AttentionParams, Backend, DType, Error, GradOps, Pages, Result, RopeLayout, Shape, Tensor,
+    AttentionParams, AttentionSaved, Backend, DType, Error, GradOps, Pages, Result, RopeLayout,
+    Shape, Tensor,
 };
 
 /// An op's input as the op saw it: which value (or parameter), and its shape then (a
@@ -156,6 +157,9 @@ pub(crate) enum Node {
         v: Read,
         /// q, k pool, v pool, positions, each row's sequence, the block tables.
         saved: [Saved; 6],
+        /// What the forward kept for the backward (`GradOps::paged_attention_saving`):
+        /// each row's log-sum-exp and the rounded output.
+        kept: Option<[Saved; 2]>,
         runs: Vec<usize>,
         block: usize,
         params: AttentionParams,
@@ -582,6 +586,7 @@ impl<'a> Backward<'a> {
                 k,
                 v,
                 saved: [sq, sk, sv, spos, sseq, stables],
+                kept,
                 runs,
                 block,
                 params,
@@ -596,6 +601,10 @@ impl<'a> Backward<'a> {
                     block,
                     runs: &runs,
                 };
+                let kept = kept.map(|[lse, out]| AttentionSaved {
+                    lse: self.saved(lse),
+                    out: self.saved(out),
+                });
                 let r = crate::paged::attention_backward(
                     self.b,
                     g,
@@ -603,6 +612,7 @@ impl<'a> Backward<'a> {
                     self.saved(spos),
                     &pages,
                     &params,
+                    kept,
                     &dy,
                     [&mut dq.0, &mut dk.0, &mut dv.0],
                 );

@@ -12,7 +12,8 @@
 use std::ops::Range;
 
 use kiln_core::{
-    AttentionParams, AttentionRun, Backend, DType, Error, GradOps, Pages, Result, Shape, Tensor,
+    AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradOps, Pages, Result,
+    Shape, Tensor,
 };
 
 /// Rows of a tensor as (first row, rows) pieces.
@@ -99,7 +100,8 @@ fn key_spans(
 }
 
 /// `dq`, `dk`, `dv` (the pools' gradients) += the gradient of
-/// [`Backend::paged_attention`]`(q, k_pool, v_pool, pos, pages, params)` given `dout`.
+/// [`Backend::paged_attention`]`(q, k_pool, v_pool, pos, pages, params)` given `dout`
+/// (`kept`: what the forward kept, when it could; see [`AttentionSaved`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward(
     b: &dyn Backend,
@@ -108,6 +110,7 @@ pub(crate) fn attention_backward(
     pos: &Tensor,
     pages: &Pages,
     params: &AttentionParams,
+    kept: Option<AttentionSaved>,
     dout: &Tensor,
     [dq, dk, dv]: [&mut Tensor; 3],
 ) -> Result<()> {
@@ -195,7 +198,9 @@ pub(crate) fn attention_backward(
                 keys: keys[0],
             })
             .collect();
-        if g.attention_backward_runs(q, k_pool, v_pool, pos_t, &runs, params, dout, dq, dk, dv)? {
+        if g.attention_backward_runs(
+            q, k_pool, v_pool, pos_t, &runs, params, kept, dout, dq, dk, dv,
+        )? {
             return Ok(());
         }
     }

@@ -590,6 +590,57 @@ impl Recorder<'_, '_> {
         Ok(Saved::Copy(s))
     }
 
+    /// A paged attention run over the operands `saved` kept rounded (16-bit products),
+    /// keeping each row's log-sum-exp and the rounded output (which is then what a product
+    /// reading the output `out_value` keeps too): the saved indices of both, or `None`
+    /// where the operands are F32 or the backend has no such path (the caller runs the
+    /// attention itself).
+    fn attention_saving(
+        &mut self,
+        saved: &[Saved; 6],
+        pos: &Tensor,
+        pages: &Pages,
+        params: &AttentionParams,
+        out: &mut Tensor,
+        out_value: ValueId,
+    ) -> Result<Option<[Saved; 2]>> {
+        let [Saved::Copy(sq), Saved::Copy(sk), Saved::Copy(sv), ..] = *saved else {
+            return Ok(None);
+        };
+        // A pass that keeps nothing saved nothing (see `save`).
+        let all = &self.st.saved;
+        if [sq, sk, sv].iter().any(|&i| i >= all.len()) {
+            return Ok(None);
+        }
+        let (q, k, v) = (&all[sq], &all[sk], &all[sv]);
+        if q.dtype() == DType::F32 {
+            return Ok(None);
+        }
+        let heads = q.dims().get(1).copied().unwrap_or(0);
+        let inner = &self.tape.inner;
+        let mut lse = inner.zeros(DType::F32, Shape::new(vec![q.dims()[0], heads])?)?;
+        let mut out_rounded = inner.zeros(q.dtype(), out.shape().clone())?;
+        let g = self.tape.grad_ops();
+        if !g.paged_attention_saving(
+            q,
+            k,
+            v,
+            pos,
+            pages,
+            params,
+            out,
+            &mut lse,
+            &mut out_rounded,
+        )? {
+            return Ok(None);
+        }
+        self.st.saved.push(lse);
+        self.st.saved.push(out_rounded);
+        let n = self.st.saved.len();
+        self.st.rounded_of.insert(out_value, n - 1);
+        Ok(Some([Saved::Copy(n - 2), Saved::Copy(n - 1)]))
+    }
+
     /// `t` will hold the op's output, a new value with a gradient when `grad`.
     fn write(&mut self, t: &Tensor, grad: bool) -> Written {
         self.st.write(t, grad)
@@ -987,6 +1038,7 @@ impl Backend for Tape {
         params: &AttentionParams,
         out: &mut Tensor,
     ) -> Result<()> {
+        let mut done = false;
         self.record(|rec| {
             let (qr, kr, vr) = (rec.read(q), rec.read(k_pool), rec.read(v_pool));
             let grad = rec.needs(&qr) || rec.needs(&kr) || rec.needs(&vr);
@@ -1006,21 +1058,28 @@ impl Backend for Tape {
                 }
                 false => None,
             };
-            let out = rec.write(out, grad);
+            let written = rec.write(out, grad);
             if let Some(saved) = saved {
+                // The forward over the kept operands, keeping what its backward uses.
+                let kept = rec.attention_saving(&saved, pos, pages, params, out, written.id)?;
+                done = kept.is_some();
                 rec.push(Node::PagedAttention {
                     q: qr,
                     k: kr,
                     v: vr,
                     saved,
+                    kept,
                     runs: pages.runs.to_vec(),
                     block: pages.block,
                     params: *params,
-                    out,
+                    out: written,
                 });
             }
             Ok(())
         })?;
+        if done {
+            return Ok(());
+        }
         self.inner
             .paged_attention(q, k_pool, v_pool, pos, pages, params, out)
     }

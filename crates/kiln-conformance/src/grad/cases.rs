@@ -502,6 +502,7 @@ pub fn attention_gradients_of_runs_in_place(t: &Target) {
             &t.ints(&pos),
             &runs,
             &params,
+            None,
             &t.upload(DType::F32, &[n, heads, hd], &r),
             &mut dq,
             &mut dk,

@@ -113,7 +113,7 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
                             const u16* __restrict__ dout, const int* __restrict__ pos,
                             const int* __restrict__ tiles, float* __restrict__ dq, float* __restrict__ lse_out,
                             float* __restrict__ d_out, int heads, int kv_heads, float scale, float cap,
-                            int window) {
+                            int window, int given) {
     constexpr int KS = D / 16, ROW = AGT_ROW(D);
     follow_previous();
     extern __shared__ __align__(16) u8 agt_smem[];
@@ -222,9 +222,10 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
     };
 
     // Pass 1: each row's running max m, and its lanes' shares of l = Σ exp(z − m) and
-    // a = Σ exp(z − m) · dP (m and lse in log2 units, as written for agt_dkv).
+    // a = Σ exp(z − m) · dP (m and lse in log2 units, as written for agt_dkv); skipped
+    // when the forward kept lse and D came from its output (`given`).
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f}, a[2] = {0.0f, 0.0f};
-    for (int ch = 0; ch < chunks; ch++) {
+    for (int ch = 0; ch < (given ? 0 : chunks); ch++) {
         await_chunk(ch);
         const int c0 = c_first + ch * AGT_KEYS, buf = ch & 1;
         float sc[8][4], dp[8][4];
@@ -267,6 +268,12 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
     float lse[2], dsum[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
+        if (given) {
+            const size_t r = (size_t)(first + 16 * warp + g + 8 * i) * heads + h;
+            lse[i] = live[i] ? lse_out[r] : -NEG_INF;
+            dsum[i] = live[i] ? d_out[r] : 0.0f;
+            continue;
+        }
 #pragma unroll
         for (int x = 1; x <= 2; x <<= 1) {
             l[i] += __shfl_xor_sync(0xffffffffu, l[i], x);
@@ -527,6 +534,28 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
     }
 }
 
+// D = Σ_d dO · O of each (query row, head) from the output the forward kept (its
+// rounded copy) and the rounded output gradients: what agt_dq's first pass finds as
+// Σ_keys P · dP. A warp a (row, head). Launch: grid (rows · heads / 8), block 256.
+template <int D>
+__device__ void agt_dsum_body(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ dsum,
+                              int count, bool bf) {
+    const int w = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (w >= count) return;
+    const u16* a = dout + (size_t)w * D;
+    const u16* b = out + (size_t)w * D;
+    float s = 0.0f;
+#pragma unroll
+    for (int j = lane; j < D; j += 32) {
+        const float x = bf ? bf16_to_f32(a[j]) : f16_to_f32(a[j]);
+        const float y = bf ? bf16_to_f32(b[j]) : f16_to_f32(b[j]);
+        s += x * y;
+    }
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);
+    if (lane == 0) dsum[w] = s;
+}
+
 // agt_dq_<head dimensions>_<bf16|f16> and agt_dkv_<...>; the chunk of query rows agt_dkv
 // holds is 64 for heads of 64 and 32 for heads of 128 (registers). Heads of 64 are held to
 // 168 registers, three blocks an SM: at two (197 and 223 registers) the SMs had 8 warps,
@@ -534,8 +563,14 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
 #define AGT_KERNELS(D, BF, TYPE, QC, MIN_BLOCKS)                                                          \
     extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) agt_dq_##D##_##TYPE(                               \
         const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \
-        float* dq, float* lse, float* dsum, int heads, int kv_heads, float scale, float cap, int window) { \
-        agt_dq_body<D, BF>(q, k, v, dout, pos, tiles, dq, lse, dsum, heads, kv_heads, scale, cap, window); \
+        float* dq, float* lse, float* dsum, int heads, int kv_heads, float scale, float cap, int window,  \
+        int given) {                                                                                     \
+        agt_dq_body<D, BF>(q, k, v, dout, pos, tiles, dq, lse, dsum, heads, kv_heads, scale, cap, window, \
+                           given);                                                                       \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) agt_dsum_##D##_##TYPE(const u16* dout, const u16* out, \
+                                                                          float* dsum, int count) {       \
+        agt_dsum_body<D>(dout, out, dsum, count, BF);                                                     \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) agt_dkv_##D##_##TYPE(                              \
         const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \

@@ -14,6 +14,12 @@
 // with both parts; rounding keys and values on their way into shared memory kept the
 // loads from overlapping the products).
 //
+// Training's forward under BF16 / F16 products (attention_tc_kept_*) reads the queries,
+// keys and values the tape keeps for the backward, rounded already (bf16 or f16): the
+// scores are their raw products, scaled in f32 as the flash backward's
+// (attention_grad_tc.cu) are, and it keeps what that backward can use: each row's
+// log-sum-exp of its scores (log2 units) and the output rounded as its operands are.
+//
 // A block serves one KV head and a tile of 16 · T query rows of one sequence: warp w takes
 // head kvh · group + w % group and rows 16 · (w / group) .. + 16 of the tile, so every
 // key and value loaded serves the group's heads and the tile's rows. Keys and values
@@ -44,6 +50,31 @@ __device__ __forceinline__ float atc_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// What the queries are: f32 (scaled and rounded to f16 in the kernel), or the tape's
+// rounded f16 or bf16 copies (raw; the products of the same type).
+#define ATC_Q_F32 0
+#define ATC_Q_F16 1
+#define ATC_Q_BF16 2
+
+template <int QT> __device__ __forceinline__ void atc_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    if constexpr (QT == ATC_Q_BF16) {
+        mma_bf16_16816(c, a, b0, b1);
+    } else {
+        mma_16816(c, a, b0, b1);
+    }
+}
+
+// Two floats as the products' 16-bit pair, `lo` in the low half.
+template <int QT> __device__ __forceinline__ u32 atc_pack(float lo, float hi) {
+    if constexpr (QT == ATC_Q_BF16) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    } else {
+        return pack_f16x2(lo, hi);
+    }
 }
 
 // Where position kp's key and value lie: the cache row itself, or through a block table
@@ -84,13 +115,15 @@ __device__ __forceinline__ void atc_load_chunk(u16* Ks, u16* Vs, int* seen, cons
     cp_async_commit();
 }
 
-template <int D, bool SPLIT>
-__device__ void attention_tc_body(const float* __restrict__ q, const u8* __restrict__ kc,
+template <int D, bool SPLIT, int QT>
+__device__ void attention_tc_body(const u8* __restrict__ q, const u8* __restrict__ kc,
                                   const u8* __restrict__ vc, const int* __restrict__ pos,
                                   float* __restrict__ out, const int* __restrict__ seq,
                                   const int* __restrict__ tables, const int* __restrict__ tiles,
                                   int max_blocks, int block, int pool_rows, int n, int heads,
-                                  int kv_heads, float scale, float cap, int window) {
+                                  int kv_heads, float scale, float cap, int window,
+                                  float* __restrict__ lse_out, u16* __restrict__ out_half) {
+    static_assert(!SPLIT || QT == ATC_Q_F32, "two parts only from f32 queries");
     constexpr int KS = D / 16;  // k-steps of the scores, and pairs of 8-wide value tiles
     constexpr int ROW = ATC_ROW(D);
     follow_previous();
@@ -159,12 +192,17 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             const int i = r & 1, col = 16 * s + 2 * c + 8 * (r >> 1);
-            float2 v = make_float2(0.0f, 0.0f);
-            if (live[i]) v = *(const float2*)(q + ((size_t)(first + sub + g + 8 * i) * heads + h) * D + col);
-            if constexpr (SPLIT) {
-                split_f16x2(v.x * qscale, v.y * qscale, qh[s][r], ql[s][r]);
+            const size_t e = ((size_t)(first + sub + g + 8 * i) * heads + h) * D + col;
+            if constexpr (QT != ATC_Q_F32) {
+                qh[s][r] = live[i] ? *(const u32*)((const u16*)q + e) : 0u;
             } else {
-                qh[s][r] = pack_f16x2(v.x * qscale, v.y * qscale);
+                float2 v = make_float2(0.0f, 0.0f);
+                if (live[i]) v = *(const float2*)((const float*)q + e);
+                if constexpr (SPLIT) {
+                    split_f16x2(v.x * qscale, v.y * qscale, qh[s][r], ql[s][r]);
+                } else {
+                    qh[s][r] = pack_f16x2(v.x * qscale, v.y * qscale);
+                }
             }
         }
 
@@ -209,13 +247,20 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
                 u32 b[4];
                 ldmatrix_x4(b, kb + (16 * p + (lane & 7) + ((lane >> 4) << 3)) * ROW + 16 * s +
                                    ((lane >> 3) & 1) * 8);
-                mma_16816(sc[2 * p], qh[s], b[0], b[1]);
-                mma_16816(sc[2 * p + 1], qh[s], b[2], b[3]);
+                atc_mma<QT>(sc[2 * p], qh[s], b[0], b[1]);
+                atc_mma<QT>(sc[2 * p + 1], qh[s], b[2], b[3]);
                 if constexpr (SPLIT) {
                     mma_16816(sc[2 * p], ql[s], b[0], b[1]);
                     mma_16816(sc[2 * p + 1], ql[s], b[2], b[3]);
                 }
             }
+        // Raw products of kept queries scaled here, in f32, as the backward scales them.
+        if constexpr (QT != ATC_Q_F32) {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) sc[j][r] *= qscale;
+        }
 
         // Online softmax of each row: masked scores are -inf; the row's four lanes share
         // its max. A chunk every row of the warp sees whole, each key present, skips the
@@ -275,18 +320,18 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
                 split_f16x2(sc[2 * p + 1][0], sc[2 * p + 1][1], ph[2], pl[2]);
                 split_f16x2(sc[2 * p + 1][2], sc[2 * p + 1][3], ph[3], pl[3]);
             } else {
-                ph[0] = pack_f16x2(sc[2 * p][0], sc[2 * p][1]);
-                ph[1] = pack_f16x2(sc[2 * p][2], sc[2 * p][3]);
-                ph[2] = pack_f16x2(sc[2 * p + 1][0], sc[2 * p + 1][1]);
-                ph[3] = pack_f16x2(sc[2 * p + 1][2], sc[2 * p + 1][3]);
+                ph[0] = atc_pack<QT>(sc[2 * p][0], sc[2 * p][1]);
+                ph[1] = atc_pack<QT>(sc[2 * p][2], sc[2 * p][3]);
+                ph[2] = atc_pack<QT>(sc[2 * p + 1][0], sc[2 * p + 1][1]);
+                ph[3] = atc_pack<QT>(sc[2 * p + 1][2], sc[2 * p + 1][3]);
             }
 #pragma unroll
             for (int s = 0; s < KS; s++) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, vb + (16 * p + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW +
                                          16 * s + (lane >> 4) * 8);
-                mma_16816(o[2 * s], ph, b[0], b[1]);
-                mma_16816(o[2 * s + 1], ph, b[2], b[3]);
+                atc_mma<QT>(o[2 * s], ph, b[0], b[1]);
+                atc_mma<QT>(o[2 * s + 1], ph, b[2], b[3]);
                 if constexpr (SPLIT) {
                     mma_16816(o[2 * s], pl, b[0], b[1]);
                     mma_16816(o[2 * s + 1], pl, b[2], b[3]);
@@ -305,24 +350,40 @@ __device__ void attention_tc_body(const float* __restrict__ q, const u8* __restr
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
         if (!live[i]) continue;
         const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        float* dst = out + ((size_t)(first + sub + g + 8 * i) * heads + h) * D + 2 * c;
+        const size_t row = (size_t)(first + sub + g + 8 * i) * heads + h;
+        float* dst = out + row * D + 2 * c;
 #pragma unroll
         for (int j = 0; j < 2 * KS; j++)
             *(float2*)(dst + 8 * j) = make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+        if constexpr (QT != ATC_Q_F32) {
+            // A row that sees no key: P = 0 throughout in the backward (lse = +inf).
+            if (c == 0) lse_out[row] = l[i] > 0.0f ? m[i] + log2f(l[i]) : -NEG_INF;
+            u16* hd = out_half + row * D + 2 * c;
+#pragma unroll
+            for (int j = 0; j < 2 * KS; j++)
+                *(u32*)(hd + 8 * j) = atc_pack<QT>(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+        }
     }
 }
 
-// Named attention_tc_<head dimensions> (two parts) and attention_tc_once_<head
-// dimensions>; blocks of up to 8 warps.
-#define ATTENTION_TC(NAME, D, SPLIT)                                                           \
+// Named attention_tc_<head dimensions> (two parts), attention_tc_once_<head dimensions>
+// and attention_tc_kept_<f16|bf16>_<head dimensions>; blocks of up to 8 warps. `lse` and
+// `out_half` are the kept kernels' (null for the others).
+#define ATTENTION_TC(NAME, D, SPLIT, QT)                                                       \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                    \
-        const float* q, const u8* kc, const u8* vc, const int* pos, float* out, const int* seq, \
+        const u8* q, const u8* kc, const u8* vc, const int* pos, float* out, const int* seq,    \
         const int* tables, const int* tiles, int max_blocks, int block, int pool_rows, int n,   \
-        int heads, int kv_heads, float scale, float cap, int window) {                          \
-        attention_tc_body<D, SPLIT>(q, kc, vc, pos, out, seq, tables, tiles, max_blocks, block,\
-                                    pool_rows, n, heads, kv_heads, scale, cap, window);        \
+        int heads, int kv_heads, float scale, float cap, int window, float* lse,                \
+        u16* out_half) {                                                                        \
+        attention_tc_body<D, SPLIT, QT>(q, kc, vc, pos, out, seq, tables, tiles, max_blocks,    \
+                                        block, pool_rows, n, heads, kv_heads, scale, cap,       \
+                                        window, lse, out_half);                                 \
     }
-ATTENTION_TC(attention_tc_64, 64, true)
-ATTENTION_TC(attention_tc_128, 128, true)
-ATTENTION_TC(attention_tc_once_64, 64, false)
-ATTENTION_TC(attention_tc_once_128, 128, false)
+ATTENTION_TC(attention_tc_64, 64, true, ATC_Q_F32)
+ATTENTION_TC(attention_tc_128, 128, true, ATC_Q_F32)
+ATTENTION_TC(attention_tc_once_64, 64, false, ATC_Q_F32)
+ATTENTION_TC(attention_tc_once_128, 128, false, ATC_Q_F32)
+ATTENTION_TC(attention_tc_kept_f16_64, 64, false, ATC_Q_F16)
+ATTENTION_TC(attention_tc_kept_f16_128, 128, false, ATC_Q_F16)
+ATTENTION_TC(attention_tc_kept_bf16_64, 64, false, ATC_Q_BF16)
+ATTENTION_TC(attention_tc_kept_bf16_128, 128, false, ATC_Q_BF16)
