@@ -267,6 +267,12 @@ pub(crate) fn paged_attention(
     params: &AttentionParams,
     out: &mut Tensor,
 ) -> Result<()> {
+    let paged = paged_of(pages, k_pool, pos)?;
+    run(b, q, k_pool, v_pool, pos, Some(&paged), params, out)
+}
+
+/// `pages` checked against the pool and the queries' positions, as the kernels take it.
+fn paged_of<'a>(pages: &Pages<'a>, k_pool: &Tensor, pos: &Tensor) -> Result<Paged<'a>> {
     expect(pages.seq, DType::I32, "query sequences")?;
     expect(pages.tables, DType::I32, "block tables")?;
     let &[_, max_blocks] = pages.tables.dims() else {
@@ -291,14 +297,13 @@ pub(crate) fn paged_attention(
             pos.shape().numel()
         )));
     }
-    let paged = Paged {
+    Ok(Paged {
         seq: ptr(pages.seq)?,
         tables: ptr(pages.tables)?,
         max_blocks,
         block: pages.block,
         runs: pages.runs,
-    };
-    run(b, q, k_pool, v_pool, pos, Some(&paged), params, out)
+    })
 }
 
 /// Training's forward of a paged attention over the operands the tape keeps for the
@@ -364,30 +369,14 @@ pub(crate) fn paged_kept(
     if pages.runs.iter().any(|&r| r <= SPLIT_MAX_QUERIES) {
         return Ok(false);
     }
-    expect(pages.seq, DType::I32, "query sequences")?;
-    expect(pages.tables, DType::I32, "block tables")?;
     expect(pos, DType::I32, "attention positions")?;
-    let &[_, max_blocks] = pages.tables.dims() else {
+    if pos.shape().numel() != n {
         return Err(Error::shape(format!(
-            "block tables must be [sequences, max_blocks], got {}",
-            pages.tables.shape()
-        )));
-    };
-    let rows = k_pool.dims()[0];
-    if pages.block == 0
-        || !rows.is_multiple_of(pages.block)
-        || pages.seq.shape().numel() != n
-        || pos.shape().numel() != n
-        || pages.runs.iter().sum::<usize>() != n
-    {
-        return Err(Error::shape(format!(
-            "attention over kept operands: a pool of {rows} rows in blocks of {}, {} sequences and {} positions for {n} queries in runs of {}",
-            pages.block,
-            pages.seq.shape().numel(),
-            pos.shape().numel(),
-            pages.runs.iter().sum::<usize>()
+            "attention over kept operands: {} positions for {n} queries",
+            pos.shape().numel()
         )));
     }
+    let paged = paged_of(pages, k_pool, pos)?;
     if n == 0 {
         return Ok(true);
     }
@@ -404,8 +393,8 @@ pub(crate) fn paged_kept(
         k_cache: k_pool,
         v_cache: v_pool,
         pos,
-        paged: Some((ptr(pages.seq)?, ptr(pages.tables)?, max_blocks, pages.block)),
-        cap: rows,
+        paged: Some((paged.seq, paged.tables, paged.max_blocks, paged.block)),
+        cap: k_pool.dims()[0],
         heads,
         kv_heads,
         d,

@@ -7,7 +7,7 @@
 
 use crate::attention_grad_tc;
 use crate::kernels::Arg;
-use crate::matmul::{rounded_copy, sgemm, sgemm_batched, sgemm_rounded_a, Strided};
+use crate::matmul::{round_into, rounded_copy, sgemm, sgemm_batched, sgemm_rounded_a, Strided};
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{
     AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradOps, Pages, Products,
@@ -231,16 +231,7 @@ impl GradOps for CudaBackend {
         let out = self.alloc_tensor(dtype, x.shape().clone())?;
         let n = x.shape().numel();
         let (src, dst, bf16) = (ptr(x)?, ptr(&out)?, dtype == DType::BF16);
-        self.launch_1d(
-            "f32_to_half",
-            n.div_ceil(4),
-            &[
-                Arg::Ptr(src),
-                Arg::Ptr(dst),
-                Arg::U64(n as u64),
-                Arg::I32(bf16 as i32),
-            ],
-        )?;
+        round_into(self, src, dst, n, bf16)?;
         // The forward product over `x` that follows reads this copy instead of rounding.
         let queued = self.queued.load(std::sync::atomic::Ordering::Relaxed);
         self.blas.note_rounded_copy(src, n, bf16, dst, queued);

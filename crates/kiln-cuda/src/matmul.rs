@@ -581,39 +581,37 @@ fn blas_op(t: bool) -> blas_sys::cublasOperation_t {
 
 /// `c = a·b + beta·c` in cuBLAS's column-major terms (`ta`/`tb`: use the transpose of
 /// `a`/`b`), F32: the products of the backward kernels (see `grad`).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn sgemm(
     b: &CudaBackend,
-    (ta, tb): (bool, bool),
-    (m, n, k): (usize, usize, usize),
-    (a, lda): (u64, usize),
-    (bm, ldb): (u64, usize),
+    t: (bool, bool),
+    dims: (usize, usize, usize),
+    a: (u64, usize),
+    bm: (u64, usize),
     beta: f32,
-    (c, ldc): (u64, usize),
+    c: (u64, usize),
 ) -> Result<()> {
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    let i = |v: usize| to_i32(v, "a product's size");
-    f32_gemm(
-        b,
-        (blas_op(ta), blas_op(tb)),
-        (i(m)?, i(n)?, i(k)?),
-        (a, i(lda)?, false),
-        (bm, i(ldb)?),
-        beta,
-        (c, i(ldc)?),
-    )
+    product(b, t, dims, (a.0, a.1, false), bm, beta, c)
 }
 
 /// [`sgemm`] with `a` 16-bit already, rounded as the products round their operands (BF16
 /// or F16 products only): `b` is rounded as usual.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn sgemm_rounded_a(
+    b: &CudaBackend,
+    t: (bool, bool),
+    dims: (usize, usize, usize),
+    a: (u64, usize),
+    bm: (u64, usize),
+    beta: f32,
+    c: (u64, usize),
+) -> Result<()> {
+    product(b, t, dims, (a.0, a.1, true), bm, beta, c)
+}
+
+fn product(
     b: &CudaBackend,
     (ta, tb): (bool, bool),
     (m, n, k): (usize, usize, usize),
-    (a, lda): (u64, usize),
+    (a, lda, a_rounded): (u64, usize, bool),
     (bm, ldb): (u64, usize),
     beta: f32,
     (c, ldc): (u64, usize),
@@ -626,7 +624,7 @@ pub(crate) fn sgemm_rounded_a(
         b,
         (blas_op(ta), blas_op(tb)),
         (i(m)?, i(n)?, i(k)?),
-        (a, i(lda)?, true),
+        (a, i(lda)?, a_rounded),
         (bm, i(ldb)?),
         beta,
         (c, i(ldc)?),
@@ -727,6 +725,18 @@ pub(crate) fn rounded_copy(
         )));
     }
     let dst = b.scratch(slot, 2 * span.max(1))?;
+    round_into(b, src, dst, span, bf16)?;
+    Ok(dst)
+}
+
+/// `span` F32 values at `src` rounded to BF16 (or F16) into `dst`.
+pub(crate) fn round_into(
+    b: &CudaBackend,
+    src: u64,
+    dst: u64,
+    span: usize,
+    bf16: bool,
+) -> Result<()> {
     b.launch_1d(
         "f32_to_half",
         span.div_ceil(4),
@@ -736,8 +746,7 @@ pub(crate) fn rounded_copy(
             Arg::U64(span as u64),
             Arg::I32(bf16 as i32),
         ],
-    )?;
-    Ok(dst)
+    )
 }
 
 /// The stored operand of a column-major product rounded to BF16 (or F16) into the scratch
