@@ -251,7 +251,7 @@ fn clap_message(e: &clap::Error) -> String {
 
 /// A tokenizer.json is written whole (`tokenizer.huggingface.json`): kiln reads it, but
 /// llama.cpp needs `tokenizer.ggml.*` keys, which kiln derives from SentencePiece
-/// vocabularies only.
+/// vocabularies and from byte-level BPEs with a pre-tokenizer llama.cpp names only.
 fn warn_if_only_kiln_reads_its_tokenizer(path: &std::path::Path) {
     if let Ok(f) = kiln_io::gguf::GgufFile::open(path) {
         if f.get("tokenizer.ggml.model").is_none() {

@@ -164,14 +164,13 @@ pub fn load(f: &GgufFile) -> Result<Tokenizer> {
 }
 
 fn load_keys(f: &GgufFile) -> Result<Tokenizer> {
+    // A tokenizer.json kept whole is the tokenizer exactly; `tokenizer.ggml.*` keys
+    // beside it (kiln writes both where llama.cpp can read them) say it for llama.cpp.
+    if let Some(json) = opt_str(f, HF_JSON_KEY)? {
+        return load_hf_json(f, json);
+    }
     const MODEL: &str = "tokenizer.ggml.model";
-    let kind = match opt_str(f, MODEL)? {
-        Some(kind) => kind,
-        None => match opt_str(f, HF_JSON_KEY)? {
-            Some(json) => return load_hf_json(f, json),
-            None => return Err(key_err(MODEL, "is missing")),
-        },
-    };
+    let kind = opt_str(f, MODEL)?.ok_or_else(|| key_err(MODEL, "is missing"))?;
     let is_llama = match kind {
         "llama" => true,
         "gpt2" => false,

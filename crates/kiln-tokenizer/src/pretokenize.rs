@@ -9,6 +9,39 @@ const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{
 const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const DIGIT: &str = r"\p{N}";
 
+/// The `tokenizer.ggml.pre` name of a tokenizer.json's pre-tokenizer: GPT-2's (the byte
+/// level's own regex), or a `Split` by one of the regexes kiln knows before a byte level
+/// that splits nothing more, with whether the BPE model must ignore merges for it. `None`
+/// for any other.
+pub(crate) fn ggml_name(pre: &serde_json::Value, ignore_merges: bool) -> Option<&'static str> {
+    let byte_level = |v: &serde_json::Value, regex: bool| {
+        v.get("type").and_then(|t| t.as_str()) == Some("ByteLevel")
+            && v.get("add_prefix_space").and_then(|b| b.as_bool()) == Some(false)
+            && v.get("use_regex").and_then(|b| b.as_bool()).unwrap_or(true) == regex
+    };
+    if byte_level(pre, true) {
+        return (!ignore_merges).then_some("gpt-2");
+    }
+    let parts = pre
+        .get("pretokenizers")
+        .and_then(|p| p.as_array())
+        .filter(|_| pre.get("type").and_then(|t| t.as_str()) == Some("Sequence"))?;
+    let [split, last] = parts.as_slice() else {
+        return None;
+    };
+    let isolated = split.get("type").and_then(|t| t.as_str()) == Some("Split")
+        && split.get("behavior").and_then(|b| b.as_str()) == Some("Isolated")
+        && split.get("invert").and_then(|b| b.as_bool()) == Some(false);
+    if !isolated || !byte_level(last, false) {
+        return None;
+    }
+    match split.get("pattern")?.get("Regex")?.as_str()? {
+        LLAMA3 if ignore_merges => Some("llama-bpe"),
+        QWEN2 if !ignore_merges => Some("qwen2"),
+        _ => None,
+    }
+}
+
 pub struct PreTokenizer {
     regexes: Vec<Regex>,
     /// llama-3: a word already in the vocabulary is one token, whatever the merges say.

@@ -295,3 +295,54 @@ fn a_tokenizer_json_survives_gguf_and_hugging_face_exports() {
         }
     }
 }
+
+/// What kiln writes of a byte-level BPE tokenizer.json for llama.cpp (its `gpt2`
+/// tokenizer model, derived from the json): read through those keys alone, as llama.cpp
+/// would, the ids equal Python tokenizers' on every test string. A tokenizer.json those
+/// keys cannot say (SentencePiece-style BPE with byte fallback) gets none.
+#[test]
+fn llama_cpp_keys_derived_from_a_tokenizer_json_tokenize_as_it_does() {
+    for (dir, key, pre) in [
+        ("hf_bpe", "bpe", "gpt-2"),
+        ("hf_llama3", "llama3", "llama-bpe"),
+        ("hf_qwen2", "qwen2", "qwen2"),
+    ] {
+        let tok = Tokenizer::from_hf_dir(&data(dir)).unwrap();
+        let mut w = kiln_io::gguf::GgufWriter::new();
+        let meta = tok.gguf_metadata().unwrap();
+        assert!(
+            meta.iter()
+                .any(|(k, v)| k == "tokenizer.ggml.pre" && v.as_str() == Some(pre)),
+            "{dir}: no tokenizer.ggml.pre {pre}"
+        );
+        // The same keys as the converter's (tests/data/make.py, as llama.cpp's writes a
+        // GPT-2 style BPE) of the same vocabulary.
+        let theirs = GgufFile::open(data(&format!("{key}.gguf"))).unwrap();
+        for k in [
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.pre",
+        ] {
+            let ours = meta.iter().find(|(n, _)| n == k).map(|(_, v)| v);
+            assert_eq!(ours, theirs.get(k), "{dir}: {k}");
+        }
+        for (k, v) in meta {
+            if k != "tokenizer.huggingface.json" {
+                w.set(&k, v).unwrap();
+            }
+        }
+        let mut bytes = Vec::new();
+        w.write_to(&mut bytes).unwrap();
+        let ggml = Tokenizer::from_gguf(&GgufFile::from_bytes("t.gguf", bytes).unwrap()).unwrap();
+        check(&ggml, key, false);
+        assert_eq!(ggml.vocab_size(), tok.vocab_size(), "{dir}");
+        assert_eq!(ggml.eos_ids().first(), tok.eos_ids().first(), "{dir}");
+    }
+    let spm_json = Tokenizer::from_hf_dir(&data("hf_spm_json")).unwrap();
+    let meta = spm_json.gguf_metadata().unwrap();
+    assert!(
+        meta.iter().all(|(k, _)| k != "tokenizer.ggml.model"),
+        "a byte-fallback BPE written as llama.cpp's gpt2 model"
+    );
+}
