@@ -228,3 +228,35 @@ fn runaway_normalizers_and_undefined_template_tokens_are_refused() {
         "{msg}"
     );
 }
+
+/// A tokenizer.json whose added token has an id near 2^32 still goes into GGUF (whole),
+/// without llama.cpp's keys, which would need a table of 4 billion tokens: nothing that
+/// size is allocated.
+#[test]
+fn a_far_token_id_gets_no_llama_cpp_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf_bpe");
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("tokenizer.json")).unwrap()).unwrap();
+    json["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "id": 4_000_000_000u64, "content": "<far>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+    std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+    std::fs::copy(
+        src.join("tokenizer_config.json"),
+        dir.path().join("tokenizer_config.json"),
+    )
+    .unwrap();
+    let tok = match Tokenizer::from_hf_dir(dir.path()) {
+        Ok(t) => t,
+        // Refused at load is as good: nothing was allocated for it.
+        Err(e) => return eprintln!("refused at load: {e}"),
+    };
+    let meta = tok.gguf_metadata().unwrap();
+    assert!(meta.iter().any(|(k, _)| k == "tokenizer.huggingface.json"));
+    assert!(meta.iter().all(|(k, _)| k != "tokenizer.ggml.tokens"));
+}
