@@ -12,6 +12,19 @@ use serde::Deserialize;
 
 /// Parse a JSON body; a syntax error or a field of the wrong type is a 400 naming it.
 pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    // A request is an object: any other JSON would reach serde as a struct read from a
+    // sequence, whose errors name positions and the parser's types.
+    match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        None => {
+            return Err(ApiError::bad_request(
+                "the body is empty: send the request as a JSON object",
+            ))
+        }
+        Some(b'{') => {}
+        Some(_) => return Err(ApiError::bad_request(
+            "the body is not a JSON object: send the request's fields as one (`{\"model\": ...}`)",
+        )),
+    }
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -381,6 +394,19 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
         let e = parse::<GenerationRequest>(b"{\"prompt\": ").unwrap_err();
         assert!(e.param.is_none() && e.message.contains("not a valid JSON"));
+        for (body, says) in [
+            (&b"[[1], {}]"[..], "not a JSON object"),
+            (b" \"x\"", "not a JSON object"),
+            (b"\xff", "not a JSON object"),
+            (b" \n", "the body is empty"),
+        ] {
+            let e = parse::<GenerationRequest>(body).unwrap_err();
+            assert!(
+                e.param.is_none() && e.message.contains(says),
+                "{}",
+                e.message
+            );
+        }
         let e = sampling(r#"{"top_p": 1.5}"#, Endpoint::Chat).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("top_p"));
         let e = sampling(r#"{"max_tokens": 0}"#, Endpoint::Chat).unwrap_err();
