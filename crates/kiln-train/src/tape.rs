@@ -600,9 +600,13 @@ impl Recorder<'_, '_> {
     /// keeping each row's log-sum-exp and the rounded output (which is then what a product
     /// reading the output `out_value` keeps too): the saved indices of both, or `None`
     /// where the operands are F32 or the backend has no such path (the caller runs the
-    /// attention itself).
+    /// attention itself). A pass that keeps nothing (activation checkpointing's first)
+    /// runs the same kernel over copies of `qkv` it drops, so that the pass recorded again
+    /// before the backward computes what it computed.
+    #[allow(clippy::too_many_arguments)]
     fn attention_saving(
         &mut self,
+        qkv: [&Tensor; 3],
         saved: &[Saved; 6],
         pos: &Tensor,
         pages: &Pages,
@@ -610,15 +614,26 @@ impl Recorder<'_, '_> {
         out: &mut Tensor,
         out_value: ValueId,
     ) -> Result<Option<[Saved; 2]>> {
-        let [Saved::Copy(sq), Saved::Copy(sk), Saved::Copy(sv), ..] = *saved else {
-            return Ok(None);
+        let g = self.tape.grad_ops();
+        let dropped: Vec<Tensor>;
+        let (q, k, v) = if self.st.keep {
+            let [Saved::Copy(sq), Saved::Copy(sk), Saved::Copy(sv), ..] = *saved else {
+                return Ok(None);
+            };
+            let all = &self.st.saved;
+            (&all[sq], &all[sk], &all[sv])
+        } else {
+            dropped = match qkv.map(|t| g.rounded_for_products(t)) {
+                [Ok(Some(q)), Ok(Some(k)), Ok(Some(v))] => vec![q, k, v],
+                [a, b, c] => {
+                    a?;
+                    b?;
+                    c?;
+                    return Ok(None);
+                }
+            };
+            (&dropped[0], &dropped[1], &dropped[2])
         };
-        // A pass that keeps nothing saved nothing (see `save`).
-        let all = &self.st.saved;
-        if [sq, sk, sv].iter().any(|&i| i >= all.len()) {
-            return Ok(None);
-        }
-        let (q, k, v) = (&all[sq], &all[sk], &all[sv]);
         if q.dtype() == DType::F32 {
             return Ok(None);
         }
@@ -626,7 +641,6 @@ impl Recorder<'_, '_> {
         let inner = &self.tape.inner;
         let mut lse = inner.zeros(DType::F32, Shape::new(vec![q.dims()[0], heads])?)?;
         let mut out_rounded = inner.zeros(q.dtype(), out.shape().clone())?;
-        let g = self.tape.grad_ops();
         if !g.paged_attention_saving(
             q,
             k,
@@ -639,6 +653,10 @@ impl Recorder<'_, '_> {
             &mut out_rounded,
         )? {
             return Ok(None);
+        }
+        if !self.st.keep {
+            // The node goes nowhere (see `push`).
+            return Ok(Some([Saved::Copy(usize::MAX); 2]));
         }
         self.st.saved.push(lse);
         self.st.saved.push(out_rounded);

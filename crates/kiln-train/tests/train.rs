@@ -996,6 +996,56 @@ fn a_cuda_run_under_activation_checkpointing_follows_the_cpu_run() {
     cuda_follows_cpu(lora_settings(12), true);
 }
 
+/// Activation checkpointing under BF16 products on CUDA, heads of 64 (the attention then
+/// runs forward over the operands the tape keeps): the first pass, which keeps nothing,
+/// runs the same kernels as the pass recorded again before the backward, so a
+/// checkpointed run's steps are the kept run's to the bit, as on the CPU.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bf16_activation_checkpointing_takes_the_kept_passes_steps_on_cuda() {
+    let cuda: Arc<dyn Backend> =
+        Arc::new(kiln_cuda::CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA: {e}")));
+    let start = wide_start();
+    let s = Settings {
+        products: Products::Bf16,
+        ..settings(6, 2e-3)
+    };
+    let run = |recompute: bool| -> Vec<(u64, u64)> {
+        let mut t = Trainer::new(&start, text(), s.clone(), cuda.clone())
+            .unwrap()
+            .checkpoint_activations(recompute);
+        (0..6)
+            .map(|_| {
+                let r = t.step().unwrap();
+                (r.loss.to_bits(), r.grad_norm.to_bits())
+            })
+            .collect()
+    };
+    let (kept, recomputed) = (run(false), run(true));
+    cuda.grad().unwrap().set_products(Products::F32).unwrap();
+    assert_eq!(kept, recomputed, "(loss, gradient norm) bits a step");
+}
+
+/// A model with heads of 64 in groups of two, whose 16-bit runs on CUDA take the
+/// tensor-core attention over the operands the tape keeps, forward and backward.
+fn wide_start() -> GgufFile {
+    let mut wide = ModelConfig {
+        dim: 128,
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 64,
+        attn_scale: 0.125,
+        ..config()
+    };
+    wide.rope.as_mut().unwrap().dims = 64;
+    let tokenizer_meta = tokenizer_file()
+        .metadata
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .collect();
+    scratch_start(&wide, true, 0.02, 1, "test model", tokenizer_meta).unwrap()
+}
+
 /// TF32, BF16 and F16 products on CUDA (F16 under dynamic loss scaling, as `kiln train
 /// --precision f16` runs it): each run follows the F32 one within what rounding the
 /// products' inputs to 10 or 7 mantissa bits moves the loss, its loss falls as the F32
@@ -1006,25 +1056,8 @@ fn a_cuda_run_under_activation_checkpointing_follows_the_cpu_run() {
 fn rounded_products_follow_the_f32_run_on_cuda() {
     let cuda: Arc<dyn Backend> =
         Arc::new(kiln_cuda::CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA: {e}")));
-    // Heads of 8, and heads of 64 in groups of two, whose 16-bit runs take the
-    // tensor-core attention over the operands the tape keeps, forward and backward.
-    let tokenizer_meta = || {
-        tokenizer_file()
-            .metadata
-            .into_iter()
-            .filter(|(k, _)| k.starts_with("tokenizer."))
-            .collect()
-    };
-    let mut wide = ModelConfig {
-        dim: 128,
-        n_heads: 2,
-        n_kv_heads: 1,
-        head_dim: 64,
-        attn_scale: 0.125,
-        ..config()
-    };
-    wide.rope.as_mut().unwrap().dims = 64;
-    let wide = scratch_start(&wide, true, 0.02, 1, "test model", tokenizer_meta()).unwrap();
+    // Heads of 8, and heads of 64 (`wide_start`).
+    let wide = wide_start();
     // The wider model at 1e-2 bounced (5.59, 5.54, 5.80, 5.91 over steps 4-7), and
     // chaos grew TF32's rounding past the bound: it learns at a smaller rate.
     for (name, start, lr) in [("heads of 8", start(), 1e-2), ("heads of 64", wide, 2e-3)] {

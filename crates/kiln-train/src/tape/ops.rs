@@ -404,7 +404,15 @@ impl Backend for Tape {
             let written = rec.write(out, grad);
             if let Some(saved) = saved {
                 // The forward over the kept operands, keeping what its backward uses.
-                let kept = rec.attention_saving(&saved, pos, pages, params, out, written.id)?;
+                let kept = rec.attention_saving(
+                    [q, k_pool, v_pool],
+                    &saved,
+                    pos,
+                    pages,
+                    params,
+                    out,
+                    written.id,
+                )?;
                 done = kept.is_some();
                 rec.push(Node::PagedAttention {
                     q: qr,
