@@ -164,6 +164,19 @@ impl HfConfig {
         Ok(config)
     }
 
+    /// The `config.json` of the Hugging Face model directory `dir`; a directory without
+    /// one is not a model, and the error says so rather than naming the missing file.
+    pub fn load_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        if !path.exists() {
+            return Err(Error::format(format!(
+                "{}: not a Hugging Face model directory (no config.json): give a .gguf file, or a directory with config.json and the model's .safetensors",
+                dir.display()
+            )));
+        }
+        Self::load(&path)
+    }
+
     pub fn load(path: &Path) -> Result<Self> {
         let text = crate::file::read_to_string(path, crate::file::FileKind::CONFIG_JSON)?;
         Self::from_json(&text).map_err(|e| Error::format(format!("{}: {e}", path.display())))

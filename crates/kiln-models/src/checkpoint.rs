@@ -36,7 +36,7 @@ impl Checkpoint {
 
     pub fn open_hf_dir(dir: &Path) -> Result<Checkpoint> {
         let name = dir.display().to_string();
-        let hf = HfConfig::load(&dir.join("config.json"))?;
+        let hf = HfConfig::load_dir(dir)?;
         let config = crate::config_hf::config_from_hf(&hf, &name)?;
         let st = SafetensorsModel::open_dir(dir)?;
         let gpt2_prefix = if st.tensor("transformer.wte.weight").is_some() {

@@ -215,7 +215,7 @@ fn check_output(out: &Path, dir: &Path, shards: &[PathBuf]) -> Result<()> {
 pub fn convert_hf_to_gguf(dir: &Path, out: &Path, dtype: DType, name: &str) -> Result<usize> {
     let file_type = file_type(dtype)?;
     let dir_name = dir.display().to_string();
-    let hf = HfConfig::load(&dir.join("config.json"))?;
+    let hf = HfConfig::load_dir(dir)?;
     let c = config_from_hf(&hf, &dir_name)?;
     if !matches!(c.arch, Arch::Llama | Arch::Mistral) {
         return Err(Error::unsupported(format!(

@@ -594,3 +594,29 @@ fn config_json_out_of_domain_is_refused_by_key_and_value() {
         assert_eq!(hf_error(fixture, edit), want, "{fixture}");
     }
 }
+
+/// A directory that holds no config.json is not a model: the error says that and what to
+/// give instead, not which file was missing (`kiln run -m /tmp` said
+/// "/tmp/config.json: No such file or directory").
+#[test]
+fn a_directory_without_a_config_is_not_a_model() {
+    let dir = std::env::temp_dir().join(format!("kiln-no-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("notes.txt"), "x").unwrap();
+    let backend: Arc<dyn kiln_core::Backend> = Arc::new(CpuBackend::new(Some(1)).unwrap());
+    let err = match Model::from_hf_dir(&dir, backend, None) {
+        Ok(_) => panic!("a directory without config.json loaded"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("not a Hugging Face model directory (no config.json)"),
+        "{err}"
+    );
+    let out = dir.join("x.gguf");
+    let err = kiln_models::convert_hf_to_gguf(&dir, &out, kiln_core::DType::F32, "x")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no config.json"), "{err}");
+    assert!(!out.exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
