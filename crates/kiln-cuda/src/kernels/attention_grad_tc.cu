@@ -68,15 +68,18 @@ __device__ __forceinline__ void agt_b_kn(u32 b[4], const u16* t, int row, int k0
 }
 
 // Rows [0, count) of a tile of `rows` (rows ≥ count become zeros) from 16-bit rows
-// `stride` elements apart, by cp.async; the block's threads take 16-byte pieces in turn.
+// `stride` elements apart, by cp.async; a thread takes one 16-byte piece of every
+// (threads / (D / 8))-th row (its address a step of the last one's: the index arithmetic
+// of a piece had been ~70 instructions).
 template <int D>
 __device__ __forceinline__ void agt_load(u16* dst, const u16* src, size_t stride, int rows, int count) {
-    const int tid = threadIdx.y * 32 + threadIdx.x, nthreads = blockDim.y * 32;
-    for (int idx = tid; idx < rows * (D / 8); idx += nthreads) {
-        const int r = idx / (D / 8), part = idx % (D / 8);
-        const bool ok = r < count;
-        cp_async16(dst + r * AGT_ROW(D) + 8 * part, src + (ok ? r * stride + 8 * part : 0), ok ? 16 : 0);
-    }
+    constexpr int PARTS = D / 8;
+    const int tid = threadIdx.y * 32 + threadIdx.x, step = blockDim.y * 32 / PARTS, part = tid % PARTS;
+    int r = tid / PARTS;
+    const u16* from = src + r * stride + 8 * part;
+    u16* to = dst + r * AGT_ROW(D) + 8 * part;
+    for (; r < rows; r += step, from += step * stride, to += step * AGT_ROW(D))
+        cp_async16(to, r < count ? from : src, r < count ? 16 : 0);
 }
 
 #define AGT_LOG2E 1.4426950408889634f
@@ -90,9 +93,11 @@ __device__ __forceinline__ float agt_exp2(float x) {
     return y;
 }
 
-// The score z of raw product s (scaled, capped) in log2 units, and dz/ds over scale.
-__device__ __forceinline__ float agt_score2(float s, float scale, float cap, float* dz) {
-    if (cap > 0.0f) {
+// The score z of raw product s (scaled, capped) in log2 units, and dz/ds over scale. The
+// kernels take CAP (cap > 0) as a template argument, chosen once at their entry: a test a
+// score had made every score's code a branch.
+template <bool CAP> __device__ __forceinline__ float agt_score2(float s, float scale, float cap, float* dz) {
+    if constexpr (CAP) {
         const float t = tanhf(s * scale / cap);
         *dz = 1.0f - t * t;
         return cap * AGT_LOG2E * t;
@@ -108,7 +113,7 @@ __device__ __forceinline__ bool agt_sees(int kp, int last, int window) {
     return kp >= 0 && kp <= last && (window <= 0 || kp > last - window);
 }
 
-template <int D, bool BF>
+template <int D, bool BF, bool CAP>
 __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                             const u16* __restrict__ dout, const int* __restrict__ pos,
                             const int* __restrict__ tiles, float* __restrict__ dq, float* __restrict__ lse_out,
@@ -238,11 +243,11 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    float dz, z = NEG_INF;
-                    if (full || agt_sees(c0 + 8 * j + 2 * c + e, last[i], window))
-                        z = agt_score2(sc[j][2 * i + e], scale, cap, &dz);
-                    sc[j][2 * i + e] = z;
-                    mx = fmaxf(mx, z);
+                    float dz;
+                    const float z = agt_score2<CAP>(sc[j][2 * i + e], scale, cap, &dz);
+                    const bool ok = full || agt_sees(c0 + 8 * j + 2 * c + e, last[i], window);
+                    sc[j][2 * i + e] = ok ? z : NEG_INF;
+                    mx = fmaxf(mx, sc[j][2 * i + e]);
                 }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -307,15 +312,14 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
         for (int j = 0; j < 8; j++)
 #pragma unroll
             for (int r = 0; r < 4; r++) {
+                // Computed for every score, kept where the row sees the key (straight-line
+                // code; a masked score's value, whatever it is, is dropped by the select).
                 const int i = r >> 1;
-                float ds = 0.0f;
-                if (full || agt_sees(c0 + 8 * j + 2 * c + (r & 1), last[i], window)) {
-                    float dz;
-                    const float z = agt_score2(sc[j][r], scale, cap, &dz);
-                    const float p = agt_exp2(z - lse[i]);
-                    ds = p * (dp[j][r] - dsum[i]) * dz;
-                }
-                sc[j][r] = ds;
+                float dz;
+                const float z = agt_score2<CAP>(sc[j][r], scale, cap, &dz);
+                const float ds = agt_exp2(z - lse[i]) * (dp[j][r] - dsum[i]) * dz;
+                const bool ok = full || agt_sees(c0 + 8 * j + 2 * c + (r & 1), last[i], window);
+                sc[j][r] = ok ? ds : 0.0f;
             }
         const u16* kb = Ks + buf * AGT_KEYS * ROW;
 #pragma unroll
@@ -347,7 +351,7 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
     }
 }
 
-template <int D, bool BF, int QC>
+template <int D, bool BF, int QC, bool CAP>
 __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                              const u16* __restrict__ dout, const int* __restrict__ pos,
                              const int* __restrict__ tiles, const float* __restrict__ lse_in,
@@ -475,16 +479,15 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
         for (int j = 0; j < QC / 8; j++)
 #pragma unroll
             for (int r = 0; r < 4; r++) {
+                // As agt_dq's: computed for every score, kept where the query sees the key.
                 const int kr = kr0 + 8 * (r >> 1), row = 8 * j + 2 * c + (r & 1);
-                float p = 0.0f, ds = 0.0f;
-                if (full || (kr < tn && agt_sees(t0 + kr, agt_last_key(posb[row], keys), window))) {
-                    float dz;
-                    const float z = agt_score2(st[j][r], scale, cap, &dz);
-                    p = agt_exp2(z - lb[row]);
-                    ds = p * (dpt[j][r] - dsb[row]) * dz;
-                }
-                st[j][r] = p;
-                dpt[j][r] = ds;
+                float dz;
+                const float z = agt_score2<CAP>(st[j][r], scale, cap, &dz);
+                const float p = agt_exp2(z - lb[row]);
+                const float ds = p * (dpt[j][r] - dsb[row]) * dz;
+                const bool ok = full || (kr < tn && agt_sees(t0 + kr, agt_last_key(posb[row], keys), window));
+                st[j][r] = ok ? p : 0.0f;
+                dpt[j][r] = ok ? ds : 0.0f;
             }
         // dV += Pᵀ·dO and dK += dSᵀ·Q: rows 16p .. 16p + 15 of the chunk are tiles 2p and
         // 2p + 1 as they lie.
@@ -565,8 +568,12 @@ __device__ void agt_dsum_body(const u16* __restrict__ dout, const u16* __restric
         const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \
         float* dq, float* lse, float* dsum, int heads, int kv_heads, float scale, float cap, int window,  \
         int given) {                                                                                     \
-        agt_dq_body<D, BF>(q, k, v, dout, pos, tiles, dq, lse, dsum, heads, kv_heads, scale, cap, window, \
-                           given);                                                                       \
+        if (cap > 0.0f)                                                                                  \
+            agt_dq_body<D, BF, true>(q, k, v, dout, pos, tiles, dq, lse, dsum, heads, kv_heads, scale, cap,   \
+                                     window, given);                                                     \
+        else                                                                                             \
+            agt_dq_body<D, BF, false>(q, k, v, dout, pos, tiles, dq, lse, dsum, heads, kv_heads, scale, cap,  \
+                                      window, given);                                                    \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) agt_dsum_##D##_##TYPE(const u16* dout, const u16* out, \
                                                                           float* dsum, int count) {       \
@@ -576,8 +583,12 @@ __device__ void agt_dsum_body(const u16* __restrict__ dout, const u16* __restric
         const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \
         const float* lse, const float* dsum, float* dk, float* dv, int heads, int kv_heads, float scale, \
         float cap, int window) {                                                                         \
-        agt_dkv_body<D, BF, QC>(q, k, v, dout, pos, tiles, lse, dsum, dk, dv, heads, kv_heads, scale,   \
-                                cap, window);                                                            \
+        if (cap > 0.0f)                                                                                  \
+            agt_dkv_body<D, BF, QC, true>(q, k, v, dout, pos, tiles, lse, dsum, dk, dv, heads, kv_heads,     \
+                                          scale, cap, window);                                           \
+        else                                                                                             \
+            agt_dkv_body<D, BF, QC, false>(q, k, v, dout, pos, tiles, lse, dsum, dk, dv, heads, kv_heads,    \
+                                           scale, cap, window);                                          \
     }
 AGT_KERNELS(64, true, bf16, 64, 3)
 AGT_KERNELS(64, false, f16, 64, 3)

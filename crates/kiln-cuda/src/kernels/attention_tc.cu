@@ -90,26 +90,43 @@ struct KvRows {
         const size_t r = (size_t)b * block + kp % block;
         return b < 0 || r >= (size_t)pool_rows ? NO_ROW : r;
     }
+    // The row of position c0 when positions c0 .. c0 + n - 1 lie in consecutive rows
+    // (always without a table; with one, when they share a block that lies in the pool),
+    // else NO_ROW (then each position's row is looked up alone).
+    __device__ __forceinline__ size_t run(int c0, int n) const {
+        if (table == nullptr) return (size_t)c0;
+        const int bi = c0 / block, off = c0 - bi * block;
+        if (off + n > block || bi >= max_blocks) return NO_ROW;
+        const int b = table[bi];
+        const size_t r = (size_t)b * block + off;
+        return b < 0 || r + n > (size_t)pool_rows ? NO_ROW : r;
+    }
 };
 
 // Positions c0 .. c0 + 63 of KV head kvh into chunk buffer `buf` (keys, values, and a
 // flag each: present and within [lo, hi]), 16-byte pieces of f16 by cp.async, zeros
-// elsewhere; the block's threads take the pieces in turn, and one group is committed.
+// elsewhere; a thread takes one piece of every (threads / (D / 8))-th position, and one
+// group is committed. The chunk's rows are found once (KvRows::run), not a table lookup
+// and a division a piece: that arithmetic was a quarter of the kernel's instructions.
 template <int D>
 __device__ __forceinline__ void atc_load_chunk(u16* Ks, u16* Vs, int* seen, const u8* kc, const u8* vc,
                                                const KvRows& src, int kv_heads, int kvh, int c0,
                                                int lo, int hi, int buf) {
-    constexpr int ROW = ATC_ROW(D);
+    constexpr int ROW = ATC_ROW(D), PARTS = D / 8;
     u16* kd = Ks + buf * ATC_KEYS * ROW;
     u16* vd = Vs + buf * ATC_KEYS * ROW;
-    const int tid = threadIdx.y * 32 + threadIdx.x, nthreads = blockDim.y * 32;
-    for (int idx = tid; idx < ATC_KEYS * (D / 8); idx += nthreads) {
-        const int j = idx / (D / 8), part = idx % (D / 8), kp = c0 + j;
-        const size_t row = kp >= lo && kp <= hi ? src.row(kp) : KvRows::NO_ROW;
+    const int tid = threadIdx.y * 32 + threadIdx.x, step = blockDim.y * 32 / PARTS;
+    const int part = tid % PARTS;
+    const size_t row_bytes = 2 * (size_t)kv_heads * D, at = 2 * ((size_t)kvh * D + 8 * part);
+    const size_t first = src.run(c0, ATC_KEYS);
+    for (int j = tid / PARTS; j < ATC_KEYS; j += step) {
+        const int kp = c0 + j;
+        size_t row = KvRows::NO_ROW;
+        if (kp >= lo && kp <= hi) row = first != KvRows::NO_ROW ? first + j : src.row(kp);
         const bool ok = row != KvRows::NO_ROW;
-        const size_t e = ok ? (row * kv_heads + kvh) * D + 8 * part : 0;
-        cp_async16(kd + j * ROW + 8 * part, kc + 2 * e, ok ? 16 : 0);
-        cp_async16(vd + j * ROW + 8 * part, vc + 2 * e, ok ? 16 : 0);
+        const size_t e = ok ? row * row_bytes + at : 0;
+        cp_async16(kd + j * ROW + 8 * part, kc + e, ok ? 16 : 0);
+        cp_async16(vd + j * ROW + 8 * part, vc + e, ok ? 16 : 0);
         if (part == 0) seen[buf * ATC_KEYS + j] = ok;
     }
     cp_async_commit();
@@ -264,9 +281,31 @@ __device__ void attention_tc_body(const u8* __restrict__ q, const u8* __restrict
 
         // Online softmax of each row: masked scores are -inf; the row's four lanes share
         // its max. A chunk every row of the warp sees whole, each key present, skips the
-        // mask (the causal square's tiles below the diagonal).
+        // mask (the causal square's tiles below the diagonal). The softcap (natural units)
+        // and the mask are warp-uniform branches around straight-line code: per score,
+        // they had been 12 instructions of branches and reconvergence.
         const bool full = __all_sync(0xffffffffu, sb[lane] && sb[lane + 32]) && c0 + ATC_KEYS - 1 <= w_min &&
                           (window <= 0 || c0 > w_max - window);
+        if (cap > 0.0f) {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) sc[j][r] = cap2 * tanhf(sc[j][r] / cap2);
+        }
+        if (!full) {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int kj = 8 * j + 2 * c + e, kp = c0 + kj;
+                    const bool present = sb[kj] != 0;
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        const bool ok = present & (kp <= rpos[i]) & ((window <= 0) | (kp > rpos[i] - window));
+                        sc[j][2 * i + e] = ok ? sc[j][2 * i + e] : NEG_INF;
+                    }
+                }
+        }
         float corr[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -274,28 +313,21 @@ __device__ void attention_tc_body(const u8* __restrict__ q, const u8* __restrict
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int kj = 8 * j + 2 * c + e, kp = c0 + kj;
-                    float s = NEG_INF;
-                    if (full || (sb[kj] && kp <= rpos[i] && (window <= 0 || kp > rpos[i] - window))) {
-                        s = sc[j][2 * i + e];
-                        if (cap > 0.0f) s = cap2 * tanhf(s / cap2);
-                    }
-                    sc[j][2 * i + e] = s;
-                    mx = fmaxf(mx, s);
-                }
+                for (int e = 0; e < 2; e++) mx = fmaxf(mx, sc[j][2 * i + e]);
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m[i], mx);
-            corr[i] = m_new == NEG_INF ? 1.0f : atc_exp2(m[i] - m_new);
+            // A row that has seen no key yet subtracts 0: exp2(-inf) is 0 without a test
+            // a score (its sums and output stay 0).
+            const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+            corr[i] = atc_exp2(m[i] - m_use);
             m[i] = m_new;
             float sum = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const float s = sc[j][2 * i + e];
-                    const float p = s == NEG_INF ? 0.0f : atc_exp2(s - m_new);
+                    const float p = atc_exp2(sc[j][2 * i + e] - m_use);
                     sc[j][2 * i + e] = p;
                     sum += p;
                 }
