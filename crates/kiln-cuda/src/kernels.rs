@@ -6,7 +6,7 @@ use cudarc::driver::{result, sys};
 use kiln_core::{Error, Result};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::{RwLock, RwLockReadGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// A kernel argument. Each is stored in a u64 slot; the kernel reads as many bytes as
 /// its parameter has, which on a little-endian machine are the value's own.
@@ -29,14 +29,21 @@ impl Arg {
 }
 
 /// Loading a module's functions while any thread of the process records a CUDA graph
-/// invalidates that recording (the driver does not permit it during stream capture), so
-/// loads and recordings exclude each other: recordings share the lock, a load takes it
-/// alone.
+/// invalidates that recording (the driver does not permit it during stream capture), and
+/// so does making a backend's context and stream (cudarc synchronises the device when a
+/// context's first stream is made: two backends of one process saw
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` and a failed `new`). Those and recordings
+/// exclude each other: recordings share the lock, the others take it alone.
 static LOAD_OR_RECORD: RwLock<()> = RwLock::new(());
 
 /// Held while a graph is recorded (see [`LOAD_OR_RECORD`]).
 pub(crate) fn recording() -> RwLockReadGuard<'static, ()> {
     LOAD_OR_RECORD.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Held while something no recording survives runs (see [`LOAD_OR_RECORD`]).
+pub(crate) fn outside_recordings() -> RwLockWriteGuard<'static, ()> {
+    LOAD_OR_RECORD.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A kernel and the limits the driver gives for it.
@@ -143,7 +150,7 @@ impl Kernels {
     /// `programmatic`: launch each kernel so that it may be scheduled while the one
     /// before it finishes (sm_90 and later).
     pub(crate) fn load(cubin: &[u8], max_shared: i32, programmatic: bool) -> Result<Kernels> {
-        let _loading = LOAD_OR_RECORD.write().unwrap_or_else(|e| e.into_inner());
+        let _loading = outside_recordings();
         let module = unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) }
             .map_err(|e| Error::Device(format!("cannot load the compiled kernels: {e}")))?;
         // Built first, so that an error below still unloads the module.

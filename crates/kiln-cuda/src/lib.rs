@@ -114,8 +114,12 @@ impl CudaBackend {
                     .to_string(),
             ));
         }
-        let ctx = CudaContext::new(ordinal).map_err(driver_error)?;
-        let stream = ctx.new_stream().map_err(driver_error)?;
+        let (ctx, stream) = {
+            let _alone = kernels::outside_recordings();
+            let ctx = CudaContext::new(ordinal).map_err(driver_error)?;
+            let stream = ctx.new_stream().map_err(driver_error)?;
+            (ctx, stream)
+        };
         let arch = ctx.compute_capability().map_err(driver_error)?;
         let name = ctx.name().map_err(driver_error)?;
         let max_shared = ctx
