@@ -87,6 +87,13 @@ pub trait Backend: Send + Sync {
     /// A tensor of zeros.
     fn zeros(&self, dtype: DType, shape: Shape) -> Result<Tensor>;
 
+    /// A tensor whose contents are unspecified, for an op that writes every element (a
+    /// gradient begun under [`crate::GradInto::Write`]): no fill where the backend can
+    /// skip it. Zeros by default.
+    fn empty(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
+        self.zeros(dtype, shape)
+    }
+
     /// A tensor holding `data`, which must be exactly `shape` elements of `dtype` in
     /// ggml's encoding. Backends that can use host memory in place do not copy.
     fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor>;

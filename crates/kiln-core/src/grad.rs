@@ -3,7 +3,12 @@
 //! A backend that can train returns itself from [`crate::Backend::grad`]. Each method is
 //! the derivative of one forward op, taking the forward's inputs (as saved by the caller)
 //! and the gradient of its output, and *adding* into the gradients of its inputs (`+=`),
-//! so that a value read by several ops sums their contributions in place. Shapes are the
+//! so that a value read by several ops sums their contributions in place; the ops that
+//! begin most gradients (a matmul's input, a norm's, the gated activation's, a written
+//! row's source) take a [`GradInto`] and *write* a gradient that nothing has begun, into
+//! memory left unfilled ([`crate::Backend::empty`]): at a 134M model's training shape, the
+//! zeros those gradients had started as were ~12 GB of fills a step, read back by the
+//! adds. Shapes are the
 //! forward op's; trained weights are F32 (their gradients are F32 of the same shape), and
 //! frozen ones may stay as stored where [`GradOps::frozen_as_stored`] says so. Kernels
 //! that change a gradient in place say so.
@@ -28,6 +33,16 @@ pub struct AttentionRun {
 pub struct AttentionSaved<'a> {
     pub lse: &'a Tensor,
     pub out: &'a Tensor,
+}
+
+/// Whether an op adds its result into a gradient tensor or writes it there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradInto {
+    /// `+=`: the tensor holds a gradient begun by other ops.
+    Add,
+    /// `=`: nothing has begun this gradient; the tensor's contents are unspecified (made by
+    /// [`crate::Backend::empty`]) and every element is written.
+    Write,
 }
 
 /// How the products of training (the forward pass's matmuls over F32 weights and the
@@ -117,9 +132,9 @@ pub trait GradOps: Send + Sync {
     /// `acc[c] += Σ_r x[r, c]`: the gradient of a row added to every row (a bias).
     fn sum_rows(&self, x: &Tensor, acc: &mut Tensor) -> Result<()>;
 
-    /// Matmul's input gradient: `dx[n, k] += dy[n, m] · w[m, k]` (`w` F32, or of a type
-    /// [`GradOps::frozen_as_stored`] takes).
-    fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()>;
+    /// Matmul's input gradient: `dx[n, k] += dy[n, m] · w[m, k]` (`=` under
+    /// [`GradInto::Write`]; `w` F32, or of a type [`GradOps::frozen_as_stored`] takes).
+    fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor, into: GradInto) -> Result<()>;
 
     /// Matmul's weight gradient: `dw[m, k] += dy[n, m]ᵀ · x[n, k]` (`x` F32, or what
     /// [`GradOps::rounded_for_products`] or [`GradOps::paged_attention_saving`] made of
@@ -160,8 +175,9 @@ pub trait GradOps: Send + Sync {
     /// ids sum).
     fn embedding_backward(&self, dy: &Tensor, ids: &Tensor, dtable: &mut Tensor) -> Result<()>;
 
-    /// RMSNorm's gradients (see [`crate::Backend::rms_norm`]): `dx` always, `dweight` when
-    /// asked.
+    /// RMSNorm's gradients (see [`crate::Backend::rms_norm`]): `dx` always (as `into`
+    /// says), `dweight` (added into) when asked.
+    #[allow(clippy::too_many_arguments)]
     fn rms_norm_backward(
         &self,
         x: &Tensor,
@@ -169,11 +185,13 @@ pub trait GradOps: Send + Sync {
         eps: f32,
         dy: &Tensor,
         dx: &mut Tensor,
+        into: GradInto,
         dweight: Option<&mut Tensor>,
     ) -> Result<()>;
 
-    /// LayerNorm's gradients (see [`crate::Backend::layer_norm`]); the bias's gradient is
-    /// `sum_rows(dy)`.
+    /// LayerNorm's gradients (see [`crate::Backend::layer_norm`]), as
+    /// [`GradOps::rms_norm_backward`]'s; the bias's gradient is `sum_rows(dy)`.
+    #[allow(clippy::too_many_arguments)]
     fn layer_norm_backward(
         &self,
         x: &Tensor,
@@ -181,6 +199,7 @@ pub trait GradOps: Send + Sync {
         eps: f32,
         dy: &Tensor,
         dx: &mut Tensor,
+        into: GradInto,
         dweight: Option<&mut Tensor>,
     ) -> Result<()>;
 
@@ -241,7 +260,9 @@ pub trait GradOps: Send + Sync {
         Ok(false)
     }
 
-    /// The gradients of `out = act(gate) · up`: SiLU, or GELU (tanh) when `gelu`.
+    /// The gradients of `out = act(gate) · up`: SiLU, or GELU (tanh) when `gelu`; `into`
+    /// for both.
+    #[allow(clippy::too_many_arguments)]
     fn gated_backward(
         &self,
         gate: &Tensor,
@@ -250,6 +271,7 @@ pub trait GradOps: Send + Sync {
         dout: &Tensor,
         dgate: &mut Tensor,
         dup: &mut Tensor,
+        into: GradInto,
     ) -> Result<()>;
 
     /// GELU's (tanh approximation) gradient from its input `x`: `dx += gelu'(x) · dy`.
@@ -261,8 +283,15 @@ pub trait GradOps: Send + Sync {
     /// `slice_cols`'s gradient: `dsrc[i, col0 + j] += ddst[i, j]`.
     fn slice_cols_backward(&self, ddst: &Tensor, col0: usize, dsrc: &mut Tensor) -> Result<()>;
 
-    /// `write_rows`'s gradient for the source: `dsrc[i] += ddst[pos[i]]`.
-    fn gather_rows(&self, ddst: &Tensor, pos: &Tensor, dsrc: &mut Tensor) -> Result<()>;
+    /// `write_rows`'s gradient for the source: `dsrc[i] += ddst[pos[i]]` (`=` under
+    /// [`GradInto::Write`]).
+    fn gather_rows(
+        &self,
+        ddst: &Tensor,
+        pos: &Tensor,
+        dsrc: &mut Tensor,
+        into: GradInto,
+    ) -> Result<()>;
 
     /// `write_rows`'s gradient for the destination's earlier contents, in place: the
     /// overwritten rows `pos[i]` of `ddst` become zero.

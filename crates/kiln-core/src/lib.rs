@@ -26,7 +26,7 @@ pub use collective::Collective;
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use grad::{AttentionRun, AttentionSaved, GradOps, Products};
+pub use grad::{AttentionRun, AttentionSaved, GradInto, GradOps, Products};
 pub use optim::OptimKernels;
 pub use sampling::SampleParams;
 pub use shape::Shape;

@@ -75,14 +75,16 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// `dx[n, k] += dy[n, m] · w[m, k]` over a stored `w`, decoded a tile of rows at a
-    /// time: each tile adds its rows' share (dy's matching columns).
+    /// `dx[n, k] = beta · dx + dy[n, m] · w[m, k]` over a stored `w` (`beta` 1 or 0),
+    /// decoded a tile of rows at a time: each tile adds its rows' share (dy's matching
+    /// columns).
     pub(crate) fn matmul_dx_stored(
         &self,
         dy: u64,
         w: &Tensor,
         dx: u64,
         (n, m, k): (usize, usize, usize),
+        beta: f32,
     ) -> Result<()> {
         let tile = (TILE_VALUES / k.max(1)).clamp(1, m);
         for r0 in (0..m).step_by(tile) {
@@ -96,7 +98,8 @@ impl CudaBackend {
                 (k, n, rows),
                 (wt, k),
                 (dy + (r0 * 4) as u64, m),
-                1.0,
+                // The first tile writes or adds as asked; the others add to it.
+                if r0 == 0 { beta } else { 1.0 },
                 (dx, k),
             )?;
         }

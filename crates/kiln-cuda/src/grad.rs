@@ -9,9 +9,17 @@ use crate::kernels::Arg;
 use crate::matmul::{round_into, sgemm, sgemm_rounded_a};
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{
-    AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradOps, Pages, Products,
-    Result, RopeLayout, Shape, Tensor,
+    AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradInto, GradOps, Pages,
+    Products, Result, RopeLayout, Shape, Tensor,
 };
+
+/// cuBLAS's β for a product into a gradient: 1 adds, 0 writes (C is not read).
+pub(crate) fn beta(into: GradInto) -> f32 {
+    match into {
+        GradInto::Add => 1.0,
+        GradInto::Write => 0.0,
+    }
+}
 
 /// Blocks of `sum_squares` at most: its partials are read back and added on the host.
 const SUM_BLOCKS: usize = 1024;
@@ -203,7 +211,7 @@ impl GradOps for CudaBackend {
         Ok(Some(out))
     }
 
-    fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()> {
+    fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor, into: GradInto) -> Result<()> {
         f32s(&[dy, dx], "matmul_dx")?;
         let (n, m) = rows_of(dy);
         let &[wm, k] = w.dims() else {
@@ -218,10 +226,14 @@ impl GradOps for CudaBackend {
             )));
         }
         if m == 0 {
-            return Ok(());
+            // Nothing to add; a gradient to write is zeros.
+            return match into {
+                GradInto::Add => Ok(()),
+                GradInto::Write => self.fill(dx, 0.0),
+            };
         }
         if w.dtype() != DType::F32 {
-            return self.matmul_dx_stored(ptr(dy)?, w, ptr(dx)?, (n, m, k));
+            return self.matmul_dx_stored(ptr(dy)?, w, ptr(dx)?, (n, m, k), beta(into));
         }
         // Row-major dx[n, k] += dy[n, m]·w[m, k]: column-major dxᵀ = wᵀ·dyᵀ, where w read
         // as k × m column-major is wᵀ and dy as m × n is dyᵀ.
@@ -231,7 +243,7 @@ impl GradOps for CudaBackend {
             (k, n, m),
             (ptr(w)?, k),
             (ptr(dy)?, m),
-            1.0,
+            beta(into),
             (ptr(dx)?, k),
         )
     }
@@ -334,9 +346,10 @@ impl GradOps for CudaBackend {
         eps: f32,
         dy: &Tensor,
         dx: &mut Tensor,
+        into: GradInto,
         dweight: Option<&mut Tensor>,
     ) -> Result<()> {
-        norm_backward(self, false, x, weight, eps, dy, dx, dweight)
+        norm_backward(self, false, x, weight, eps, dy, (dx, into), dweight)
     }
 
     fn layer_norm_backward(
@@ -346,9 +359,10 @@ impl GradOps for CudaBackend {
         eps: f32,
         dy: &Tensor,
         dx: &mut Tensor,
+        into: GradInto,
         dweight: Option<&mut Tensor>,
     ) -> Result<()> {
-        norm_backward(self, true, x, weight, eps, dy, dx, dweight)
+        norm_backward(self, true, x, weight, eps, dy, (dx, into), dweight)
     }
 
     fn softmax_backward(&self, y: &Tensor, dy: &Tensor, dx: &mut Tensor) -> Result<()> {
@@ -458,6 +472,7 @@ impl GradOps for CudaBackend {
         dout: &Tensor,
         dgate: &mut Tensor,
         dup: &mut Tensor,
+        into: GradInto,
     ) -> Result<()> {
         f32s(&[gate, up, dout, dgate, dup], "gated gradient")?;
         for t in [up, dout, &*dgate, &*dup] {
@@ -475,6 +490,7 @@ impl GradOps for CudaBackend {
                 Arg::Ptr(ptr(dup)?),
                 Arg::U64(n as u64),
                 Arg::I32(gelu as i32),
+                Arg::I32((into == GradInto::Write) as i32),
             ],
         )
     }
@@ -551,7 +567,13 @@ impl GradOps for CudaBackend {
         )
     }
 
-    fn gather_rows(&self, ddst: &Tensor, pos: &Tensor, dsrc: &mut Tensor) -> Result<()> {
+    fn gather_rows(
+        &self,
+        ddst: &Tensor,
+        pos: &Tensor,
+        dsrc: &mut Tensor,
+        into: GradInto,
+    ) -> Result<()> {
         f32s(&[ddst, dsrc], "write_rows gradient")?;
         expect(pos, DType::I32, "write_rows positions")?;
         let ((rows, row), (dst_rows, dst_row)) = (outer_rows(dsrc), outer_rows(ddst));
@@ -572,6 +594,7 @@ impl GradOps for CudaBackend {
                 Arg::I32(to_i32(rows, "rows")?),
                 Arg::I32(to_i32(row, "row length")?),
                 Arg::I32(to_i32(dst_rows, "rows")?),
+                Arg::I32((into == GradInto::Write) as i32),
             ],
         )
     }
@@ -619,7 +642,7 @@ fn norm_backward(
     weight: &Tensor,
     eps: f32,
     dy: &Tensor,
-    dx: &mut Tensor,
+    (dx, into): (&mut Tensor, GradInto),
     dweight: Option<&mut Tensor>,
 ) -> Result<()> {
     let op = if layer {
@@ -659,6 +682,7 @@ fn norm_backward(
             Arg::Ptr(stats),
             dim_arg,
             Arg::F32(eps),
+            Arg::I32((into == GradInto::Write) as i32),
         ],
     )?;
     if let Some(dw) = dweight {

@@ -377,6 +377,11 @@ impl Backend for CudaBackend {
         Ok(t)
     }
 
+    /// No fill: a gradient's first op writes all of it.
+    fn empty(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
+        self.alloc_tensor(dtype, shape)
+    }
+
     fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor> {
         let want = shape.rows() * dtype.row_bytes(shape.row_len())?;
         if data.len() != want {

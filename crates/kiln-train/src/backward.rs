@@ -7,8 +7,8 @@
 
 use crate::tape::{Operand, ValueId, ValueInfo};
 use kiln_core::{
-    AttentionParams, AttentionSaved, Backend, DType, Error, GradOps, Pages, Result, RopeLayout,
-    Shape, Tensor,
+    AttentionParams, AttentionSaved, Backend, DType, Error, GradInto, GradOps, Pages, Result,
+    RopeLayout, Shape, Tensor,
 };
 
 /// An op's input as the op saw it: which value (or parameter), and its shape then (a
@@ -264,6 +264,10 @@ impl<'a> Backward<'a> {
         self.b.zeros(DType::F32, shape(dims)?)
     }
 
+    fn empty(&self, dims: &[usize]) -> Result<Tensor> {
+        self.b.empty(DType::F32, shape(dims)?)
+    }
+
     /// The gradient of an op's output, shaped as the op wrote it; `None` when nothing
     /// flows into it (its value was never used on the way to the loss).
     fn out_grad(&mut self, w: &Written) -> Result<Option<Tensor>> {
@@ -276,9 +280,9 @@ impl<'a> Backward<'a> {
         }
     }
 
-    /// The gradient `r` adds into, taken out (zeros the first time) and shaped as `r`
-    /// was read; `None` when no gradient flows into it. Give it back with [`Self::put`].
-    fn acc(&mut self, r: &Read) -> Result<Option<Tensor>> {
+    /// The gradient `r` adds into, taken out and shaped as `r` was read: `Some(None)` when
+    /// nothing has begun it, `None` when no gradient flows into it.
+    fn take(&mut self, r: &Read) -> Result<Option<Option<Tensor>>> {
         if self.taken.contains(&r.op) {
             return Err(Error::unsupported(
                 "differentiating an op that reads one value twice",
@@ -293,12 +297,33 @@ impl<'a> Backward<'a> {
             Operand::Value(v) => self.grads[v].take(),
         };
         self.taken.push(r.op);
-        let mut t = match taken {
-            Some(t) => t,
-            None => self.zeros(&r.dims)?,
-        };
-        t.reshape(shape(&r.dims)?)?;
-        Ok(Some(t))
+        Ok(Some(match taken {
+            Some(mut t) => {
+                t.reshape(shape(&r.dims)?)?;
+                Some(t)
+            }
+            None => None,
+        }))
+    }
+
+    /// The gradient `r` adds into (zeros the first time); `None` when no gradient flows
+    /// into it. Give it back with [`Self::put`].
+    fn acc(&mut self, r: &Read) -> Result<Option<Tensor>> {
+        match self.take(r)? {
+            None => Ok(None),
+            Some(Some(t)) => Ok(Some(t)),
+            Some(None) => Ok(Some(self.zeros(&r.dims)?)),
+        }
+    }
+
+    /// As [`Self::acc`], for an op that takes a [`GradInto`]: the first time, unfilled
+    /// memory that the op writes.
+    fn acc_into(&mut self, r: &Read) -> Result<Option<(Tensor, GradInto)>> {
+        match self.take(r)? {
+            None => Ok(None),
+            Some(Some(t)) => Ok(Some((t, GradInto::Add))),
+            Some(None) => Ok(Some((self.empty(&r.dims)?, GradInto::Write))),
+        }
     }
 
     /// [`Self::acc`], or a scratch buffer whose contents are dropped when `r` takes no
@@ -307,6 +332,15 @@ impl<'a> Backward<'a> {
         match self.acc(r)? {
             Some(t) => Ok((t, true)),
             None => Ok((self.zeros(&r.dims)?, false)),
+        }
+    }
+
+    /// As [`Self::acc_or_scratch`], for an op that takes a [`GradInto`] (the scratch is
+    /// written too).
+    fn acc_or_scratch_into(&mut self, r: &Read) -> Result<((Tensor, bool), GradInto)> {
+        match self.acc_into(r)? {
+            Some((t, into)) => Ok(((t, true), into)),
+            None => Ok(((self.empty(&r.dims)?, false), GradInto::Write)),
         }
     }
 
@@ -373,8 +407,8 @@ impl<'a> Backward<'a> {
         let missing = || Error::Device("the tape did not save what a backward needs".into());
         match node {
             Node::Matmul { x, w, sx, sw, .. } => {
-                if let Some(mut dx) = self.acc(&x)? {
-                    let r = g.matmul_dx(&dy, self.saved(sw.ok_or_else(missing)?), &mut dx);
+                if let Some((mut dx, into)) = self.acc_into(&x)? {
+                    let r = g.matmul_dx(&dy, self.saved(sw.ok_or_else(missing)?), &mut dx, into);
                     self.put(&x, dx);
                     r?;
                 }
@@ -394,7 +428,7 @@ impl<'a> Backward<'a> {
             Node::RmsNorm {
                 x, w, eps, sx, sw, ..
             } => {
-                let mut dx = self.acc_or_scratch(&x)?;
+                let (mut dx, into) = self.acc_or_scratch_into(&x)?;
                 let mut dw = self.acc(&w)?;
                 let r = g.rms_norm_backward(
                     self.saved(sx),
@@ -402,6 +436,7 @@ impl<'a> Backward<'a> {
                     eps,
                     &dy,
                     &mut dx.0,
+                    into,
                     dw.as_mut(),
                 );
                 self.put_if(&x, dx);
@@ -419,7 +454,7 @@ impl<'a> Backward<'a> {
                 sw,
                 ..
             } => {
-                let mut dx = self.acc_or_scratch(&x)?;
+                let (mut dx, into) = self.acc_or_scratch_into(&x)?;
                 let mut dw = self.acc(&w)?;
                 let r = g.layer_norm_backward(
                     self.saved(sx),
@@ -427,6 +462,7 @@ impl<'a> Backward<'a> {
                     eps,
                     &dy,
                     &mut dx.0,
+                    into,
                     dw.as_mut(),
                 );
                 self.put_if(&x, dx);
@@ -508,8 +544,20 @@ impl<'a> Backward<'a> {
                 gelu,
                 ..
             } => {
-                let mut dg = self.acc_or_scratch(&gate)?;
-                let mut du = self.acc_or_scratch(&up)?;
+                let (mut dg, g_into) = self.acc_or_scratch_into(&gate)?;
+                let (mut du, u_into) = self.acc_or_scratch_into(&up)?;
+                // One mode for both: a fresh one beside a begun one starts as zeros.
+                let into = match (g_into, u_into) {
+                    (GradInto::Write, GradInto::Write) => GradInto::Write,
+                    _ => {
+                        for (t, into) in [(&mut dg.0, g_into), (&mut du.0, u_into)] {
+                            if into == GradInto::Write {
+                                self.b.fill(t, 0.0)?;
+                            }
+                        }
+                        GradInto::Add
+                    }
+                };
                 let r = g.gated_backward(
                     self.saved(sg),
                     self.saved(su),
@@ -517,6 +565,7 @@ impl<'a> Backward<'a> {
                     &dy,
                     &mut dg.0,
                     &mut du.0,
+                    into,
                 );
                 self.put_if(&gate, dg);
                 self.put_if(&up, du);
@@ -537,8 +586,8 @@ impl<'a> Backward<'a> {
                 }
             }
             Node::WriteRows { src, dst, pos, .. } => {
-                if let Some(mut ds) = self.acc(&src)? {
-                    let r = g.gather_rows(&dy, self.saved(pos), &mut ds);
+                if let Some((mut ds, into)) = self.acc_into(&src)? {
+                    let r = g.gather_rows(&dy, self.saved(pos), &mut ds, into);
                     self.put(&src, ds);
                     r?;
                 }

@@ -2,10 +2,10 @@
 //! lists them.
 
 use super::reference::{self as r64, Attn};
-use super::{check, cotangent_f32 as cotangent, weighted, widen, Elements};
+use super::{check, cotangent_f32 as cotangent, weighted, widen, Elements, MODES};
 use crate::target::{random, stored};
 use crate::Target;
-use kiln_core::{AttentionParams, DType, RopeLayout};
+use kiln_core::{AttentionParams, DType, GradInto, RopeLayout};
 use rand::rngs::StdRng;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -93,18 +93,20 @@ fn matmul_case(t: &Target, (n, m, k): (usize, usize, usize), sample: usize) {
         t.upload(DType::F32, &[n, m], &r),
     );
     let r = widen(&r);
-    let (mut dx, before_x) = t.grad_buffer(&mut rng, &[n, k]);
     let (mut dw, before_w) = t.grad_buffer(&mut rng, &[m, k]);
-    g.matmul_dx(&rt, &wt, &mut dx).unwrap();
     g.matmul_dw(&rt, &xt, &mut dw).unwrap();
     let (x64, w64) = (widen(&x), widen(&w));
-    check(
-        "matmul dx",
-        &t.added(&dx, &before_x),
-        &x,
-        Elements::Sample(sample, &mut rng),
-        |x| weighted(&r64::matmul(x, &w64, n, m, k), &r),
-    );
+    for into in MODES {
+        let (mut dx, before_x) = t.grad_buffer_into(&mut rng, &[n, k], into);
+        g.matmul_dx(&rt, &wt, &mut dx, into).unwrap();
+        check(
+            &format!("matmul dx ({into:?})"),
+            &t.result(&dx, &before_x, into),
+            &x,
+            Elements::Sample(sample, &mut rng),
+            |x| weighted(&r64::matmul(x, &w64, n, m, k), &r),
+        );
+    }
     check(
         "matmul dw",
         &t.added(&dw, &before_w),
@@ -207,7 +209,10 @@ pub fn rms_norm_gradients(t: &Target) {
         let x = random(&mut rng, n * d, 2.0);
         let w = random(&mut rng, d, 1.5);
         let r = cotangent(&mut rng, n * d);
-        let (mut dx, bx) = t.grad_buffer(&mut rng, &[n, d]);
+        // The weight's gradient is always added; dx as told (on a small case: written, it
+        // is the same arithmetic).
+        let into = MODES[case % 2];
+        let (mut dx, bx) = t.grad_buffer_into(&mut rng, &[n, d], into);
         let (mut dw, bw) = t.grad_buffer(&mut rng, &[d]);
         g.rms_norm_backward(
             &t.upload(DType::F32, &[n, d], &x),
@@ -215,14 +220,15 @@ pub fn rms_norm_gradients(t: &Target) {
             eps,
             &t.upload(DType::F32, &[n, d], &r),
             &mut dx,
+            into,
             Some(&mut dw),
         )
         .unwrap();
         let (x64, w64, r) = (widen(&x), widen(&w), widen(&r));
         let eps = eps as f64;
         check(
-            "rms_norm dx",
-            &t.added(&dx, &bx),
+            &format!("rms_norm dx ({into:?})"),
+            &t.result(&dx, &bx, into),
             &x,
             small_or_sampled(n, &mut picks),
             |x| weighted(&r64::rms_norm(x, &w64, eps), &r),
@@ -258,7 +264,8 @@ fn layer_norm_case(t: &Target, case: u64, n: usize, d: usize) {
     let b = random(&mut rng, d, 1.0);
     let r = cotangent(&mut rng, n * d);
     let rt = t.upload(DType::F32, &[n, d], &r);
-    let (mut dx, bx) = t.grad_buffer(&mut rng, &[n, d]);
+    let into = MODES[case as usize % 2];
+    let (mut dx, bx) = t.grad_buffer_into(&mut rng, &[n, d], into);
     let (mut dw, bw) = t.grad_buffer(&mut rng, &[d]);
     let (mut db, bb) = t.grad_buffer(&mut rng, &[d]);
     g.layer_norm_backward(
@@ -267,6 +274,7 @@ fn layer_norm_case(t: &Target, case: u64, n: usize, d: usize) {
         eps,
         &rt,
         &mut dx,
+        into,
         Some(&mut dw),
     )
     .unwrap();
@@ -274,8 +282,8 @@ fn layer_norm_case(t: &Target, case: u64, n: usize, d: usize) {
     let (x64, w64, b64, r) = (widen(&x), widen(&w), widen(&b), widen(&r));
     let eps = eps as f64;
     check(
-        "layer_norm dx",
-        &t.added(&dx, &bx),
+        &format!("layer_norm dx ({into:?})"),
+        &t.result(&dx, &bx, into),
         &x,
         small_or_sampled(n, &mut picks),
         |x| weighted(&r64::layer_norm(x, &w64, &b64, eps), &r),
@@ -594,14 +602,17 @@ pub fn attention_gradients_softcapped_and_windowed(t: &Target) {
 
 pub fn gated_gradients(t: &Target) {
     let g = t.grad();
-    for (case, gelu) in [false, true].into_iter().enumerate() {
+    let cases = [false, true]
+        .into_iter()
+        .flat_map(|gelu| MODES.map(|into| (gelu, into)));
+    for (case, (gelu, into)) in cases.enumerate() {
         let mut rng = t.rng(case as u64);
         let (n, d) = (4, 23);
         let gate = random(&mut rng, n * d, 3.0);
         let up = random(&mut rng, n * d, 2.0);
         let r = cotangent(&mut rng, n * d);
-        let (mut dg, bg) = t.grad_buffer(&mut rng, &[n, d]);
-        let (mut du, bu) = t.grad_buffer(&mut rng, &[n, d]);
+        let (mut dg, bg) = t.grad_buffer_into(&mut rng, &[n, d], into);
+        let (mut du, bu) = t.grad_buffer_into(&mut rng, &[n, d], into);
         g.gated_backward(
             &t.upload(DType::F32, &[n, d], &gate),
             &t.upload(DType::F32, &[n, d], &up),
@@ -609,6 +620,7 @@ pub fn gated_gradients(t: &Target) {
             &t.upload(DType::F32, &[n, d], &r),
             &mut dg,
             &mut du,
+            into,
         )
         .unwrap();
         let act = if gelu { r64::gelu } else { r64::silu };
@@ -618,15 +630,15 @@ pub fn gated_gradients(t: &Target) {
         let (g64, u64, r) = (widen(&gate), widen(&up), widen(&r));
         let name = if gelu { "gelu_mul" } else { "silu_mul" };
         check(
-            &format!("{name} dgate"),
-            &t.added(&dg, &bg),
+            &format!("{name} dgate ({into:?})"),
+            &t.result(&dg, &bg, into),
             &gate,
             Elements::All,
             |g| weighted(&forward(g, &u64), &r),
         );
         check(
-            &format!("{name} dup"),
-            &t.added(&du, &bu),
+            &format!("{name} dup ({into:?})"),
+            &t.result(&du, &bu, into),
             &up,
             Elements::All,
             |u| weighted(&forward(&g64, u), &r),
@@ -685,7 +697,7 @@ pub fn slice_cols_and_write_rows_gradients(t: &Target) {
 
     // write_rows: 3 rows of [2, w] into rows 4, 0, 6 of [7, 2, w]; rows of 12 values take
     // the GPUs' 16-byte path.
-    for w in [5, 6] {
+    for (w, into) in [5, 6].into_iter().flat_map(|w| MODES.map(|into| (w, into))) {
         let (rows, row, dst_rows) = (3, 2 * w, 7);
         let pos = [4, 0, 6];
         let src = random(&mut rng, rows * row, 1.0);
@@ -699,14 +711,14 @@ pub fn slice_cols_and_write_rows_gradients(t: &Target) {
             out
         };
         let rt = t.upload(DType::F32, &[dst_rows, 2, w], &r);
-        let (mut dsrc, bs) = t.grad_buffer(&mut rng, &[rows, 2, w]);
-        g.gather_rows(&rt, &t.ints(&pos), &mut dsrc).unwrap();
+        let (mut dsrc, bs) = t.grad_buffer_into(&mut rng, &[rows, 2, w], into);
+        g.gather_rows(&rt, &t.ints(&pos), &mut dsrc, into).unwrap();
         let mut ddst = t.upload(DType::F32, &[dst_rows, 2, w], &r);
         g.zero_rows(&mut ddst, &t.ints(&pos)).unwrap();
         let (s64, d64, r) = (widen(&src), widen(&dst), widen(&r));
         check(
-            &format!("write_rows dsrc, rows of {row}"),
-            &t.added(&dsrc, &bs),
+            &format!("write_rows dsrc, rows of {row} ({into:?})"),
+            &t.result(&dsrc, &bs, into),
             &src,
             Elements::All,
             |s| weighted(&forward(s, &d64), &r),
@@ -889,8 +901,10 @@ pub fn gradients_through_frozen_weights_as_stored(t: &Target) {
             t.upload(dtype, &[m, k], &w),
             t.upload(DType::F32, &[n, m], &r),
         );
-        let (mut dx, before) = t.grad_buffer(&mut rng, &[n, k]);
-        let result = g.matmul_dx(&rt, &wt, &mut dx);
+        // Written by the odd types, added by the even ones.
+        let into = MODES[i % 2];
+        let (mut dx, before) = t.grad_buffer_into(&mut rng, &[n, k], into);
+        let result = g.matmul_dx(&rt, &wt, &mut dx, into);
         if !g.frozen_as_stored(dtype) {
             assert!(result.is_err(), "matmul_dx over {dtype} weights was taken");
             continue;
@@ -898,8 +912,8 @@ pub fn gradients_through_frozen_weights_as_stored(t: &Target) {
         result.unwrap();
         let (w64, r) = (widen(&stored(dtype, &w)), widen(&r));
         check(
-            &format!("matmul dx through {dtype} weights"),
-            &t.added(&dx, &before),
+            &format!("matmul dx through {dtype} weights ({into:?})"),
+            &t.result(&dx, &before, into),
             &x,
             Elements::Sample(40, &mut rng),
             |x| weighted(&r64::matmul(x, &w64, n, m, k), &r),
@@ -977,10 +991,12 @@ pub fn frozen_weights_over_many_decoded_tiles(t: &Target) {
     let wt = t.upload(dtype, &[m, k], &w);
     let w64 = widen(&stored(dtype, &w));
     let r = cotangent(&mut rng, n * m);
-    let (mut dx, before) = t.grad_buffer(&mut rng, &[n, k]);
-    g.matmul_dx(&t.upload(DType::F32, &[n, m], &r), &wt, &mut dx)
+    // Written: the first tile of rows writes, the others add to it.
+    let into = GradInto::Write;
+    let (mut dx, before) = t.grad_buffer_into(&mut rng, &[n, k], into);
+    g.matmul_dx(&t.upload(DType::F32, &[n, m], &r), &wt, &mut dx, into)
         .unwrap();
-    let got = t.added(&dx, &before);
+    let got = t.result(&dx, &before, into);
     let want: Vec<f64> = (0..n * k)
         .map(|e| {
             let (i, c) = (e / k, e % k);
@@ -1042,6 +1058,7 @@ pub fn a_wrong_gradient_is_caught(t: &Target) {
         &t.upload(DType::F32, &[n, m], &r),
         &t.upload(DType::F32, &[m, k], &misread),
         &mut dx,
+        GradInto::Add,
     )
     .unwrap();
     let x = random(&mut rng, n * k, 1.0);

@@ -23,7 +23,7 @@ pub mod cases;
 mod reference;
 
 use crate::Target;
-use kiln_core::{DType, GradOps, Tensor};
+use kiln_core::{DType, GradInto, GradOps, Tensor};
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -147,7 +147,37 @@ impl Target<'_> {
             .map(|(&a, &b)| a as f64 - b as f64)
             .collect()
     }
+
+    /// A buffer for a kernel told `into`: [`Target::grad_buffer`]'s under `Add`; under
+    /// `Write` NaN throughout, so that an element the kernel leaves, or reads, shows.
+    pub(crate) fn grad_buffer_into(
+        &self,
+        rng: &mut StdRng,
+        dims: &[usize],
+        into: GradInto,
+    ) -> (Tensor, Vec<f32>) {
+        match into {
+            GradInto::Add => self.grad_buffer(rng, dims),
+            GradInto::Write => {
+                let before = vec![f32::NAN; dims.iter().product()];
+                (self.upload(DType::F32, dims, &before), before)
+            }
+        }
+    }
+
+    /// What a kernel told `into` left in a buffer of [`Target::grad_buffer_into`]: what
+    /// it added, or what it wrote.
+    pub(crate) fn result(&self, t: &Tensor, before: &[f32], into: GradInto) -> Vec<f64> {
+        match into {
+            GradInto::Add => self.added(t, before),
+            GradInto::Write => widen(&self.read(t)),
+        }
+    }
 }
+
+/// Both ways a kernel can take a gradient: the cases of the kernels that take a
+/// [`GradInto`] run each.
+pub(crate) const MODES: [GradInto; 2] = [GradInto::Add, GradInto::Write];
 
 /// `n` random values in `[-1, 1)`: the weights `r` of `L`, handed to kernels as the
 /// output's gradient (and widened for the references).

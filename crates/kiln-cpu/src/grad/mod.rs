@@ -8,7 +8,15 @@ mod matmul;
 mod norm;
 
 use crate::CpuBackend;
-use kiln_core::{AttentionParams, DType, GradOps, Result, RopeLayout, Tensor};
+use kiln_core::{AttentionParams, DType, GradInto, GradOps, Result, RopeLayout, Tensor};
+
+/// A gradient an op writes (`GradInto::Write`) made zeros first: the CPU's loops add.
+fn begin(t: &mut Tensor, into: GradInto) -> Result<()> {
+    if into == GradInto::Write {
+        crate::f32s_mut(t)?.fill(0.0);
+    }
+    Ok(())
+}
 
 impl GradOps for CpuBackend {
     /// Every weight type: a frozen weight is decoded for each backward product over it.
@@ -43,7 +51,8 @@ impl GradOps for CpuBackend {
         elementwise::sum_rows(x, acc)
     }
 
-    fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()> {
+    fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor, into: GradInto) -> Result<()> {
+        begin(dx, into)?;
         matmul::matmul_dx(&self.pool, &self.decoded, dy, w, dx)
     }
 
@@ -62,8 +71,10 @@ impl GradOps for CpuBackend {
         eps: f32,
         dy: &Tensor,
         dx: &mut Tensor,
+        into: GradInto,
         dweight: Option<&mut Tensor>,
     ) -> Result<()> {
+        begin(dx, into)?;
         norm::rms_norm_backward(&self.pool, x, weight, eps, dy, dx, dweight)
     }
 
@@ -74,8 +85,10 @@ impl GradOps for CpuBackend {
         eps: f32,
         dy: &Tensor,
         dx: &mut Tensor,
+        into: GradInto,
         dweight: Option<&mut Tensor>,
     ) -> Result<()> {
+        begin(dx, into)?;
         norm::layer_norm_backward(&self.pool, x, weight, eps, dy, dx, dweight)
     }
 
@@ -118,7 +131,10 @@ impl GradOps for CpuBackend {
         dout: &Tensor,
         dgate: &mut Tensor,
         dup: &mut Tensor,
+        into: GradInto,
     ) -> Result<()> {
+        begin(dgate, into)?;
+        begin(dup, into)?;
         elementwise::gated_backward(&self.pool, gate, up, gelu, dout, dgate, dup)
     }
 
@@ -134,7 +150,14 @@ impl GradOps for CpuBackend {
         elementwise::slice_cols_backward(ddst, col0, dsrc)
     }
 
-    fn gather_rows(&self, ddst: &Tensor, pos: &Tensor, dsrc: &mut Tensor) -> Result<()> {
+    fn gather_rows(
+        &self,
+        ddst: &Tensor,
+        pos: &Tensor,
+        dsrc: &mut Tensor,
+        into: GradInto,
+    ) -> Result<()> {
+        begin(dsrc, into)?;
         elementwise::gather_rows(ddst, pos, dsrc)
     }
 

@@ -97,10 +97,10 @@ extern "C" __global__ void grad_embedding(const float* __restrict__ dy, const in
     }
 }
 
-// RMSNorm, per row: dx += r*w*dy - x * r^3/dim * sum(dy*w*x), with r = (mean(x^2)+eps)^-1/2,
-// kept in rs for the weight's gradient.   Launch: grid (rows), block 256.
+// RMSNorm, per row: dx += r*w*dy - x * r^3/dim * sum(dy*w*x) (`=` with `write`), with
+// r = (mean(x^2)+eps)^-1/2, kept in rs for the weight's gradient.   Launch: grid (rows), block 256.
 extern "C" __global__ void grad_rms_norm_dx(const float* x, const float* w, const float* dy,
-                                            float* dx, float* rs, int dim, float eps) {
+                                            float* dx, float* rs, int dim, float eps, int write) {
     follow_previous();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
@@ -115,7 +115,10 @@ extern "C" __global__ void grad_rms_norm_dx(const float* x, const float* w, cons
     dot = block_sum(dot, scratch);
     const float r = rsqrtf(ss / (float)dim + eps);
     const float c = dot * r * r * r / (float)dim;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] += r * w[i] * d[i] - xr[i] * c;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float g = r * w[i] * d[i] - xr[i] * c;
+        o[i] = write ? g : o[i] + g;
+    }
     if (threadIdx.x == 0) rs[blockIdx.x] = r;
 }
 
@@ -161,10 +164,10 @@ extern "C" __global__ void norm_dw_sum(const float* parts, float* dw, int n_part
 }
 
 // LayerNorm, per row: with xh = (x - mean) * r and g = dy * w,
-// dx += r * (g - mean(g) - xh * mean(g * xh)); mean and r kept in stats (2 per row).
-// Launch: grid (rows), block 256.
+// dx += r * (g - mean(g) - xh * mean(g * xh)) (`=` with `write`); mean and r kept in stats
+// (2 per row).   Launch: grid (rows), block 256.
 extern "C" __global__ void grad_layer_norm_dx(const float* x, const float* w, const float* dy,
-                                              float* dx, float* stats, int dim, float eps) {
+                                              float* dx, float* stats, int dim, float eps, int write) {
     follow_previous();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
@@ -186,7 +189,8 @@ extern "C" __global__ void grad_layer_norm_dx(const float* x, const float* w, co
     const float gx_mean = block_sum(gx, scratch) / (float)dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const float xh = (xr[i] - mean) * r;
-        o[i] += r * (d[i] * w[i] - g_mean - xh * gx_mean);
+        const float g = r * (d[i] * w[i] - g_mean - xh * gx_mean);
+        o[i] = write ? g : o[i] + g;
     }
     if (threadIdx.x == 0) {
         stats[2 * blockIdx.x] = mean;
@@ -245,15 +249,17 @@ __device__ __forceinline__ void grad_gated_one(float g, float u, float d, bool g
     du += d * act;
 }
 
-// out = act(gate) * up: dgate += dout * up * act'(gate), dup += dout * act(gate); act is
-// SiLU, or GELU (tanh) when gelu.   Launch: 1-D over ceil(n / 4).
+// out = act(gate) * up: dgate += dout * up * act'(gate), dup += dout * act(gate) (`=`
+// with `write`, where nothing has begun them); act is SiLU, or GELU (tanh) when gelu.
+// Launch: 1-D over ceil(n / 4).
 extern "C" __global__ void grad_gated(const float* gate, const float* up, const float* dout,
-                                      float* dgate, float* dup, size_t n, int gelu) {
+                                      float* dgate, float* dup, size_t n, int gelu, int write) {
     follow_previous();
     const size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
     if (GRAD_VEC4(i, n, (size_t)gate | (size_t)up | (size_t)dout | (size_t)dgate | (size_t)dup)) {
         const float4 g = *(const float4*)(gate + i), u = *(const float4*)(up + i), d = *(const float4*)(dout + i);
-        float4 dg = *(float4*)(dgate + i), du = *(float4*)(dup + i);
+        const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4 dg = write ? zero : *(float4*)(dgate + i), du = write ? zero : *(float4*)(dup + i);
         grad_gated_one(g.x, u.x, d.x, gelu, dg.x, du.x);
         grad_gated_one(g.y, u.y, d.y, gelu, dg.y, du.y);
         grad_gated_one(g.z, u.z, d.z, gelu, dg.z, du.z);
@@ -261,7 +267,12 @@ extern "C" __global__ void grad_gated(const float* gate, const float* up, const 
         *(float4*)(dgate + i) = dg;
         *(float4*)(dup + i) = du;
     } else {
-        for (size_t j = i; j < n && j < i + 4; j++) grad_gated_one(gate[j], up[j], dout[j], gelu, dgate[j], dup[j]);
+        for (size_t j = i; j < n && j < i + 4; j++) {
+            float dg = write ? 0.0f : dgate[j], du = write ? 0.0f : dup[j];
+            grad_gated_one(gate[j], up[j], dout[j], gelu, dg, du);
+            dgate[j] = dg;
+            dup[j] = du;
+        }
     }
 }
 
@@ -296,17 +307,21 @@ extern "C" __global__ void grad_slice_cols(const float* ddst, float* dsrc, int r
 }
 
 // dsrc[i, c] += ddst[pos[i], c] (positions outside ddst's rows skipped, as the forward
-// skipped them).   Launch: 1-D over ceil(rows * row_len / 4).
+// skipped them); with `write`, `=` (zeros for the skipped rows).   Launch: 1-D over ceil(rows * row_len / 4).
 extern "C" __global__ void grad_gather_rows(const float* ddst, const int* pos, float* dsrc,
-                                            int rows, int row_len, int dst_rows) {
+                                            int rows, int row_len, int dst_rows, int write) {
     follow_previous();
     const size_t n = (size_t)rows * row_len, i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
     if (GRAD_VEC4(i, n, (size_t)ddst | (size_t)dsrc | (size_t)(row_len & 3))) {
         // A multiple of 4 in rows of a multiple of 4: the four are in one row.
         const size_t r = i / row_len, c = i % row_len;
         const int p = pos[r];
-        if (p < 0 || p >= dst_rows) return;
-        float4 o = *(float4*)(dsrc + i);
+        const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (p < 0 || p >= dst_rows) {
+            if (write) *(float4*)(dsrc + i) = zero;
+            return;
+        }
+        float4 o = write ? zero : *(float4*)(dsrc + i);
         const float4 v = *(const float4*)(ddst + (size_t)p * row_len + c);
         o.x += v.x;
         o.y += v.y;
@@ -318,7 +333,8 @@ extern "C" __global__ void grad_gather_rows(const float* ddst, const int* pos, f
     for (size_t j = i; j < n && j < i + 4; j++) {
         const size_t r = j / row_len, c = j % row_len;
         const int p = pos[r];
-        if (p >= 0 && p < dst_rows) dsrc[j] += ddst[(size_t)p * row_len + c];
+        const float v = p >= 0 && p < dst_rows ? ddst[(size_t)p * row_len + c] : 0.0f;
+        dsrc[j] = write ? v : dsrc[j] + v;
     }
 }
 
