@@ -242,6 +242,8 @@ pub trait GradOps: Send + Sync {
     /// rows out and back around [`GradOps::attention_backward`]. `q`, `k_pool` and
     /// `v_pool` may be what [`GradOps::rounded_for_products`] made of them.
     /// `saved`, where the forward kept it, spares recomputing the softmax's statistics.
+    /// Under [`GradInto::Write`] all three gradients begin here: every element is written
+    /// (rows no run reaches as zeros).
     #[allow(clippy::too_many_arguments)]
     fn attention_backward_runs(
         &self,
@@ -256,12 +258,15 @@ pub trait GradOps: Send + Sync {
         _dq: &mut Tensor,
         _dk: &mut Tensor,
         _dv: &mut Tensor,
+        _into: GradInto,
     ) -> Result<bool> {
         Ok(false)
     }
 
     /// The gradients of `out = act(gate) · up`: SiLU, or GELU (tanh) when `gelu`; `into`
-    /// for both.
+    /// for both. `gate` and `up` are F32, or both what [`GradOps::rounded_for_products`]
+    /// made of them (the tape keeps them so under 16-bit products, as PyTorch's autocast
+    /// does).
     #[allow(clippy::too_many_arguments)]
     fn gated_backward(
         &self,

@@ -154,10 +154,47 @@ struct Stats {
     given: bool,
 }
 
+/// Where [`backward`] of `runs` over `rows` query rows writes every row of dQ, and every
+/// row of dK and dV that a run's keys hold, exactly once (one launch, runs disjoint, their
+/// rows covering dQ's): the pool rows no run holds, as (first, count) spans, which a
+/// gradient beginning there must have zeroed; `None` where the kernels must add.
+pub(crate) fn write_plan(
+    k: Kernels,
+    runs: &[AttentionRun],
+    rows: usize,
+    pool_rows: usize,
+) -> Option<Vec<(usize, usize)>> {
+    let runs = pieces(runs, MOST_CHUNKS * k.chunk);
+    let live: Vec<_> = runs
+        .iter()
+        .filter(|r| r.rows.1 > 0 && r.keys.1 > 0)
+        .collect();
+    let whole = disjoint(runs.iter().map(|r| r.rows))
+        && disjoint(runs.iter().map(|r| r.keys))
+        && live.iter().map(|r| r.rows.1).sum::<usize>() == rows;
+    if !whole {
+        return None;
+    }
+    let mut held: Vec<_> = live.iter().map(|r| r.keys).collect();
+    held.sort_unstable();
+    let (mut gaps, mut at) = (Vec::new(), 0);
+    for (first, count) in held {
+        if first > at {
+            gaps.push((at, first - at));
+        }
+        at = first + count;
+    }
+    if pool_rows > at {
+        gaps.push((at, pool_rows - at));
+    }
+    Some(gaps)
+}
+
 /// The backward of `runs` (each a sequence's query rows and its span of key rows, a key's
-/// position its offset in the span): dQ, dK and dV added into `o.grads`. Runs whose rows
-/// (or key spans) overlap go one launch each, in order. `kept`: the forward's lse and
-/// rounded output (device addresses), from which the dQ kernel's first pass is spared.
+/// position its offset in the span): dQ, dK and dV added into `o.grads`, or written where
+/// `write` (only where [`write_plan`] gives a plan, its gaps zeroed). Runs whose rows (or key spans) overlap
+/// go one launch each, in order. `kept`: the forward's lse and rounded output (device
+/// addresses), from which the dQ kernel's first pass is spared.
 pub(crate) fn backward(
     b: &CudaBackend,
     k: Kernels,
@@ -165,6 +202,7 @@ pub(crate) fn backward(
     runs: &[AttentionRun],
     params: &AttentionParams,
     kept: Option<(u64, u64)>,
+    write: bool,
 ) -> Result<()> {
     let count = o.rows * o.heads;
     let stats = match kept {
@@ -200,10 +238,15 @@ pub(crate) fn backward(
     let runs = &pieces(runs, MOST_CHUNKS * k.chunk)[..];
     let one_launch = disjoint(runs.iter().map(|r| r.rows)) && disjoint(runs.iter().map(|r| r.keys));
     if one_launch {
-        return launch(b, k, o, runs, params, stats);
+        return launch(b, k, o, runs, params, stats, write);
+    }
+    if write {
+        return Err(Error::Device(
+            "attention gradient: written over runs that overlap".into(),
+        ));
     }
     runs.iter()
-        .try_for_each(|r| launch(b, k, o, std::slice::from_ref(r), params, stats))
+        .try_for_each(|r| launch(b, k, o, std::slice::from_ref(r), params, stats, false))
 }
 
 fn launch(
@@ -213,6 +256,7 @@ fn launch(
     runs: &[AttentionRun],
     params: &AttentionParams,
     stats: Stats,
+    write: bool,
 ) -> Result<()> {
     let (dq_tiles, dkv_tiles) = (tiles(runs, false)?, tiles(runs, true)?);
     if dq_tiles.is_empty() {
@@ -257,7 +301,7 @@ fn launch(
     let mut args = operands.to_vec();
     args.extend([Arg::Ptr(list), Arg::Ptr(dq), Arg::Ptr(lse), Arg::Ptr(dsum)]);
     args.extend(tail);
-    args.push(Arg::I32(given as i32));
+    args.extend([Arg::I32(given as i32), Arg::I32(write as i32)]);
     b.launch(
         k.dq,
         grid(dq_tiles.len(), o.heads)?,
@@ -274,6 +318,7 @@ fn launch(
         Arg::Ptr(dv),
     ]);
     args.extend(tail);
+    args.push(Arg::I32(write as i32));
     b.launch(
         k.dkv,
         grid(dkv_tiles.len(), o.kv_heads)?,
@@ -317,6 +362,28 @@ mod tests {
                 [70, 64, 0, 64, 0, 64],
             ]
         );
+    }
+
+    #[test]
+    fn a_write_plan_names_the_pool_rows_no_run_holds() {
+        let k = Kernels {
+            d: 64,
+            dq: "",
+            dkv: "",
+            dsum: "",
+            chunk: 64,
+        };
+        // Training's pool: each sequence's block longer than its keys.
+        let runs = [run((0, 5), (0, 5)), run((5, 4), (8, 4))];
+        assert_eq!(write_plan(k, &runs, 9, 16), Some(vec![(5, 3), (12, 4)]));
+        assert_eq!(write_plan(k, &runs, 9, 12), Some(vec![(5, 3)]));
+        // Rows dQ has beyond the runs', or runs over one span of keys: the kernels add.
+        assert_eq!(write_plan(k, &runs, 10, 16), None);
+        let shared = [run((0, 5), (0, 5)), run((5, 4), (2, 4))];
+        assert_eq!(write_plan(k, &shared, 9, 16), None);
+        // A run without keys writes none of its rows.
+        let keyless = [run((0, 5), (0, 5)), run((5, 4), (8, 0))];
+        assert_eq!(write_plan(k, &keyless, 9, 16), None);
     }
 
     #[test]

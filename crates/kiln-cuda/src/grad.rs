@@ -458,9 +458,19 @@ impl GradOps for CudaBackend {
         dq: &mut Tensor,
         dk: &mut Tensor,
         dv: &mut Tensor,
+        into: GradInto,
     ) -> Result<bool> {
         self.attention_grads_runs(
-            q, k_pool, v_pool, pos, runs, params, saved, dout, dq, dk, dv,
+            q,
+            k_pool,
+            v_pool,
+            pos,
+            runs,
+            params,
+            saved,
+            dout,
+            [dq, dk, dv],
+            into,
         )
     }
 
@@ -474,25 +484,35 @@ impl GradOps for CudaBackend {
         dup: &mut Tensor,
         into: GradInto,
     ) -> Result<()> {
-        f32s(&[gate, up, dout, dgate, dup], "gated gradient")?;
+        f32s(&[dout, dgate, dup], "gated gradient")?;
+        // gate and up F32, or both kept rounded (16-bit products).
+        let kernel = match (gate.dtype(), up.dtype()) {
+            (DType::F32, DType::F32) => "grad_gated",
+            (DType::BF16, DType::BF16) | (DType::F16, DType::F16) => "grad_gated_half",
+            (g, u) => {
+                return Err(Error::unsupported(format!(
+                    "gated gradient over a {g} gate and a {u} up"
+                )))
+            }
+        };
         for t in [up, dout, &*dgate, &*dup] {
             same_shape(gate, t, "gated gradient")?;
         }
         let n = gate.shape().numel();
-        self.launch_1d(
-            "grad_gated",
-            n.div_ceil(4),
-            &[
-                Arg::Ptr(ptr(gate)?),
-                Arg::Ptr(ptr(up)?),
-                Arg::Ptr(ptr(dout)?),
-                Arg::Ptr(ptr(dgate)?),
-                Arg::Ptr(ptr(dup)?),
-                Arg::U64(n as u64),
-                Arg::I32(gelu as i32),
-                Arg::I32((into == GradInto::Write) as i32),
-            ],
-        )
+        let mut args = vec![
+            Arg::Ptr(ptr(gate)?),
+            Arg::Ptr(ptr(up)?),
+            Arg::Ptr(ptr(dout)?),
+            Arg::Ptr(ptr(dgate)?),
+            Arg::Ptr(ptr(dup)?),
+            Arg::U64(n as u64),
+            Arg::I32(gelu as i32),
+            Arg::I32((into == GradInto::Write) as i32),
+        ];
+        if kernel == "grad_gated_half" {
+            args.push(Arg::I32((gate.dtype() == DType::BF16) as i32));
+        }
+        self.launch_1d(kernel, n.div_ceil(4), &args)
     }
 
     fn gelu_backward(&self, x: &Tensor, dy: &Tensor, dx: &mut Tensor) -> Result<()> {

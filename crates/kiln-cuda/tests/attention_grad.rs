@@ -10,7 +10,7 @@ mod common;
 
 use common::{read, upload_f32, upload_i32};
 use half::{bf16, f16};
-use kiln_core::{AttentionParams, AttentionRun, Backend, Products};
+use kiln_core::{AttentionParams, AttentionRun, Backend, GradInto, Products};
 use kiln_cuda::CudaBackend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -180,13 +180,14 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
     // `kept`: q, k and v as the tape keeps them under 16-bit products (rounded);
     // `forward`: and the forward over them keeps its lse and rounded output, which the
     // backward reads (its output and lse come back too).
-    let run = |whole: bool, kept: bool, forward: bool| {
+    // `start`: the gradients' value before (HELD, or NaN where they are written).
+    let run_into = |whole: bool, kept: bool, forward: bool, (into, start): (GradInto, f32)| {
         grad.set_products(how).unwrap();
         let (qd, kd) = ([n, s.heads, s.d], [case.pool, s.kv_heads, s.d]);
         let (mut dq, mut dk, mut dv) = (
-            upload_f32(b, &qd, &vec![HELD; n * hd]),
-            upload_f32(b, &kd, &vec![HELD; case.pool * kvd]),
-            upload_f32(b, &kd, &vec![HELD; case.pool * kvd]),
+            upload_f32(b, &qd, &vec![start; n * hd]),
+            upload_f32(b, &kd, &vec![start; case.pool * kvd]),
+            upload_f32(b, &kd, &vec![start; case.pool * kvd]),
         );
         let (mut qt, mut kt, mut vt, dot) = (
             upload_f32(b, &qd, &q),
@@ -258,6 +259,7 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
                 &mut dq,
                 &mut dk,
                 &mut dv,
+                into,
             )
         };
         grad.set_products(Products::F32).unwrap();
@@ -269,6 +271,25 @@ fn check(b: &CudaBackend, case: &Case, how: Products, seed: u64) {
         let fwd = fwd.map(|(out, lse, _)| (read(b, &out), read(b, &lse)));
         ([read(b, &dq), read(b, &dk), read(b, &dv)], fwd)
     };
+    let run = |whole: bool, kept: bool, forward: bool| {
+        run_into(whole, kept, forward, (GradInto::Add, HELD))
+    };
+    // Gradients that begin here, written over NaN, are what adding into zeros gives (as
+    // values: a written -0 is an added +0), every row of the pool included.
+    for (kept, forward) in [(false, false), (true, true)] {
+        if forward && !case.runs.iter().all(|r| r.0.len() > 8) {
+            continue;
+        }
+        let added = run_into(false, kept, forward, (GradInto::Add, 0.0)).0;
+        let written = run_into(false, kept, forward, (GradInto::Write, f32::NAN)).0;
+        for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
+            assert!(
+                added[i] == written[i],
+                "{}: {name} written differs from added into zeros (kept {kept})",
+                case.name
+            );
+        }
+    }
     let one_run = case.runs.len() == 1 && case.runs[0].1 == (0, case.pool);
     let bits = if how == Products::Bf16 { 8 } else { 11 };
     let modes: &[bool] = if one_run { &[false, true] } else { &[false] };

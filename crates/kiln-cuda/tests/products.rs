@@ -6,7 +6,7 @@ use half::bf16;
 mod common;
 
 use common::{read, upload_f32 as upload, upload_i32};
-use kiln_core::{Backend, Products};
+use kiln_core::{Backend, GradInto, Products};
 use kiln_cuda::CudaBackend;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -410,4 +410,71 @@ fn a_kept_rounded_input_gives_the_products_of_the_f32_one() {
     let mut dw = upload(&b, &[m, k], &vec![0.0; m * k]);
     let e = g.matmul_dw(&dyt, &kept, &mut dw).unwrap_err().to_string();
     assert!(e.contains("bf16 input under f32 products"), "{e}");
+}
+
+/// Under 16-bit products the tape keeps the gated activation's gate and up rounded: its
+/// gradient over those copies is the F32 kernel's over the rounded values, to the bit,
+/// added or written.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_gated_gradient_over_kept_gate_and_up_is_the_f32_one_over_their_values() {
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
+    let g = b.grad().expect("CUDA trains");
+    let mut rng = StdRng::seed_from_u64(0x9a7e);
+    // An odd count: the last few elements take the one-at-a-time path.
+    let n = 4 * 1001 + 3;
+    let gate: Vec<f32> = (0..n).map(|_| rng.random_range(-4.0..4.0)).collect();
+    let up: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let dout: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let start: Vec<f32> = (0..n).map(|_| rng.random_range(-0.5..0.5)).collect();
+    let (gt, ut, dt) = (
+        upload(&b, &[n], &gate),
+        upload(&b, &[n], &up),
+        upload(&b, &[n], &dout),
+    );
+    for how in [Products::Bf16, Products::F16] {
+        g.set_products(how).unwrap();
+        let kept = [&gt, &ut].map(|t| g.rounded_for_products(t).unwrap().unwrap());
+        g.set_products(Products::F32).unwrap();
+        // The kept values, widened on the host.
+        let widened = kept.each_ref().map(|t| {
+            let bytes = b.download(t).unwrap();
+            let v: Vec<f32> = bytes
+                .chunks_exact(2)
+                .map(|c| {
+                    let h = u16::from_le_bytes([c[0], c[1]]);
+                    match how {
+                        Products::Bf16 => bf16::from_bits(h).to_f32(),
+                        _ => half::f16::from_bits(h).to_f32(),
+                    }
+                })
+                .collect();
+            upload(&b, &[n], &v)
+        });
+        for gelu in [false, true] {
+            for into in [GradInto::Add, GradInto::Write] {
+                let begin = |into| match into {
+                    GradInto::Add => upload(&b, &[n], &start),
+                    GradInto::Write => upload(&b, &[n], &vec![f32::NAN; n]),
+                };
+                let run = |[gate, up]: [&kiln_core::Tensor; 2]| {
+                    let (mut dg, mut du) = (begin(into), begin(into));
+                    g.gated_backward(gate, up, gelu, &dt, &mut dg, &mut du, into)
+                        .unwrap();
+                    [read(&b, &dg), read(&b, &du)]
+                };
+                let got = run([&kept[0], &kept[1]]);
+                let want = run([&widened[0], &widened[1]]);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                for (i, name) in ["dgate", "dup"].into_iter().enumerate() {
+                    assert_eq!(
+                        bits(&got[i]),
+                        bits(&want[i]),
+                        "{how:?} gelu {gelu} {into:?}: {name}"
+                    );
+                    assert!(got[i].iter().all(|v| v.is_finite()), "{how:?} {into:?}");
+                }
+            }
+        }
+    }
 }

@@ -641,9 +641,9 @@ impl<'a> Backward<'a> {
                 params,
                 ..
             } => {
-                let mut dq = self.acc_or_scratch(&q)?;
-                let mut dk = self.acc_or_scratch(&k)?;
-                let mut dv = self.acc_or_scratch(&v)?;
+                let (mut dq, q_into) = self.acc_or_scratch_into(&q)?;
+                let (mut dk, k_into) = self.acc_or_scratch_into(&k)?;
+                let (mut dv, v_into) = self.acc_or_scratch_into(&v)?;
                 let pages = Pages {
                     seq: self.saved(sseq),
                     tables: self.saved(stables),
@@ -664,6 +664,7 @@ impl<'a> Backward<'a> {
                     kept,
                     &dy,
                     [&mut dq.0, &mut dk.0, &mut dv.0],
+                    [q_into, k_into, v_into],
                 );
                 self.put_if(&q, dq);
                 self.put_if(&k, dk);

@@ -12,8 +12,8 @@
 use std::ops::Range;
 
 use kiln_core::{
-    AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradOps, Pages, Result,
-    Shape, Tensor,
+    AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradInto, GradOps, Pages,
+    Result, Shape, Tensor,
 };
 
 /// Rows of a tensor as (first row, rows) pieces.
@@ -101,7 +101,8 @@ fn key_spans(
 
 /// `dq`, `dk`, `dv` (the pools' gradients) += the gradient of
 /// [`Backend::paged_attention`]`(q, k_pool, v_pool, pos, pages, params)` given `dout`
-/// (`kept`: what the forward kept, when it could; see [`AttentionSaved`]).
+/// (`kept`: what the forward kept, when it could; see [`AttentionSaved`]); each gradient
+/// as its [`GradInto`] says.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward(
     b: &dyn Backend,
@@ -113,6 +114,7 @@ pub(crate) fn attention_backward(
     kept: Option<AttentionSaved>,
     dout: &Tensor,
     [dq, dk, dv]: [&mut Tensor; 3],
+    into: [GradInto; 3],
 ) -> Result<()> {
     let (&[n, heads, d], &[pool_rows, kv_heads, kd]) = (q.dims(), k_pool.dims()) else {
         return Err(Error::shape(format!(
@@ -188,6 +190,23 @@ pub(crate) fn attention_backward(
         }
         plans.push((rows, key_spans(table, pages.block, reach, pool_rows)?));
     }
+    // Gradients begin here written where all three do; elsewhere the new ones start as
+    // zeros and everything adds.
+    let into = match into {
+        [GradInto::Write, GradInto::Write, GradInto::Write] => GradInto::Write,
+        _ => {
+            for (t, into) in [
+                (&mut *dq, into[0]),
+                (&mut *dk, into[1]),
+                (&mut *dv, into[2]),
+            ] {
+                if into == GradInto::Write {
+                    b.fill(t, 0.0)?;
+                }
+            }
+            GradInto::Add
+        }
+    };
     // Where every sequence's keys lie in one span (training's: a block of seq_len each),
     // the backend may run the runs in place.
     if plans.iter().all(|(_, keys)| keys.len() == 1) {
@@ -199,9 +218,14 @@ pub(crate) fn attention_backward(
             })
             .collect();
         if g.attention_backward_runs(
-            q, k_pool, v_pool, pos_t, &runs, params, kept, dout, dq, dk, dv,
+            q, k_pool, v_pool, pos_t, &runs, params, kept, dout, dq, dk, dv, into,
         )? {
             return Ok(());
+        }
+    }
+    if into == GradInto::Write {
+        for t in [&mut *dq, &mut *dk, &mut *dv] {
+            b.fill(t, 0.0)?;
         }
     }
     // Rows are copied out and back as F32 below: inputs the tape kept rounded (16-bit

@@ -10,7 +10,8 @@
 //! which a tensor keeps for its life; a buffer the tape has not seen written is a constant.
 //! Parameters (registered by the trainer) are never copied: backward is handed them.
 //! Under BF16 / F16 products what a product (or the attention) reads is kept rounded to
-//! the products' type instead, as the backward's products would read it.
+//! the products' type instead, as the backward's products would read it, and so are the
+//! gated activation's gate and up (as PyTorch's autocast keeps them).
 //!
 //! The state and the recorder are here; each op as the tape records it, in `ops`.
 

@@ -494,34 +494,11 @@ pub fn attention_gradients_of_runs_in_place(t: &Target) {
     let k = random(&mut rng, pool * kw, 1.0);
     let v = random(&mut rng, pool * kw, 1.0);
     let r = cotangent(&mut rng, n * qw);
-    let (mut dq, bq) = t.grad_buffer(&mut rng, &[n, heads, hd]);
-    let (mut dk, bk) = t.grad_buffer(&mut rng, &[pool, kvh, hd]);
-    let (mut dv, bv) = t.grad_buffer(&mut rng, &[pool, kvh, hd]);
     let params = AttentionParams {
         scale: 0.4,
         softcap: None,
         window: None,
     };
-    let ran = g
-        .attention_backward_runs(
-            &t.upload(DType::F32, &[n, heads, hd], &q),
-            &t.upload(DType::F32, &[pool, kvh, hd], &k),
-            &t.upload(DType::F32, &[pool, kvh, hd], &v),
-            &t.ints(&pos),
-            &runs,
-            &params,
-            None,
-            &t.upload(DType::F32, &[n, heads, hd], &r),
-            &mut dq,
-            &mut dk,
-            &mut dv,
-        )
-        .unwrap();
-    if !ran {
-        eprintln!("skipped: this backend has no in-place paged attention backward");
-        assert_eq!(t.read(&dq), bq, "a backend that declined wrote dq");
-        return;
-    }
     let a = Attn {
         heads,
         kv_heads: kvh,
@@ -545,21 +522,66 @@ pub fn attention_gradients_of_runs_in_place(t: &Target) {
             })
             .collect()
     };
-    let (q64, k64, v64, r) = (widen(&q), widen(&k), widen(&v), widen(&r));
-    // Sampled: each difference is a whole forward of the long run.
-    let mut pick = t.rng(7);
-    let dq = t.added(&dq, &bq);
-    check("runs dq", &dq, &q, Elements::Sample(300, &mut pick), |q| {
-        weighted(&forward(q, &k64, &v64), &r)
-    });
-    let dk = t.added(&dk, &bk);
-    check("runs dk", &dk, &k, Elements::Sample(300, &mut pick), |k| {
-        weighted(&forward(&q64, k, &v64), &r)
-    });
-    let dv = t.added(&dv, &bv);
-    check("runs dv", &dv, &v, Elements::Sample(300, &mut pick), |v| {
-        weighted(&forward(&q64, &k64, v), &r)
-    });
+    let (q64, k64, v64, r64s) = (widen(&q), widen(&k), widen(&v), widen(&r));
+    // Added, and written (the pool's rows 18 and 19 are no run's keys: zeros).
+    for into in MODES {
+        let (mut dq, bq) = t.grad_buffer_into(&mut rng, &[n, heads, hd], into);
+        let (mut dk, bk) = t.grad_buffer_into(&mut rng, &[pool, kvh, hd], into);
+        let (mut dv, bv) = t.grad_buffer_into(&mut rng, &[pool, kvh, hd], into);
+        let ran = g
+            .attention_backward_runs(
+                &t.upload(DType::F32, &[n, heads, hd], &q),
+                &t.upload(DType::F32, &[pool, kvh, hd], &k),
+                &t.upload(DType::F32, &[pool, kvh, hd], &v),
+                &t.ints(&pos),
+                &runs,
+                &params,
+                None,
+                &t.upload(DType::F32, &[n, heads, hd], &r),
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                into,
+            )
+            .unwrap();
+        if !ran {
+            eprintln!("skipped: this backend has no in-place paged attention backward");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&t.read(&dq)),
+                bits(&bq),
+                "a backend that declined wrote dq"
+            );
+            return;
+        }
+        // Sampled: each difference is a whole forward of the long run.
+        let mut pick = t.rng(7);
+        let r = &r64s;
+        let dq = t.result(&dq, &bq, into);
+        check(
+            &format!("runs dq ({into:?})"),
+            &dq,
+            &q,
+            Elements::Sample(300, &mut pick),
+            |q| weighted(&forward(q, &k64, &v64), r),
+        );
+        let dk = t.result(&dk, &bk, into);
+        check(
+            &format!("runs dk ({into:?})"),
+            &dk,
+            &k,
+            Elements::Sample(300, &mut pick),
+            |k| weighted(&forward(&q64, k, &v64), r),
+        );
+        let dv = t.result(&dv, &bv, into);
+        check(
+            &format!("runs dv ({into:?})"),
+            &dv,
+            &v,
+            Elements::Sample(300, &mut pick),
+            |v| weighted(&forward(&q64, &k64, v), r),
+        );
+    }
 }
 
 pub fn attention_gradients(t: &Target) {

@@ -12,7 +12,8 @@ use crate::kernels::Arg;
 use crate::matmul::{rounded_copy, sgemm_batched, Strided};
 use crate::{expect, ptr, to_i32, CudaBackend};
 use kiln_core::{
-    AttentionParams, AttentionRun, AttentionSaved, DType, Error, Pages, Result, Tensor,
+    AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradInto, Pages, Result,
+    Tensor,
 };
 
 impl CudaBackend {
@@ -122,7 +123,15 @@ impl CudaBackend {
                 rows: (0, n),
                 keys: (0, cap),
             };
-            return attention_grad_tc::backward(self, kernels, &operands, &[run], params, None);
+            return attention_grad_tc::backward(
+                self,
+                kernels,
+                &operands,
+                &[run],
+                params,
+                None,
+                false,
+            );
         }
         self.attention_backward_at(ptrs, grads, (n, cap, heads, kv_heads, d), params, half)
     }
@@ -139,9 +148,8 @@ impl CudaBackend {
         params: &AttentionParams,
         saved: Option<AttentionSaved>,
         dout: &Tensor,
-        dq: &mut Tensor,
-        dk: &mut Tensor,
-        dv: &mut Tensor,
+        [dq, dk, dv]: [&mut Tensor; 3],
+        into: GradInto,
     ) -> Result<bool> {
         f32s(&[dout, dq, dk, dv], "paged attention gradient")?;
         self.attention_operands([q, k_pool, v_pool], "paged attention gradient")?;
@@ -178,7 +186,32 @@ impl CudaBackend {
         let (dq_p, dk_p, dv_p) = (ptr(dq)?, ptr(dk)?, ptr(dv)?);
         // The 16-bit copies (under BF16 / F16 products) of all rows at once.
         let half = self.attention_half_copies([q, k_pool, v_pool, dout])?;
-        if let Some((kernels, copies)) = self.flash_backward(half, d) {
+        let flash = self.flash_backward(half, d);
+        // Gradients that begin here are written where the flash kernels write every row
+        // once (the pool rows no run holds zeroed); elsewhere they start as zeros and the
+        // kernels add.
+        let plan = match (into, flash) {
+            (GradInto::Write, Some((k, _))) => attention_grad_tc::write_plan(k, runs, n, pool_rows),
+            _ => None,
+        };
+        let write = plan.is_some();
+        match plan {
+            Some(gaps) => {
+                let row = kv_heads * d;
+                for (first, count) in gaps {
+                    let at = (first * row) as u64 * f;
+                    self.fill_words(dk_p + at, count * row, 0.0)?;
+                    self.fill_words(dv_p + at, count * row, 0.0)?;
+                }
+            }
+            None if into == GradInto::Write => {
+                for t in [dq, dk, dv] {
+                    self.fill(t, 0.0)?;
+                }
+            }
+            None => {}
+        }
+        if let Some((kernels, copies)) = flash {
             let operands = attention_grad_tc::Operands {
                 half: copies,
                 pos: pos_p,
@@ -208,7 +241,7 @@ impl CudaBackend {
                 }
                 None => None,
             };
-            attention_grad_tc::backward(self, kernels, &operands, runs, params, kept)?;
+            attention_grad_tc::backward(self, kernels, &operands, runs, params, kept, write)?;
             return Ok(true);
         }
         // Each run in place: its query rows and its span of pool rows, by offsets.

@@ -22,7 +22,8 @@
 //     head of its group over every chunk of QC query rows that sees one of them, two
 //     chunks in flight; it adds dK and dV. Launch: grid (tiles, kv_heads), block (32, 4).
 // Each block alone writes its rows of dQ, or its keys' rows of dK and dV, in a fixed
-// order: the sums are the same on every run.
+// order: the sums are the same on every run. With `write` the block writes them (the
+// gradients begin here) instead of adding to what they hold.
 
 #define AGT_KEYS 64
 // Words of agt_dkv's bit sets over a run's chunks of query rows (a bit a chunk): runs of
@@ -118,7 +119,7 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
                             const u16* __restrict__ dout, const int* __restrict__ pos,
                             const int* __restrict__ tiles, float* __restrict__ dq, float* __restrict__ lse_out,
                             float* __restrict__ d_out, int heads, int kv_heads, float scale, float cap,
-                            int window, int given) {
+                            int window, int given, int write) {
     constexpr int KS = D / 16, ROW = AGT_ROW(D);
     follow_previous();
     extern __shared__ __align__(16) u8 agt_smem[];
@@ -343,7 +344,7 @@ __device__ void agt_dq_body(const u16* __restrict__ q, const u16* __restrict__ k
         float* dst = dq + at[i] + 2 * c;
 #pragma unroll
         for (int j = 0; j < 2 * KS; j++) {
-            float2 o = *(float2*)(dst + 8 * j);
+            float2 o = write ? make_float2(0.0f, 0.0f) : *(float2*)(dst + 8 * j);
             o.x += scale * acc[j][2 * i];
             o.y += scale * acc[j][2 * i + 1];
             *(float2*)(dst + 8 * j) = o;
@@ -356,7 +357,7 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
                              const u16* __restrict__ dout, const int* __restrict__ pos,
                              const int* __restrict__ tiles, const float* __restrict__ lse_in,
                              const float* __restrict__ d_in, float* __restrict__ dk, float* __restrict__ dv,
-                             int heads, int kv_heads, float scale, float cap, int window) {
+                             int heads, int kv_heads, float scale, float cap, int window, int write) {
     constexpr int KS = D / 16, ROW = AGT_ROW(D);
     follow_previous();
     extern __shared__ __align__(16) u8 agt_smem[];
@@ -412,7 +413,16 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
     };
 
     int cq = next_chunk(0), hh = 0;
-    if (cq >= q_chunks) return;
+    if (cq >= q_chunks) {
+        // No query sees these keys: their gradients are zeros, written when asked.
+        if (write)
+            for (int e = tid; e < tn * D; e += blockDim.y * 32) {
+                const size_t at = ((size_t)(k0 + t0 + e / D) * kv_heads + kvh) * D + e % D;
+                dk[at] = 0.0f;
+                dv[at] = 0.0f;
+            }
+        return;
+    }
     bool full = sees_whole_tile(cq);
     {
         const size_t e = ((size_t)(k0 + t0) * kv_heads + kvh) * D;
@@ -525,11 +535,12 @@ __device__ void agt_dkv_body(const u16* __restrict__ q, const u16* __restrict__ 
         const size_t e = ((size_t)(k0 + t0 + kr) * kv_heads + kvh) * D + 2 * c;
 #pragma unroll
         for (int j = 0; j < 2 * KS; j++) {
-            float2 o = *(float2*)(dk + e + 8 * j);
+            const float2 zero = make_float2(0.0f, 0.0f);
+            float2 o = write ? zero : *(float2*)(dk + e + 8 * j);
             o.x += scale * dka[j][2 * i];
             o.y += scale * dka[j][2 * i + 1];
             *(float2*)(dk + e + 8 * j) = o;
-            o = *(float2*)(dv + e + 8 * j);
+            o = write ? zero : *(float2*)(dv + e + 8 * j);
             o.x += dva[j][2 * i];
             o.y += dva[j][2 * i + 1];
             *(float2*)(dv + e + 8 * j) = o;
@@ -567,13 +578,13 @@ __device__ void agt_dsum_body(const u16* __restrict__ dout, const u16* __restric
     extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) agt_dq_##D##_##TYPE(                               \
         const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \
         float* dq, float* lse, float* dsum, int heads, int kv_heads, float scale, float cap, int window,  \
-        int given) {                                                                                     \
+        int given, int write) {                                                                          \
         if (cap > 0.0f)                                                                                  \
             agt_dq_body<D, BF, true>(q, k, v, dout, pos, tiles, dq, lse, dsum, heads, kv_heads, scale, cap,   \
-                                     window, given);                                                     \
+                                     window, given, write);                                              \
         else                                                                                             \
             agt_dq_body<D, BF, false>(q, k, v, dout, pos, tiles, dq, lse, dsum, heads, kv_heads, scale, cap,  \
-                                      window, given);                                                    \
+                                      window, given, write);                                             \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) agt_dsum_##D##_##TYPE(const u16* dout, const u16* out, \
                                                                           float* dsum, int count) {       \
@@ -582,13 +593,13 @@ __device__ void agt_dsum_body(const u16* __restrict__ dout, const u16* __restric
     extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) agt_dkv_##D##_##TYPE(                              \
         const u16* q, const u16* k, const u16* v, const u16* dout, const int* pos, const int* tiles,     \
         const float* lse, const float* dsum, float* dk, float* dv, int heads, int kv_heads, float scale, \
-        float cap, int window) {                                                                         \
+        float cap, int window, int write) {                                                              \
         if (cap > 0.0f)                                                                                  \
             agt_dkv_body<D, BF, QC, true>(q, k, v, dout, pos, tiles, lse, dsum, dk, dv, heads, kv_heads,     \
-                                          scale, cap, window);                                           \
+                                          scale, cap, window, write);                                    \
         else                                                                                             \
             agt_dkv_body<D, BF, QC, false>(q, k, v, dout, pos, tiles, lse, dsum, dk, dv, heads, kv_heads,    \
-                                           scale, cap, window);                                          \
+                                           scale, cap, window, write);                                   \
     }
 AGT_KERNELS(64, true, bf16, 64, 3)
 AGT_KERNELS(64, false, f16, 64, 3)

@@ -31,12 +31,6 @@ extern "C" __global__ void scale(float* x, size_t n, float s) {
     if (i < n) x[i] *= s;
 }
 
-extern "C" __global__ void fill(float* x, size_t n, float v) {
-    follow_previous();
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] = v;
-}
-
 // out = act(gate) * up, four consecutive elements a thread (16-byte accesses where every
 // address allows: a prompt's or a training batch's [rows, ffn] activations move ~400 MB
 // a layer).   Launch: 1-D over ceil(n / 4).

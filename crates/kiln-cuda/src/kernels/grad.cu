@@ -276,6 +276,37 @@ extern "C" __global__ void grad_gated(const float* gate, const float* up, const 
     }
 }
 
+// grad_gated over gate and up kept rounded (bf16 when bf, else f16): training's 16-bit
+// products keep them so, as PyTorch's autocast does, at half an F32 copy's bytes.
+// Launch: 1-D over ceil(n / 4).
+extern "C" __global__ void grad_gated_half(const u16* gate, const u16* up, const float* dout,
+                                           float* dgate, float* dup, size_t n, int gelu, int write, int bf) {
+    follow_previous();
+    auto wide = [bf](u32 h) { return bf ? bf16_to_f32((u16)h) : f16_to_f32((u16)h); };
+    const size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (GRAD_VEC4(i, n, (size_t)gate | (size_t)up | (size_t)dout | (size_t)dgate | (size_t)dup)) {
+        const uint2 gp = *(const uint2*)(gate + i), up2 = *(const uint2*)(up + i);
+        const float g[4] = {wide(gp.x & 0xffffu), wide(gp.x >> 16), wide(gp.y & 0xffffu), wide(gp.y >> 16)};
+        const float u[4] = {wide(up2.x & 0xffffu), wide(up2.x >> 16), wide(up2.y & 0xffffu), wide(up2.y >> 16)};
+        const float4 d = *(const float4*)(dout + i);
+        const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4 dg = write ? zero : *(float4*)(dgate + i), du = write ? zero : *(float4*)(dup + i);
+        grad_gated_one(g[0], u[0], d.x, gelu, dg.x, du.x);
+        grad_gated_one(g[1], u[1], d.y, gelu, dg.y, du.y);
+        grad_gated_one(g[2], u[2], d.z, gelu, dg.z, du.z);
+        grad_gated_one(g[3], u[3], d.w, gelu, dg.w, du.w);
+        *(float4*)(dgate + i) = dg;
+        *(float4*)(dup + i) = du;
+    } else {
+        for (size_t j = i; j < n && j < i + 4; j++) {
+            float dg = write ? 0.0f : dgate[j], du = write ? 0.0f : dup[j];
+            grad_gated_one(wide(gate[j]), wide(up[j]), dout[j], gelu, dg, du);
+            dgate[j] = dg;
+            dup[j] = du;
+        }
+    }
+}
+
 // dx += gelu'(x) * dy (tanh approximation).   Launch: 1-D over n.
 extern "C" __global__ void grad_gelu(const float* x, const float* dy, float* dx, size_t n) {
     follow_previous();

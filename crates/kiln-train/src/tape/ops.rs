@@ -474,8 +474,9 @@ fn record_gated(
 ) -> Result<()> {
     let (gr, ur) = (rec.read(gate), rec.read(up));
     let grad = rec.needs(&gr) || rec.needs(&ur);
+    // Rounded under 16-bit products (half an F32 copy's bytes, as autocast keeps them).
     let saved = match grad {
-        true => Some((rec.save(&gr, gate)?, rec.save(&ur, up)?)),
+        true => Some((rec.save_rounded(&gr, gate)?, rec.save_rounded(&ur, up)?)),
         false => None,
     };
     let out = rec.write(out, grad);
