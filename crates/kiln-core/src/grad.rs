@@ -149,6 +149,22 @@ pub trait GradOps: Send + Sync {
         Ok(None)
     }
 
+    /// `out = act(gate) · up` as [`crate::Backend::silu_mul`] (or `gelu_mul` when `gelu`)
+    /// computes it, also returning `gate`, `up` and `out` rounded as
+    /// [`GradOps::rounded_for_products`] rounds them: what training keeps of the gated
+    /// activation under 16-bit products, in one pass over it instead of three roundings.
+    /// `None`, having done nothing, where the products read F32 or the backend has no
+    /// such path.
+    fn gated_saving(
+        &self,
+        _gate: &Tensor,
+        _up: &Tensor,
+        _gelu: bool,
+        _out: &mut Tensor,
+    ) -> Result<Option<[Tensor; 3]>> {
+        Ok(None)
+    }
+
     /// [`crate::Backend::paged_attention`] over `q`, `k_pool` and `v_pool` as
     /// [`GradOps::rounded_for_products`] made them (the forward then reads the operands
     /// its backward will), keeping what the backward can use: each row's log-sum-exp

@@ -478,3 +478,51 @@ fn the_gated_gradient_over_kept_gate_and_up_is_the_f32_one_over_their_values() {
         }
     }
 }
+
+/// The gated activation in one pass keeping its rounded copies: the output is
+/// `silu_mul`'s / `gelu_mul`'s to the bit, the copies `rounded_for_products`' of gate, up
+/// and that output; under F32 products there is no such pass.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_gated_activation_keeps_what_rounding_each_operand_would() {
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
+    let g = b.grad().expect("CUDA trains");
+    let mut rng = StdRng::seed_from_u64(0x6a7e);
+    let n = 4 * 777 + 2;
+    let gate: Vec<f32> = (0..n).map(|_| rng.random_range(-5.0..5.0)).collect();
+    let up: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let (gt, ut) = (upload(&b, &[n], &gate), upload(&b, &[n], &up));
+    let mut out = upload(&b, &[n], &vec![f32::NAN; n]);
+    assert!(g.gated_saving(&gt, &ut, false, &mut out).unwrap().is_none());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for how in [Products::Bf16, Products::F16] {
+        for gelu in [false, true] {
+            g.set_products(how).unwrap();
+            let run = || -> kiln_core::Result<_> {
+                let mut plain = upload(&b, &[n], &vec![f32::NAN; n]);
+                match gelu {
+                    true => b.gelu_mul(&gt, &ut, &mut plain)?,
+                    false => b.silu_mul(&gt, &ut, &mut plain)?,
+                }
+                let mut out = upload(&b, &[n], &vec![f32::NAN; n]);
+                let kept = g
+                    .gated_saving(&gt, &ut, gelu, &mut out)?
+                    .expect("16-bit products keep");
+                let want = [&gt, &ut, &plain].map(|t| g.rounded_for_products(t));
+                let mut rounded = Vec::new();
+                for w in want {
+                    rounded.push(b.download(&w?.expect("16-bit products round"))?);
+                }
+                let kept: Vec<Vec<u8>> = kept.iter().map(|t| b.download(t)).collect::<Result<_, _>>()?;
+                Ok((read(&b, &plain), read(&b, &out), kept, rounded))
+            };
+            let r = run();
+            g.set_products(Products::F32).unwrap();
+            let (plain, out, kept, rounded) = r.unwrap();
+            assert_eq!(bits(&out), bits(&plain), "{how:?} gelu {gelu}: output");
+            for (i, name) in ["gate", "up", "output"].into_iter().enumerate() {
+                assert_eq!(kept[i], rounded[i], "{how:?} gelu {gelu}: kept {name}");
+            }
+        }
+    }
+}

@@ -666,9 +666,43 @@ impl Recorder<'_, '_> {
         Ok(Some([Saved::Copy(n - 2), Saved::Copy(n - 1)]))
     }
 
+    /// The gated activation run by [`GradOps::gated_saving`] where the backend can (16-bit
+    /// products, a pass that keeps): gate, up and the output `out_value` kept rounded from
+    /// that one pass, as [`Recorder::save_rounded`] would keep them. `None`, having done
+    /// nothing, elsewhere (the caller saves and runs the op itself).
+    fn gated_saving(
+        &mut self,
+        [(gate, gr), (up, ur)]: [(&Tensor, &Read); 2],
+        gelu: bool,
+        out: &mut Tensor,
+    ) -> Result<Option<[usize; 3]>> {
+        let (Operand::Value(g), Operand::Value(u)) = (gr.op, ur.op) else {
+            return Ok(None);
+        };
+        if !self.st.keep
+            || self.st.rounded_of.contains_key(&g)
+            || self.st.rounded_of.contains_key(&u)
+        {
+            return Ok(None);
+        }
+        let Some(kept) = self.tape.grad_ops().gated_saving(gate, up, gelu, out)? else {
+            return Ok(None);
+        };
+        let at = self.st.saved.len();
+        self.st.saved.extend(kept);
+        self.st.rounded_of.insert(g, at);
+        self.st.rounded_of.insert(u, at + 1);
+        Ok(Some([at, at + 1, at + 2]))
+    }
+
     /// `t` will hold the op's output, a new value with a gradient when `grad`.
     fn write(&mut self, t: &Tensor, grad: bool) -> Written {
         self.st.write(t, grad)
+    }
+
+    /// What the rounded copy saved at `at` holds: value `v` (see [`Recorder::save_rounded`]).
+    fn note_rounded(&mut self, v: ValueId, at: usize) {
+        self.st.rounded_of.insert(v, at);
     }
 
     fn push(&mut self, node: Node) {

@@ -47,6 +47,48 @@ __device__ __forceinline__ void gated_body(const float* gate, const float* up, f
     }
 }
 
+// gated_body's out, with gate, up and out also rounded to 16 bits (bf16 when bf, else f16)
+// as f32_to_half rounds them: what training keeps of the gated activation under 16-bit
+// products (gate and up for its gradient, out for the down projection), one pass where
+// three roundings read ~600 MB a layer of a 134M model's batch.   Launch: 1-D over
+// ceil(n / 4).
+template <bool GELU>
+__device__ __forceinline__ void gated_keep_body(const float* gate, const float* up, float* out, u16* gate_r,
+                                                u16* up_r, u16* out_r, size_t n, int bf) {
+    follow_previous();
+    auto act = [](float g) { return GELU ? gelu_tanh(g) : silu(g); };
+    auto half = [bf](float v) -> u32 { return bf ? f32_to_bf16(v) : f32_to_f16(v); };
+    auto pair = [&](float lo, float hi) { return half(lo) | (half(hi) << 16); };
+    const size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    const size_t at = (size_t)gate | (size_t)up | (size_t)out | (size_t)gate_r | (size_t)up_r | (size_t)out_r;
+    if (i + 3 < n && (at & 15) == 0) {
+        const float4 g = *(const float4*)(gate + i), u = *(const float4*)(up + i);
+        const float4 o = make_float4(act(g.x) * u.x, act(g.y) * u.y, act(g.z) * u.z, act(g.w) * u.w);
+        *(float4*)(out + i) = o;
+        *(uint2*)(gate_r + i) = make_uint2(pair(g.x, g.y), pair(g.z, g.w));
+        *(uint2*)(up_r + i) = make_uint2(pair(u.x, u.y), pair(u.z, u.w));
+        *(uint2*)(out_r + i) = make_uint2(pair(o.x, o.y), pair(o.z, o.w));
+    } else {
+        for (size_t j = i; j < n && j < i + 4; j++) {
+            const float o = act(gate[j]) * up[j];
+            out[j] = o;
+            gate_r[j] = (u16)half(gate[j]);
+            up_r[j] = (u16)half(up[j]);
+            out_r[j] = (u16)half(o);
+        }
+    }
+}
+
+extern "C" __global__ void silu_mul_keep(const float* gate, const float* up, float* out, u16* gate_r, u16* up_r,
+                                         u16* out_r, size_t n, int bf) {
+    gated_keep_body<false>(gate, up, out, gate_r, up_r, out_r, n, bf);
+}
+
+extern "C" __global__ void gelu_mul_keep(const float* gate, const float* up, float* out, u16* gate_r, u16* up_r,
+                                         u16* out_r, size_t n, int bf) {
+    gated_keep_body<true>(gate, up, out, gate_r, up_r, out_r, n, bf);
+}
+
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, size_t n) {
     gated_body<false>(gate, up, out, n);
 }

@@ -3,7 +3,7 @@
 //! tape wraps.
 
 use super::{key, Recorder, Tape};
-use crate::backward::{Node, Read};
+use crate::backward::{Node, Read, Saved};
 use kiln_core::{
     AttentionParams, Backend, DType, Device, Error, HostBytes, KernelTime, Pages, Result,
     RopeLayout, SampleParams, Shape, Tensor,
@@ -249,13 +249,21 @@ impl Backend for Tape {
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.record(|rec| record_gated(rec, gate, up, false, out))?;
-        self.inner.silu_mul(gate, up, out)
+        let mut done = false;
+        self.record(|rec| record_gated(rec, gate, up, false, out).map(|d| done = d))?;
+        match done {
+            true => Ok(()),
+            false => self.inner.silu_mul(gate, up, out),
+        }
     }
 
     fn gelu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.record(|rec| record_gated(rec, gate, up, true, out))?;
-        self.inner.gelu_mul(gate, up, out)
+        let mut done = false;
+        self.record(|rec| record_gated(rec, gate, up, true, out).map(|d| done = d))?;
+        match done {
+            true => Ok(()),
+            false => self.inner.gelu_mul(gate, up, out),
+        }
     }
 
     fn gelu(&self, x: &mut Tensor) -> Result<()> {
@@ -470,25 +478,33 @@ fn record_gated(
     gate: &Tensor,
     up: &Tensor,
     gelu: bool,
-    out: &Tensor,
-) -> Result<()> {
+    out: &mut Tensor,
+) -> Result<bool> {
     let (gr, ur) = (rec.read(gate), rec.read(up));
     let grad = rec.needs(&gr) || rec.needs(&ur);
-    // Rounded under 16-bit products (half an F32 copy's bytes, as autocast keeps them).
-    let saved = match grad {
-        true => Some((rec.save_rounded(&gr, gate)?, rec.save_rounded(&ur, up)?)),
-        false => None,
-    };
-    let out = rec.write(out, grad);
-    if let Some((sg, su)) = saved {
-        rec.push(Node::Gated {
-            gate: gr,
-            up: ur,
-            sg,
-            su,
-            gelu,
-            out,
-        });
+    if !grad {
+        rec.write(out, false);
+        return Ok(false);
     }
-    Ok(())
+    // Under 16-bit products gate and up are kept rounded (half an F32 copy's bytes, as
+    // autocast keeps them), with the output's rounded copy for the down projection, from
+    // the op's own pass where the backend has one.
+    let fused = rec.gated_saving([(gate, &gr), (up, &ur)], gelu, out)?;
+    let (sg, su) = match fused {
+        Some([g, u, _]) => (Saved::Copy(g), Saved::Copy(u)),
+        None => (rec.save_rounded(&gr, gate)?, rec.save_rounded(&ur, up)?),
+    };
+    let written = rec.write(out, true);
+    if let Some([_, _, o]) = fused {
+        rec.note_rounded(written.id, o);
+    }
+    rec.push(Node::Gated {
+        gate: gr,
+        up: ur,
+        sg,
+        su,
+        gelu,
+        out: written,
+    });
+    Ok(fused.is_some())
 }
