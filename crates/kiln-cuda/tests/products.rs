@@ -513,7 +513,10 @@ fn the_gated_activation_keeps_what_rounding_each_operand_would() {
                 for w in want {
                     rounded.push(b.download(&w?.expect("16-bit products round"))?);
                 }
-                let kept: Vec<Vec<u8>> = kept.iter().map(|t| b.download(t)).collect::<Result<_, _>>()?;
+                let kept: Vec<Vec<u8>> = kept
+                    .iter()
+                    .map(|t| b.download(t))
+                    .collect::<Result<_, _>>()?;
                 Ok((read(&b, &plain), read(&b, &out), kept, rounded))
             };
             let r = run();
