@@ -149,6 +149,22 @@ pub trait GradOps: Send + Sync {
         Ok(None)
     }
 
+    /// `out = rms_norm(x) · weight` as [`crate::Backend::rms_norm`] computes it, also
+    /// returning, from the same pass, `out` rounded as [`GradOps::rounded_for_products`]
+    /// rounds it and (with `copy_x`) a copy of `x`: what training keeps of a norm under
+    /// 16-bit products (the backward's input, the products' operand). `None`, having done
+    /// nothing, where the products read F32 or the backend has no such path.
+    fn rms_norm_saving(
+        &self,
+        _x: &Tensor,
+        _weight: &Tensor,
+        _eps: f32,
+        _out: &mut Tensor,
+        _copy_x: bool,
+    ) -> Result<Option<(Option<Tensor>, Tensor)>> {
+        Ok(None)
+    }
+
     /// `out = act(gate) · up` as [`crate::Backend::silu_mul`] (or `gelu_mul` when `gelu`)
     /// computes it, also returning `gate`, `up` and `out` rounded as
     /// [`GradOps::rounded_for_products`] rounds them: what training keeps of the gated

@@ -211,6 +211,30 @@ impl GradOps for CudaBackend {
         Ok(Some(out))
     }
 
+    fn rms_norm_saving(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+        copy_x: bool,
+    ) -> Result<Option<(Option<Tensor>, Tensor)>> {
+        let Some(dtype) = self.rounded_type() else {
+            return Ok(None);
+        };
+        let Some(kept) = crate::norm::rms_norm_saving(self, x, weight, eps, out, dtype, copy_x)?
+        else {
+            return Ok(None);
+        };
+        // The products that read the output next read its rounded copy.
+        let queued = self.queued.load(std::sync::atomic::Ordering::Relaxed);
+        let n = out.shape().numel();
+        let bf16 = dtype == DType::BF16;
+        self.blas
+            .note_rounded_copy(ptr(out)?, n, bf16, ptr(&kept.1)?, queued);
+        Ok(Some(kept))
+    }
+
     fn gated_saving(
         &self,
         gate: &Tensor,

@@ -91,8 +91,57 @@ fn rms_norm_with(
             xd,
             Arg::I32(to_i32(dim, "row length")?),
             Arg::F32(eps),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
+            Arg::I32(0),
         ],
     )
+}
+
+/// [`rms_norm`] also writing its output rounded to `half` (BF16 or F16) and, with
+/// `copy_x`, a copy of `x` (see `GradOps::rms_norm_saving`): the two new tensors, or
+/// `None` for rows that are not whole float4 steps.
+pub(crate) fn rms_norm_saving(
+    b: &CudaBackend,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    out: &mut Tensor,
+    half: DType,
+    copy_x: bool,
+) -> Result<Option<(Option<Tensor>, Tensor)>> {
+    expect(x, DType::F32, "rms_norm input")?;
+    expect(out, DType::F32, "rms_norm output")?;
+    same_shape(x, out, "rms_norm")?;
+    let dim = x.shape().row_len();
+    check_vector(w, dim, "rms_norm weight")?;
+    if x.shape().numel() == 0 || !dim.is_multiple_of(4) {
+        return Ok(None);
+    }
+    let x_copy = match copy_x {
+        true => Some(b.alloc_tensor(DType::F32, x.shape().clone())?),
+        false => None,
+    };
+    let out_half = b.alloc_tensor(half, x.shape().clone())?;
+    b.launch(
+        "rms_norm",
+        (rows(x)?, 1, 1),
+        block_for(dim),
+        0,
+        &[
+            Arg::Ptr(ptr(x)?),
+            Arg::Ptr(ptr(w)?),
+            Arg::Ptr(ptr(out)?),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
+            Arg::I32(to_i32(dim, "row length")?),
+            Arg::F32(eps),
+            Arg::Ptr(x_copy.as_ref().map_or(Ok(0), ptr)?),
+            Arg::Ptr(ptr(&out_half)?),
+            Arg::I32((half == DType::BF16) as i32),
+        ],
+    )?;
+    Ok(Some((x_copy, out_half)))
 }
 
 pub(crate) fn layer_norm(

@@ -529,3 +529,58 @@ fn the_gated_activation_keeps_what_rounding_each_operand_would() {
         }
     }
 }
+
+/// The norm in one pass keeping what training keeps of it: the output is `rms_norm`'s to
+/// the bit, the input's copy is the input, the rounded output `rounded_for_products`' of
+/// it; under F32 products, or rows that are not whole float4 steps, there is no such pass.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_norm_keeps_its_input_and_its_rounded_output_from_its_own_pass() {
+    let b = CudaBackend::new(0).unwrap_or_else(|e| panic!("no CUDA backend: {e}"));
+    let g = b.grad().expect("CUDA trains");
+    let mut rng = StdRng::seed_from_u64(0x40a1);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (rows, dim) in [(37, 768), (5, 4100), (3, 30)] {
+        let x: Vec<f32> = (0..rows * dim)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let w: Vec<f32> = (0..dim).map(|_| rng.random_range(0.5..1.5)).collect();
+        let (xt, wt) = (upload(&b, &[rows, dim], &x), upload(&b, &[dim], &w));
+        let mut out = upload(&b, &[rows, dim], &vec![f32::NAN; rows * dim]);
+        let none = g.rms_norm_saving(&xt, &wt, 1e-5, &mut out, true).unwrap();
+        assert!(none.is_none(), "F32 products");
+        for how in [Products::Bf16, Products::F16] {
+            g.set_products(how).unwrap();
+            let run = || -> kiln_core::Result<_> {
+                let mut plain = upload(&b, &[rows, dim], &vec![f32::NAN; rows * dim]);
+                b.rms_norm(&xt, &wt, 1e-5, &mut plain)?;
+                let mut out = upload(&b, &[rows, dim], &vec![f32::NAN; rows * dim]);
+                let Some((copy, rounded)) = g.rms_norm_saving(&xt, &wt, 1e-5, &mut out, true)?
+                else {
+                    return Ok(None);
+                };
+                let want = g
+                    .rounded_for_products(&plain)?
+                    .expect("16-bit products round");
+                let copy = read(&b, &copy.expect("asked for the copy"));
+                Ok(Some((
+                    read(&b, &plain),
+                    read(&b, &out),
+                    copy,
+                    b.download(&rounded)?,
+                    b.download(&want)?,
+                )))
+            };
+            let r = run();
+            g.set_products(Products::F32).unwrap();
+            let Some((plain, out, copy, rounded, want)) = r.unwrap() else {
+                assert!(dim % 4 != 0, "{how:?}: rows of {dim} have the pass");
+                continue;
+            };
+            assert!(dim % 4 == 0, "{how:?}: rows of {dim} have no such pass");
+            assert_eq!(bits(&out), bits(&plain), "{how:?} rows of {dim}: output");
+            assert_eq!(bits(&copy), bits(&x), "{how:?} rows of {dim}: input's copy");
+            assert_eq!(rounded, want, "{how:?} rows of {dim}: rounded output");
+        }
+    }
+}

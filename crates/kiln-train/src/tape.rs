@@ -695,6 +695,47 @@ impl Recorder<'_, '_> {
         Ok(Some([at, at + 1, at + 2]))
     }
 
+    /// The norm run by [`GradOps::rms_norm_saving`] where the backend can (16-bit products,
+    /// a pass that keeps): what the backward needs of `x` (read as `xr`; its copy made in
+    /// that pass unless kept already) and the index of the output's rounded copy. `None`,
+    /// having done nothing, elsewhere.
+    fn rms_norm_saving(
+        &mut self,
+        (x, xr): (&Tensor, &Read),
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+    ) -> Result<Option<(Saved, usize)>> {
+        if !self.st.keep {
+            return Ok(None);
+        }
+        let value = match xr.op {
+            Operand::Value(v) => Some(v),
+            Operand::Param(_) => None,
+        };
+        let have = value.and_then(|v| self.st.saved_of.get(&v).copied());
+        let copy_x = value.is_some() && have.is_none();
+        let g = self.tape.grad_ops();
+        let Some((x_copy, rounded)) = g.rms_norm_saving(x, weight, eps, out, copy_x)? else {
+            return Ok(None);
+        };
+        let sx = match (xr.op, have, x_copy) {
+            (Operand::Param(i), ..) => Saved::Param(i),
+            (Operand::Value(_), Some(s), _) => Saved::Copy(s),
+            (Operand::Value(v), None, Some(copy)) => {
+                self.st.saved.push(copy);
+                let s = self.st.saved.len() - 1;
+                self.st.saved_of.insert(v, s);
+                Saved::Copy(s)
+            }
+            (Operand::Value(_), None, None) => {
+                return Err(Error::Device("a norm's input copy went missing".into()))
+            }
+        };
+        self.st.saved.push(rounded);
+        Ok(Some((sx, self.st.saved.len() - 1)))
+    }
+
     /// `t` will hold the op's output, a new value with a gradient when `grad`.
     fn write(&mut self, t: &Tensor, grad: bool) -> Written {
         self.st.write(t, grad)

@@ -9,10 +9,16 @@
 // 32 values, as quantize_x_q8 does, for the quantized matvec that reads it next: a
 // launch fewer. Eight consecutive lanes hold a 32-value unit; they find its largest
 // magnitude by shuffles.
+//
+// With out_half non-null (dim a multiple of 4) it also writes out rounded to bf16 (bf) or
+// f16 as f32_to_half does, and with x_copy non-null a copy of x: what training keeps of a
+// norm under 16-bit products (its input for the backward, its output for the products
+// that read it), in the pass that reads x anyway.
 extern "C" __global__ void __launch_bounds__(1024)
     rms_norm(const float* __restrict__ x, const float* __restrict__ w,
              float* __restrict__ out, i8* __restrict__ xq,
-             float* __restrict__ xd, int dim, float eps) {
+             float* __restrict__ xd, int dim, float eps, float* __restrict__ x_copy,
+             u16* __restrict__ out_half, int bf) {
     follow_previous();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
@@ -42,6 +48,13 @@ extern "C" __global__ void __launch_bounds__(1024)
                 const float4 v = x4[i], g = w4[i];
                 r = make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
                 o4[i] = r;
+                const size_t at = (size_t)blockIdx.x * dim + 4 * i;
+                if (x_copy != nullptr) *(float4*)(x_copy + at) = v;
+                if (out_half != nullptr) {
+                    auto half = [bf](float f) -> u32 { return bf ? f32_to_bf16(f) : f32_to_f16(f); };
+                    *(uint2*)(out_half + at) =
+                        make_uint2(half(r.x) | (half(r.y) << 16), half(r.z) | (half(r.w) << 16));
+                }
             }
             if (xq != nullptr) {
                 float amax = fmaxf(fmaxf(fabsf(r.x), fabsf(r.y)), fmaxf(fabsf(r.z), fabsf(r.w)));

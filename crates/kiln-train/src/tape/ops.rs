@@ -89,27 +89,41 @@ impl Backend for Tape {
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+        let mut done = false;
         self.record(|rec| {
             let (xr, wr) = (rec.read(x), rec.read(weight));
             let grad = rec.needs(&xr) || rec.needs(&wr);
-            let saved = match grad {
-                true => Some((rec.save(&xr, x)?, rec.save(&wr, weight)?)),
-                false => None,
-            };
-            let out = rec.write(out, grad);
-            if let Some((sx, sw)) = saved {
-                rec.push(Node::RmsNorm {
-                    x: xr,
-                    w: wr,
-                    eps,
-                    sx,
-                    sw,
-                    out,
-                });
+            if !grad {
+                rec.write(out, false);
+                return Ok(());
             }
+            // Under 16-bit products the norm keeps its input and its rounded output from
+            // its own pass where the backend has one (the products then read the copy).
+            let kept = rec.rms_norm_saving((x, &xr), weight, eps, out)?;
+            let sx = match kept {
+                Some((sx, _)) => sx,
+                None => rec.save(&xr, x)?,
+            };
+            let sw = rec.save(&wr, weight)?;
+            let written = rec.write(out, grad);
+            if let Some((_, rounded)) = kept {
+                rec.note_rounded(written.id, rounded);
+                done = true;
+            }
+            rec.push(Node::RmsNorm {
+                x: xr,
+                w: wr,
+                eps,
+                sx,
+                sw,
+                out: written,
+            });
             Ok(())
         })?;
-        self.inner.rms_norm(x, weight, eps, out)
+        match done {
+            true => Ok(()),
+            false => self.inner.rms_norm(x, weight, eps, out),
+        }
     }
 
     fn layer_norm(
