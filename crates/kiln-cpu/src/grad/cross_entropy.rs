@@ -99,7 +99,7 @@ pub(crate) fn cross_entropy(
         if let Some(dh) = dh.as_deref_mut() {
             let dh = &mut f32s_mut(dh)?[r0 * dim..(r0 + rows) * dim];
             for_weight_tiles(pool, scratch, w, "cross_entropy", |t0, trows, ws| {
-                dx_slices(pool, &z[t0..], vocab, ws, dh, rows, trows, dim);
+                dx_slices(pool, &z[t0..], vocab, ws, dh, (rows, trows, dim), true);
                 Ok(())
             })?;
         }

@@ -4,7 +4,7 @@
 use crate::pool::{Pool, SharedMut};
 use crate::storage::Rows;
 use crate::{f32s, f32s_mut};
-use kiln_core::{DType, Error, Result, Tensor};
+use kiln_core::{DType, Error, GradInto, Result, Tensor};
 use std::sync::Mutex;
 
 /// Output rows per task: enough work to amortise a task, few enough to balance the pool.
@@ -71,34 +71,39 @@ pub(crate) fn for_weight_tiles(
     Ok(())
 }
 
-/// `dx[n, k] += dy[n, m] · w[m, k]`, tasks over rows of `dx`.
+/// `dx[n, k] += dy[n, m] · w[m, k]` (`=` under `GradInto::Write`: the first tile of a
+/// stored weight's rows writes, the others add), tasks over rows of `dx`.
 pub(crate) fn matmul_dx(
     pool: &Pool,
     scratch: &Mutex<Vec<f32>>,
     dy: &Tensor,
     w: &Tensor,
     dx: &mut Tensor,
+    into: GradInto,
 ) -> Result<()> {
     let (n, m, k) = dims(dy, weight_dims(w, "matmul_dx")?, dx, "matmul_dx")?;
     let (dys, dxs) = (f32s(dy)?, f32s_mut(dx)?);
+    if m == 0 && into == GradInto::Write {
+        dxs.fill(0.0);
+    }
     for_weight_tiles(pool, scratch, w, "matmul_dx", |r0, rows, ws| {
-        dx_slices(pool, &dys[r0..], m, ws, dxs, n, rows, k);
+        let add = into == GradInto::Add || r0 > 0;
+        dx_slices(pool, &dys[r0..], m, ws, dxs, (n, rows, k), add);
         Ok(())
     })
 }
 
-/// `dx[n, k] += dy[n, m] · w[m, k]` on slices, `dy`'s rows `dy_stride` apart (a tile of
-/// columns of a wider matrix) and the others packed, tasks over rows of `dx`.
-#[allow(clippy::too_many_arguments)]
+/// `dx[n, k] += dy[n, m] · w[m, k]` on slices (`=` where not `add`), `dy`'s rows
+/// `dy_stride` apart (a tile of columns of a wider matrix) and the others packed, tasks
+/// over rows of `dx`.
 pub(crate) fn dx_slices(
     pool: &Pool,
     dys: &[f32],
     dy_stride: usize,
     ws: &[f32],
     dxs: &mut [f32],
-    n: usize,
-    m: usize,
-    k: usize,
+    (n, m, k): (usize, usize, usize),
+    add: bool,
 ) {
     if n == 0 || m == 0 || k == 0 {
         return;
@@ -124,7 +129,7 @@ pub(crate) fn dx_slices(
                     out.at(r0 * k),
                     1,
                     k as isize,
-                    true,
+                    add,
                     dys.as_ptr().add(r0 * dy_stride),
                     1,
                     dy_stride as isize,

@@ -10,7 +10,8 @@ mod norm;
 use crate::CpuBackend;
 use kiln_core::{AttentionParams, DType, GradInto, GradOps, Result, RopeLayout, Tensor};
 
-/// A gradient an op writes (`GradInto::Write`) made zeros first: the CPU's loops add.
+/// A gradient an op writes (`GradInto::Write`) made zeros first, for the loops that add
+/// (the products write it themselves).
 fn begin(t: &mut Tensor, into: GradInto) -> Result<()> {
     if into == GradInto::Write {
         crate::f32s_mut(t)?.fill(0.0);
@@ -52,8 +53,7 @@ impl GradOps for CpuBackend {
     }
 
     fn matmul_dx(&self, dy: &Tensor, w: &Tensor, dx: &mut Tensor, into: GradInto) -> Result<()> {
-        begin(dx, into)?;
-        matmul::matmul_dx(&self.pool, &self.decoded, dy, w, dx)
+        matmul::matmul_dx(&self.pool, &self.decoded, dy, w, dx, into)
     }
 
     fn matmul_dw(&self, dy: &Tensor, x: &Tensor, dw: &mut Tensor) -> Result<()> {
