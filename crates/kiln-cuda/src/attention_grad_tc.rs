@@ -192,9 +192,9 @@ pub(crate) fn write_plan(
 
 /// The backward of `runs` (each a sequence's query rows and its span of key rows, a key's
 /// position its offset in the span): dQ, dK and dV added into `o.grads`, or written where
-/// `write` (only where [`write_plan`] gives a plan, its gaps zeroed). Runs whose rows (or key spans) overlap
-/// go one launch each, in order. `kept`: the forward's lse and rounded output (device
-/// addresses), from which the dQ kernel's first pass is spared.
+/// `write` (only where [`write_plan`] gives a plan, its gaps zeroed). Runs whose rows (or
+/// key spans) overlap go one launch each, in order. `kept`: the forward's lse and rounded
+/// output (device addresses), from which the dQ kernel's first pass is spared.
 pub(crate) fn backward(
     b: &CudaBackend,
     k: Kernels,
