@@ -215,8 +215,22 @@ impl Kernels {
         Ok(self.function(name)?.max_threads)
     }
 
-    pub(crate) fn programmatic(&self) -> bool {
-        self.programmatic
+    /// Blocks of `threads` threads and `shared` bytes of dynamic shared memory that one
+    /// multiprocessor runs at once of kernel `name` (its registers and shared memory
+    /// decide), at least 1.
+    pub(crate) fn blocks_per_sm(&self, name: &str, threads: u32, shared: u32) -> Result<usize> {
+        let mut blocks = 0i32;
+        unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut blocks,
+                self.function(name)?.f,
+                threads as i32,
+                shared as usize,
+            )
+        }
+        .result()
+        .map_err(driver_error)?;
+        Ok(blocks.max(1) as usize)
     }
 
     /// Launch `name`; `programmatic` (where this GPU allows it) lets it be scheduled

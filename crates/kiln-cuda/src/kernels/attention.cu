@@ -325,15 +325,25 @@ extern "C" __global__ void attention_combine(const float* part, float* out, i8* 
 // warp reads 32 / LK keys at once and U such reads back to back: 4 rows of K and 4 of V
 // in flight a lane. Each lane sums its 8 products per head, the LK lanes of a key add
 // theirs (shuffles), and the softmax runs online per head with one running max for the
-// warp; a lane keeps the sum and output (its 8 dimensions) of its own keys, merged
-// across the warp's key groups at the end and across key slots through shared memory.
+// warp (in base 2: scores scaled by log2 e, exp2); a lane keeps the sum and output (its 8
+// dimensions) of its own keys, merged across the warp's key groups at the end and across
+// key slots through shared memory.
 //
-// Split-K and paged tables as attention_body (the same `part` layout, attention_combine
-// merges the splits). With `rows` non-null block x serves query rows[x] (a paged batch's
-// rows that are alone in their sequence, beside prompt chunks that attention_tc takes),
-// n counts those, and `part` is laid out by x. Launch: grid (n, kv_heads, splits), block (32, sets * slots) with
-// sets = ceil(group / 4), dynamic shared memory sets * slots * 4 * (D + 2) floats.
-template <int KV, int D>
+// The kernel is bound by the instructions it issues, so the loop holds only what each
+// read needs: a read's rows are found once (KvRows::run; a lookup a key only where its
+// keys straddle a block), the softcap is a template argument (CAP), and exp2 takes
+// scores already in base 2. (A head whose keys are not yet visible is skipped by a
+// branch: without it the compiler interleaves the four heads and spills.)
+//
+// Split-K and paged tables as attention_body (the same `part` layout, its maxima in the
+// natural base; attention_combine merges the splits). With `rows` non-null block x serves
+// query rows[x] (a paged batch's rows that are alone in their sequence, beside prompt
+// chunks that attention_tc takes), n counts those, and `part` is laid out by x. Launch:
+// grid (n, kv_heads, splits), block (32, sets * slots) with sets = ceil(group / 4),
+// dynamic shared memory sets * slots * 4 * (D + 2) floats.
+#define DECODE_LOG2E 1.4426950408889634f
+#define DECODE_LN2 0.6931471805599453f
+template <int KV, int D, bool CAP>
 __device__ void attention_decode_body(const float* __restrict__ q, const u8* __restrict__ kc,
                                       const u8* __restrict__ vc, const int* __restrict__ pos,
                                       float* __restrict__ out, float* __restrict__ part,
@@ -356,20 +366,10 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
     const int lo = max(window > 0 ? max(0, qpos - window + 1) : 0, split * span);
     const int hi = min(qpos, (split + 1) * span - 1);
     const size_t elements = (size_t)pool_rows * kv_heads * D;
-    const int* table = tables != nullptr ? tables + (size_t)seq[qi] * max_blocks : nullptr;
-    const size_t NO_ROW = ~(size_t)0;
-    // Blocks are a power of two long in practice (a server's 16): shifts, not divisions,
-    // for every key's table entry.
-    const bool pow2 = (block & (block - 1)) == 0;
-    const int shift = __ffs(block) - 1;
-    auto kv_row = [&](int kp) -> size_t {
-        if (table == nullptr) return (size_t)kp;
-        const int tb = pow2 ? kp >> shift : kp / block;
-        if (tb >= max_blocks) return NO_ROW;
-        const int b = table[tb];
-        const size_t row = (size_t)b * block + (kp - tb * block);
-        return b < 0 || row >= (size_t)pool_rows ? NO_ROW : row;
-    };
+    const KvRows src{tables != nullptr ? tables + (size_t)seq[qi] * max_blocks : nullptr, max_blocks,
+                     block, pool_rows};
+    // Scores in base 2: s2 = s * log2 e, and the softcap's cap * tanh(s / cap) likewise.
+    const float scale2 = scale * DECODE_LOG2E, cap2 = cap * DECODE_LOG2E;
 
     // This warp's heads: kvh * group + set * HPW + g, for g < HPW within the group.
     float qv[HPW][8];
@@ -394,13 +394,15 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
 
     const int stride = slots * KPL * U;
     for (int c0 = lo + slot * KPL * U; c0 <= hi; c0 += stride) {
+        const size_t first = src.run(c0, KPL * U);
         Kv8<KV> kr[U], vr[U];
         bool seen[U];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int kp = c0 + u * KPL + sub;
-            const size_t row = kp <= hi ? kv_row(kp) : NO_ROW;
-            seen[u] = row != NO_ROW;
+            size_t row = KvRows::NO_ROW;
+            if (kp <= hi) row = first != KvRows::NO_ROW ? first + u * KPL + sub : src.row(kp);
+            seen[u] = row != KvRows::NO_ROW;
             if (seen[u]) {
                 const size_t e = (row * kv_heads + kvh) * D + 8 * piece;
                 kr[u].load(kc, e, elements);
@@ -420,8 +422,7 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
                 for (int i = 0; i < 8; i++) dot += qv[g][i] * kr[u].at(i);
 #pragma unroll
                 for (int o = LK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                float sc = dot * scale;
-                if (cap > 0.0f) sc = cap * tanhf(sc / cap);
+                const float sc = CAP ? cap2 * tanhf(dot * scale / cap) : dot * scale2;
                 s[u][g] = seen[u] ? sc : NEG_INF;
             }
         }
@@ -434,14 +435,14 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
             for (int o = LK; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
             const float m_new = fmaxf(m[g], mx);
             if (m_new == NEG_INF) continue;  // no key of this read visible yet
-            const float corr = expf(m[g] - m_new);
+            const float corr = exp2f(m[g] - m_new);
             m[g] = m_new;
             l[g] *= corr;
 #pragma unroll
             for (int i = 0; i < 8; i++) acc[g][i] *= corr;
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                const float p = expf(s[u][g] - m_new);
+                const float p = exp2f(s[u][g] - m_new);
                 l[g] += p;
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[g][i] += p * vr[u].at(i);
@@ -484,7 +485,7 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
         if (M != NEG_INF) {
             for (int k = 0; k < slots; k++) {
                 const float* w = smem + ((size_t)(k * sets + hs) * HPW + g) * (D + 2);
-                const float f = expf(w[0] - M);
+                const float f = exp2f(w[0] - M);
                 L += w[1] * f;
                 o += w[2 + d] * f;
             }
@@ -497,7 +498,7 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
         } else {
             float* pp = part + (((size_t)split * n + slot_q) * heads + kvh * group + gh) * (D + 2);
             if (d == 0) {
-                pp[0] = M;
+                pp[0] = M * DECODE_LN2;  // attention_combine weighs splits by exp(max)
                 pp[1] = L;
             }
             pp[2 + d] = o;
@@ -505,18 +506,36 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
     }
 }
 
+// The softcapped loop (Gemma 2) as a call of its own: inlined beside the plain loop, its
+// registers made the plain loop spill.
+template <int KV, int D>
+__device__ __noinline__ void attention_decode_capped(
+    const float* q, const u8* kc, const u8* vc, const int* pos, float* out, float* part, i8* xq,
+    float* xd, const int* seq, const int* tables, int max_blocks, int block, int pool_rows, int n,
+    int heads, int kv_heads, float scale, float cap, int window, int span, const int* rows) {
+    attention_decode_body<KV, D, true>(q, kc, vc, pos, out, part, xq, xd, seq, tables, max_blocks,
+                                       block, pool_rows, n, heads, kv_heads, scale, cap, window,
+                                       span, rows);
+}
+
 // Named attention_decode_<KV type>_<head dimensions>; blocks of up to 8 warps (a group of
 // 32 heads), two such blocks an SM at least: 128 registers a thread, which leaves four
 // blocks of a 4-head group an SM.
-#define ATTENTION_DECODE(KV, NAME, D)                                                         \
-    extern "C" __global__ void __launch_bounds__(256, 2) attention_decode_##NAME##_##D(          \
-        const float* q, const u8* kc, const u8* vc, const int* pos, float* out, float* part,  \
-        i8* xq, float* xd, const int* seq, const int* tables, int max_blocks, int block,      \
-        int pool_rows, int n, int heads, int kv_heads, float scale, float cap, int window,    \
-        int span, const int* rows) {                                                          \
-        attention_decode_body<KV, D>(q, kc, vc, pos, out, part, xq, xd, seq, tables,          \
-                                     max_blocks, block, pool_rows, n, heads, kv_heads, scale, \
-                                     cap, window, span, rows);                                \
+#define ATTENTION_DECODE(KV, NAME, D)                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 2) attention_decode_##NAME##_##D(           \
+        const float* q, const u8* kc, const u8* vc, const int* pos, float* out, float* part,   \
+        i8* xq, float* xd, const int* seq, const int* tables, int max_blocks, int block,       \
+        int pool_rows, int n, int heads, int kv_heads, float scale, float cap, int window,     \
+        int span, const int* rows) {                                                           \
+        if (cap > 0.0f)                                                                        \
+            attention_decode_capped<KV, D>(q, kc, vc, pos, out, part, xq, xd, seq, tables,     \
+                                           max_blocks, block, pool_rows, n, heads, kv_heads,   \
+                                           scale, cap, window, span, rows);                    \
+        else                                                                                   \
+            attention_decode_body<KV, D, false>(q, kc, vc, pos, out, part, xq, xd, seq,        \
+                                                tables, max_blocks, block, pool_rows, n,       \
+                                                heads, kv_heads, scale, cap, window, span,     \
+                                                rows);                                         \
     }
 #define ATTENTION_DECODE_KV(KV, NAME) \
     ATTENTION_DECODE(KV, NAME, 64) ATTENTION_DECODE(KV, NAME, 128) ATTENTION_DECODE(KV, NAME, 256)

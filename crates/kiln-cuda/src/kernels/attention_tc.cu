@@ -77,32 +77,6 @@ template <int QT> __device__ __forceinline__ u32 atc_pack(float lo, float hi) {
     }
 }
 
-// Where position kp's key and value lie: the cache row itself, or through a block table
-// (NO_ROW for an entry outside the pool or past the table).
-struct KvRows {
-    const int* table;  // null for one sequence's cache
-    int max_blocks, block, pool_rows;
-    static constexpr size_t NO_ROW = ~(size_t)0;
-    __device__ __forceinline__ size_t row(int kp) const {
-        if (table == nullptr) return (size_t)kp;
-        if (kp / block >= max_blocks) return NO_ROW;
-        const int b = table[kp / block];
-        const size_t r = (size_t)b * block + kp % block;
-        return b < 0 || r >= (size_t)pool_rows ? NO_ROW : r;
-    }
-    // The row of position c0 when positions c0 .. c0 + n - 1 lie in consecutive rows
-    // (always without a table; with one, when they share a block that lies in the pool),
-    // else NO_ROW (then each position's row is looked up alone).
-    __device__ __forceinline__ size_t run(int c0, int n) const {
-        if (table == nullptr) return (size_t)c0;
-        const int bi = c0 / block, off = c0 - bi * block;
-        if (off + n > block || bi >= max_blocks) return NO_ROW;
-        const int b = table[bi];
-        const size_t r = (size_t)b * block + off;
-        return b < 0 || r + n > (size_t)pool_rows ? NO_ROW : r;
-    }
-};
-
 // Positions c0 .. c0 + 63 of KV head kvh into chunk buffer `buf` (keys, values, and a
 // flag each: present and within [lo, hi]), 16-byte pieces of f16 by cp.async, zeros
 // elsewhere; a thread takes one piece of every (threads / (D / 8))-th position, and one

@@ -72,6 +72,32 @@ struct Kv8 {
     }
 };
 
+// Where position kp's key and value lie: the cache row itself, or through a block table
+// (NO_ROW for an entry outside the pool or past the table).
+struct KvRows {
+    const int* table;  // null for one sequence's cache
+    int max_blocks, block, pool_rows;
+    static constexpr size_t NO_ROW = ~(size_t)0;
+    __device__ __forceinline__ size_t row(int kp) const {
+        if (table == nullptr) return (size_t)kp;
+        if (kp / block >= max_blocks) return NO_ROW;
+        const int b = table[kp / block];
+        const size_t r = (size_t)b * block + kp % block;
+        return b < 0 || r >= (size_t)pool_rows ? NO_ROW : r;
+    }
+    // The row of position c0 when positions c0 .. c0 + n - 1 lie in consecutive rows
+    // (always without a table; with one, when they share a block that lies in the pool),
+    // else NO_ROW (then each position's row is looked up alone).
+    __device__ __forceinline__ size_t run(int c0, int n) const {
+        if (table == nullptr) return (size_t)c0;
+        const int bi = c0 / block, off = c0 - bi * block;
+        if (off + n > block || bi >= max_blocks) return NO_ROW;
+        const int b = table[bi];
+        const size_t r = (size_t)b * block + off;
+        return b < 0 || r + n > (size_t)pool_rows ? NO_ROW : r;
+    }
+};
+
 // Element e of a cache.
 template <int KV>
 __device__ __forceinline__ float kv_load1(const u8* __restrict__ c, size_t e, size_t elements) {
