@@ -76,6 +76,48 @@ pub(crate) fn gated(
     )
 }
 
+/// [`gated`] (`gelu`: GELU·mul, else SiLU·mul) also writing its output rounded to BF16
+/// (`bf16`) or F16 at `dst`, noted as the stream's latest rounded copy: the down
+/// projection's 16-bit product reads it instead of rounding `out` again.
+pub(crate) fn gated_rounded(
+    b: &CudaBackend,
+    gelu: bool,
+    gate: &Tensor,
+    up: &Tensor,
+    out: &mut Tensor,
+    dst: u64,
+    bf16: bool,
+) -> Result<()> {
+    let kernel = if gelu {
+        "gelu_mul_keep"
+    } else {
+        "silu_mul_keep"
+    };
+    for t in [gate, up, &*out] {
+        expect(t, DType::F32, kernel)?;
+    }
+    same_shape(gate, up, kernel)?;
+    same_shape(gate, out, kernel)?;
+    let n = out.shape().numel();
+    b.launch_1d(
+        kernel,
+        n.div_ceil(4),
+        &[
+            Arg::Ptr(ptr(gate)?),
+            Arg::Ptr(ptr(up)?),
+            Arg::Ptr(ptr(out)?),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
+            Arg::Ptr(dst),
+            Arg::U64(n as u64),
+            Arg::I32(bf16 as i32),
+        ],
+    )?;
+    let queued = b.queued.load(std::sync::atomic::Ordering::Relaxed);
+    b.blas.note_rounded_copy(ptr(out)?, n, bf16, dst, queued);
+    Ok(())
+}
+
 fn check_positions(pos: &Tensor, n: usize, op: &str) -> Result<()> {
     expect(pos, DType::I32, &format!("{op} positions"))?;
     if pos.shape().numel() != n {

@@ -72,6 +72,20 @@ impl Blas {
     }
 }
 
+impl Blas {
+    /// The address of a rounded copy of the F32 `span` at `src` that is still whole
+    /// (nothing has been queued since the op that made or last read it: `now`).
+    fn rounded_copy_of(&self, src: u64, span: usize, bf16: bool, now: u64) -> Option<u64> {
+        self.half_copies
+            .lock()
+            .expect("half copies lock")
+            .iter()
+            .flatten()
+            .find(|h| h.src == src && h.span == span && h.bf16 == bf16 && h.queued_at == now)
+            .map(|h| h.dst)
+    }
+}
+
 /// The arithmetic of F32 products, in [`Products`]' order.
 const PRODUCTS: [Products; 4] = [Products::F32, Products::Tf32, Products::Bf16, Products::F16];
 
@@ -392,7 +406,9 @@ pub(crate) fn rms_norm_matmul_many(
     matmul_many_in(b, normed, quantized, ws, outs)
 }
 
-/// The norm, with int8 output where the matvec kernels of `ws` will read it.
+/// The norm, with int8 output where the matvec kernels of `ws` will read it, or rounded
+/// to 16 bits where the tensor-core products of `ws` will (a server's step: no rounding
+/// launch before the products).
 fn rms_norm_for(
     b: &CudaBackend,
     norm: &RmsNorm,
@@ -403,8 +419,32 @@ fn rms_norm_for(
     if reads_int8(n, k) && ws.iter().any(|w| w.dtype().is_quantized()) {
         return crate::norm::rms_norm_quantized(b, norm.x, norm.weight, norm.eps, normed).map(Some);
     }
+    if let Some((dst, bf16)) = rounded_input_for(b, ws, n, k)? {
+        crate::norm::rms_norm_rounded(b, (norm.x, norm.weight, norm.eps), normed, dst, bf16)?;
+        return Ok(None);
+    }
     crate::norm::rms_norm(b, norm.x, norm.weight, norm.eps, normed)?;
     Ok(None)
+}
+
+/// Where the op making an input of `n` rows of `k` values for products over `ws` should
+/// also write it rounded, and whether to BF16: the work buffer [`HalfX`] rounds x into,
+/// when every product past the matvec kernels reads x in 16 bits (all but F32 weights)
+/// and rows are whole float4 steps.
+fn rounded_input_for(
+    b: &CudaBackend,
+    ws: &[&Tensor],
+    n: usize,
+    k: usize,
+) -> Result<Option<(u64, bool)>> {
+    let Some(first) = ws.first() else {
+        return Ok(None);
+    };
+    if use_matvec(n, k) || !k.is_multiple_of(4) || ws.iter().any(|w| w.dtype() == DType::F32) {
+        return Ok(None);
+    }
+    let bf16 = first.dtype() == DType::BF16;
+    Ok(Some((HalfX::buffer(b, n * k, bf16)?, bf16)))
 }
 
 fn matmul_many_in(
@@ -511,8 +551,16 @@ fn gated_ffn_in(
         let mut half_x = HalfX::default();
         matmul_in(b, x, quantized, &mut half_x, gate, tmp_gate, false)?;
         matmul_in(b, x, quantized, &mut half_x, up, tmp_up, false)?;
-        let kernel = if gelu { "gelu_mul" } else { "silu_mul" };
-        return crate::elementwise::gated(b, kernel, tmp_gate, tmp_up, out);
+        // The down projection (of the gate's type, in practice) reads the output rounded.
+        return match rounded_input_for(b, &[gate], n, m)? {
+            Some((dst, bf16)) => {
+                crate::elementwise::gated_rounded(b, gelu, tmp_gate, tmp_up, out, dst, bf16)
+            }
+            None => {
+                let kernel = if gelu { "gelu_mul" } else { "silu_mul" };
+                crate::elementwise::gated(b, kernel, tmp_gate, tmp_up, out)
+            }
+        };
     }
     let t = kernel_suffix(gate.dtype())?;
     let mut args = vec![Arg::Ptr(ptr(gate)?), Arg::Ptr(ptr(up)?)];
@@ -544,17 +592,24 @@ struct HalfX {
 }
 
 impl HalfX {
+    /// The work buffer x is rounded into, for `values` of them.
+    fn buffer(b: &CudaBackend, values: usize, bf16: bool) -> Result<u64> {
+        b.scratch(if bf16 { "gemm_x_bf16" } else { "gemm_x_f16" }, values * 2)
+    }
+
     fn get(&mut self, b: &CudaBackend, x: &Tensor, bf16: bool) -> Result<u64> {
-        let (slot, name) = if bf16 {
-            (&mut self.bf16, "gemm_x_bf16")
-        } else {
-            (&mut self.f16, "gemm_x_f16")
-        };
+        let slot = if bf16 { &mut self.bf16 } else { &mut self.f16 };
         if let Some(p) = *slot {
             return Ok(p);
         }
         let n = x.shape().numel();
-        let p = b.scratch(name, n * 2)?;
+        // The op that wrote x may have rounded it already (a norm, the gated activation).
+        let now = b.queued.load(std::sync::atomic::Ordering::Relaxed);
+        if let Some(p) = b.blas.rounded_copy_of(ptr(x)?, n, bf16, now) {
+            *slot = Some(p);
+            return Ok(p);
+        }
+        let p = HalfX::buffer(b, n, bf16)?;
         b.launch_1d(
             "f32_to_half",
             n.div_ceil(4),
@@ -678,7 +733,6 @@ pub(crate) fn sgemm_batched(
         (None, _) => (f32_type, Compute::CUBLAS_COMPUTE_32F_FAST_TF32),
     };
     let handle = b.blas.handle.lock().expect("cuBLAS lock");
-    b.fence_before_library_kernel()?;
     b.queued_other_work();
     unsafe {
         blas::gemm_strided_batched_ex(
@@ -853,7 +907,6 @@ fn f32_gemm(
         }
     };
     let handle = b.blas.handle.lock().expect("cuBLAS lock");
-    b.fence_before_library_kernel()?;
     b.queued_other_work();
     unsafe {
         blas::gemm_ex(
@@ -949,7 +1002,6 @@ fn gemm(
         }
     };
     let handle = b.blas.handle.lock().expect("cuBLAS lock");
-    b.fence_before_library_kernel()?;
     b.queued_other_work();
     unsafe {
         blas::gemm_ex(

@@ -39,12 +39,22 @@ pub(crate) fn rms_norm(
     eps: f32,
     out: &mut Tensor,
 ) -> Result<()> {
-    rms_norm_with(b, x, w, eps, out, None)
+    rms_norm_with(b, x, w, eps, out, Copies::default())
 }
 
-/// `rms_norm`, also writing its output as the quantized matvec kernels read it (int8
-/// rows and per-32 scales, in the buffers `matmul::quantized_x` hands out). Rows of a
-/// multiple of 32 values.
+/// What an RMSNorm launch writes besides its output (device addresses): the output as
+/// the quantized matvec kernels read it (int8 rows and per-32 scales, rows of whole
+/// 32-value units), a copy of x, the output rounded to BF16 (`bf16`) or F16 as
+/// f32_to_half rounds it. The last two need rows of whole float4 steps.
+#[derive(Default)]
+struct Copies {
+    quantized: Option<[Arg; 2]>,
+    x_copy: Option<u64>,
+    rounded: Option<(u64, bool)>,
+}
+
+/// `rms_norm`, also writing its output as the quantized matvec kernels read it (in the
+/// buffers `matmul::quantized_x` hands out). Rows of a multiple of 32 values.
 pub(crate) fn rms_norm_quantized(
     b: &CudaBackend,
     x: &Tensor,
@@ -53,8 +63,34 @@ pub(crate) fn rms_norm_quantized(
     out: &mut Tensor,
 ) -> Result<[Arg; 2]> {
     let quantized = crate::matmul::quantized_x(b, x.shape().numel())?;
-    rms_norm_with(b, x, w, eps, out, Some(quantized))?;
+    let copies = Copies {
+        quantized: Some(quantized),
+        ..Copies::default()
+    };
+    rms_norm_with(b, x, w, eps, out, copies)?;
     Ok(quantized)
+}
+
+/// `rms_norm`, also writing its output rounded to BF16 (`bf16`) or F16 at `dst`, noted as
+/// the stream's latest rounded copy so that the 16-bit products reading `out` next take
+/// it instead of rounding `out` again. Rows of a multiple of 4 values.
+pub(crate) fn rms_norm_rounded(
+    b: &CudaBackend,
+    norm: (&Tensor, &Tensor, f32),
+    out: &mut Tensor,
+    dst: u64,
+    bf16: bool,
+) -> Result<()> {
+    let (x, w, eps) = norm;
+    let copies = Copies {
+        rounded: Some((dst, bf16)),
+        ..Copies::default()
+    };
+    rms_norm_with(b, x, w, eps, out, copies)?;
+    let queued = b.queued.load(std::sync::atomic::Ordering::Relaxed);
+    b.blas
+        .note_rounded_copy(ptr(out)?, out.shape().numel(), bf16, dst, queued);
+    Ok(())
 }
 
 fn rms_norm_with(
@@ -63,21 +99,28 @@ fn rms_norm_with(
     w: &Tensor,
     eps: f32,
     out: &mut Tensor,
-    quantized: Option<[Arg; 2]>,
+    copies: Copies,
 ) -> Result<()> {
     expect(x, DType::F32, "rms_norm input")?;
+    expect(out, DType::F32, "rms_norm output")?;
     same_shape(x, out, "rms_norm")?;
     let dim = x.shape().row_len();
     check_vector(w, dim, "rms_norm weight")?;
     if x.shape().numel() == 0 {
         return Ok(());
     }
-    if quantized.is_some() && !dim.is_multiple_of(32) {
+    if copies.quantized.is_some() && !dim.is_multiple_of(32) {
         return Err(Error::shape(format!(
             "rms_norm into int8: rows of {dim} are not whole 32-value units"
         )));
     }
-    let [xq, xd] = quantized.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
+    if (copies.x_copy.is_some() || copies.rounded.is_some()) && !dim.is_multiple_of(4) {
+        return Err(Error::shape(format!(
+            "rms_norm with copies: rows of {dim} are not whole float4 steps"
+        )));
+    }
+    let [xq, xd] = copies.quantized.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
+    let (rounded, bf16) = copies.rounded.unwrap_or((0, false));
     b.launch(
         "rms_norm",
         (rows(x)?, 1, 1),
@@ -91,9 +134,9 @@ fn rms_norm_with(
             xd,
             Arg::I32(to_i32(dim, "row length")?),
             Arg::F32(eps),
-            Arg::Ptr(0),
-            Arg::Ptr(0),
-            Arg::I32(0),
+            Arg::Ptr(copies.x_copy.unwrap_or(0)),
+            Arg::Ptr(rounded),
+            Arg::I32(bf16 as i32),
         ],
     )
 }
@@ -110,12 +153,7 @@ pub(crate) fn rms_norm_saving(
     half: DType,
     copy_x: bool,
 ) -> Result<Option<(Option<Tensor>, Tensor)>> {
-    expect(x, DType::F32, "rms_norm input")?;
-    expect(out, DType::F32, "rms_norm output")?;
-    same_shape(x, out, "rms_norm")?;
-    let dim = x.shape().row_len();
-    check_vector(w, dim, "rms_norm weight")?;
-    if x.shape().numel() == 0 || !dim.is_multiple_of(4) {
+    if x.shape().numel() == 0 || !x.shape().row_len().is_multiple_of(4) {
         return Ok(None);
     }
     let x_copy = match copy_x {
@@ -123,24 +161,12 @@ pub(crate) fn rms_norm_saving(
         false => None,
     };
     let out_half = b.alloc_tensor(half, x.shape().clone())?;
-    b.launch(
-        "rms_norm",
-        (rows(x)?, 1, 1),
-        block_for(dim),
-        0,
-        &[
-            Arg::Ptr(ptr(x)?),
-            Arg::Ptr(ptr(w)?),
-            Arg::Ptr(ptr(out)?),
-            Arg::Ptr(0),
-            Arg::Ptr(0),
-            Arg::I32(to_i32(dim, "row length")?),
-            Arg::F32(eps),
-            Arg::Ptr(x_copy.as_ref().map_or(Ok(0), ptr)?),
-            Arg::Ptr(ptr(&out_half)?),
-            Arg::I32((half == DType::BF16) as i32),
-        ],
-    )?;
+    let copies = Copies {
+        quantized: None,
+        x_copy: x_copy.as_ref().map(ptr).transpose()?,
+        rounded: Some((ptr(&out_half)?, half == DType::BF16)),
+    };
+    rms_norm_with(b, x, w, eps, out, copies)?;
     Ok(Some((x_copy, out_half)))
 }
 

@@ -50,8 +50,9 @@ __device__ __forceinline__ void gated_body(const float* gate, const float* up, f
 // gated_body's out, with gate, up and out also rounded to 16 bits (bf16 when bf, else f16)
 // as f32_to_half rounds them: what training keeps of the gated activation under 16-bit
 // products (gate and up for its gradient, out for the down projection), one pass where
-// three roundings read ~600 MB a layer of a 134M model's batch.   Launch: 1-D over
-// ceil(n / 4).
+// three roundings read ~600 MB a layer of a 134M model's batch. gate_r and up_r may be
+// null (inference keeps only out's copy, which the down projection reads).   Launch: 1-D
+// over ceil(n / 4).
 template <bool GELU>
 __device__ __forceinline__ void gated_keep_body(const float* gate, const float* up, float* out, u16* gate_r,
                                                 u16* up_r, u16* out_r, size_t n, int bf) {
@@ -65,15 +66,15 @@ __device__ __forceinline__ void gated_keep_body(const float* gate, const float* 
         const float4 g = *(const float4*)(gate + i), u = *(const float4*)(up + i);
         const float4 o = make_float4(act(g.x) * u.x, act(g.y) * u.y, act(g.z) * u.z, act(g.w) * u.w);
         *(float4*)(out + i) = o;
-        *(uint2*)(gate_r + i) = make_uint2(pair(g.x, g.y), pair(g.z, g.w));
-        *(uint2*)(up_r + i) = make_uint2(pair(u.x, u.y), pair(u.z, u.w));
+        if (gate_r != nullptr) *(uint2*)(gate_r + i) = make_uint2(pair(g.x, g.y), pair(g.z, g.w));
+        if (up_r != nullptr) *(uint2*)(up_r + i) = make_uint2(pair(u.x, u.y), pair(u.z, u.w));
         *(uint2*)(out_r + i) = make_uint2(pair(o.x, o.y), pair(o.z, o.w));
     } else {
         for (size_t j = i; j < n && j < i + 4; j++) {
             const float o = act(gate[j]) * up[j];
             out[j] = o;
-            gate_r[j] = (u16)half(gate[j]);
-            up_r[j] = (u16)half(up[j]);
+            if (gate_r != nullptr) gate_r[j] = (u16)half(gate[j]);
+            if (up_r != nullptr) up_r[j] = (u16)half(up[j]);
             out_r[j] = (u16)half(o);
         }
     }
@@ -177,5 +178,3 @@ extern "C" __global__ void argmax_finish(const float* piece_v, const int* piece_
     if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
 }
 
-// Nothing: launched the ordinary way before a cuBLAS call (fence_before_library_kernel).
-extern "C" __global__ void library_fence() {}
