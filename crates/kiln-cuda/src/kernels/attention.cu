@@ -412,14 +412,19 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
                 vr[u].zero();
             }
         }
+        // Scores, then (in place) the weights p of the softmax; each key piece is widened
+        // to f32 once and used for every head of the warp.
         float s[U][HPW];
 #pragma unroll
         for (int u = 0; u < U; u++) {
+            float kf[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) kf[i] = kr[u].at(i);
 #pragma unroll
             for (int g = 0; g < HPW; g++) {
                 float dot = 0.0f;
 #pragma unroll
-                for (int i = 0; i < 8; i++) dot += qv[g][i] * kr[u].at(i);
+                for (int i = 0; i < 8; i++) dot += qv[g][i] * kf[i];
 #pragma unroll
                 for (int o = LK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
                 const float sc = CAP ? cap2 * tanhf(dot * scale / cap) : dot * scale2;
@@ -433,19 +438,31 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
             for (int u = 1; u < U; u++) mx = fmaxf(mx, s[u][g]);
 #pragma unroll
             for (int o = LK; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float m_new = fmaxf(m[g], mx);
-            if (m_new == NEG_INF) continue;  // no key of this read visible yet
-            const float corr = exp2f(m[g] - m_new);
-            m[g] = m_new;
-            l[g] *= corr;
+            // Rescaled only when the running max rises (the same in every lane), which
+            // after the first keys is seldom; never while no key has been visible.
+            if (mx > m[g]) {
+                const float corr = exp2f(m[g] - mx);  // 0 for the first visible keys
+                m[g] = mx;
+                l[g] *= corr;
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[g][i] *= corr;
+                for (int i = 0; i < 8; i++) acc[g][i] *= corr;
+            }
+            const float m_use = m[g] == NEG_INF ? 0.0f : m[g];  // then every p is 0
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                const float p = exp2f(s[u][g] - m_new);
-                l[g] += p;
+                s[u][g] = exp2f(s[u][g] - m_use);
+                l[g] += s[u][g];
+            }
+        }
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc[g][i] += p * vr[u].at(i);
+        for (int u = 0; u < U; u++) {
+            float vf[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) vf[i] = vr[u].at(i);
+#pragma unroll
+            for (int g = 0; g < HPW; g++) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[g][i] += s[u][g] * vf[i];
             }
         }
     }
