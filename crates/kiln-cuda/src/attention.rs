@@ -640,11 +640,12 @@ fn upload_rows(b: &CudaBackend, words: Vec<u8>) -> Result<u64> {
 /// Launch an attention kernel as (`name`, (blocks along the queries, warps a block,
 /// dynamic shared memory)) over `splits` pieces of the key range, then merge the
 /// pieces (`attention_combine`). Both kernels take the same arguments up to the KV heads
-/// (queries, caches, positions, output, partials, int8 copy, tables, sizes); `tail` are
-/// the kernel's own after them. `rows`: the decode kernel's row list (device pointer and
-/// count), when it serves only those rows. For a few queries, all served, the output also
-/// goes out as int8 rows, which the quantized output projection reads next instead of
-/// rounding it in a launch of its own.
+/// (queries, caches, positions, output, partials, int8 copy, f16 copy, tables, sizes);
+/// `tail` are the kernel's own after them. `rows`: the decode kernel's row list (device
+/// pointer and count), when it serves only those rows. With every query served the
+/// output also goes out as the output projection reads it, instead of being rounded by a
+/// launch of its own: as int8 rows for a few queries (the quantized matrix-vector
+/// kernels), as f16 for more (the tensor-core products; BF16 weights round again).
 #[allow(clippy::too_many_arguments)]
 fn launch_split(
     b: &CudaBackend,
@@ -668,6 +669,10 @@ fn launch_split(
         .then(|| crate::matmul::quantized_x(b, n * heads * d))
         .transpose()?;
     let [xq, xd] = int8.unwrap_or([Arg::Ptr(0), Arg::Ptr(0)]);
+    let width = heads * d;
+    let half = (rows.is_none() && crate::matmul::reads_half(n, width))
+        .then(|| crate::matmul::rounded_input_buffer(b, n * width, false))
+        .transpose()?;
     let mut args = vec![
         Arg::Ptr(ptr(o.q)?),
         Arg::Ptr(ptr(o.k_cache)?),
@@ -677,6 +682,7 @@ fn launch_split(
         Arg::Ptr(part),
         xq,
         xd,
+        Arg::Ptr(half.unwrap_or(0)),
         Arg::Ptr(o.paged.map_or(0, |p| p.seq)),
         Arg::Ptr(o.paged.map_or(0, |p| p.tables)),
         Arg::I32(to_i32(
@@ -708,6 +714,7 @@ fn launch_split(
                 Arg::Ptr(out_ptr),
                 xq,
                 xd,
+                Arg::Ptr(half.unwrap_or(0)),
                 Arg::I32(n as i32),
                 Arg::I32(heads as i32),
                 Arg::I32(d as i32),
@@ -718,6 +725,11 @@ fn launch_split(
     }
     if let Some(int8) = int8 {
         b.note_int8_copy(out, int8)?;
+    }
+    if let Some(dst) = half {
+        let queued = b.queued.load(std::sync::atomic::Ordering::Relaxed);
+        b.blas
+            .note_rounded_copy(out_ptr, n * width, false, dst, queued);
     }
     Ok(())
 }

@@ -50,6 +50,16 @@ pub(crate) fn in_place(
     b.launch_1d(kernel, n, &args)
 }
 
+/// The element count of a gated activation's operands, checked (F32, one shape).
+fn gated_len(kernel: &str, gate: &Tensor, up: &Tensor, out: &Tensor) -> Result<usize> {
+    for t in [gate, up, out] {
+        expect(t, DType::F32, kernel)?;
+    }
+    same_shape(gate, up, kernel)?;
+    same_shape(gate, out, kernel)?;
+    Ok(out.shape().numel())
+}
+
 pub(crate) fn gated(
     b: &CudaBackend,
     kernel: &'static str,
@@ -57,12 +67,7 @@ pub(crate) fn gated(
     up: &Tensor,
     out: &mut Tensor,
 ) -> Result<()> {
-    for t in [gate, up, &*out] {
-        expect(t, DType::F32, kernel)?;
-    }
-    same_shape(gate, up, kernel)?;
-    same_shape(gate, out, kernel)?;
-    let n = out.shape().numel();
+    let n = gated_len(kernel, gate, up, out)?;
     // Four elements a thread.
     b.launch_1d(
         kernel,
@@ -78,7 +83,9 @@ pub(crate) fn gated(
 
 /// [`gated`] (`gelu`: GELU·mul, else SiLU·mul) also writing its output rounded to BF16
 /// (`bf16`) or F16 at `dst`, noted as the stream's latest rounded copy: the down
-/// projection's 16-bit product reads it instead of rounding `out` again.
+/// projection's 16-bit product reads it instead of rounding `out` again. `inputs`: where
+/// gate and up go rounded too (what training keeps for the gradient), if anywhere.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gated_rounded(
     b: &CudaBackend,
     gelu: bool,
@@ -86,6 +93,7 @@ pub(crate) fn gated_rounded(
     up: &Tensor,
     out: &mut Tensor,
     dst: u64,
+    inputs: Option<[u64; 2]>,
     bf16: bool,
 ) -> Result<()> {
     let kernel = if gelu {
@@ -93,12 +101,8 @@ pub(crate) fn gated_rounded(
     } else {
         "silu_mul_keep"
     };
-    for t in [gate, up, &*out] {
-        expect(t, DType::F32, kernel)?;
-    }
-    same_shape(gate, up, kernel)?;
-    same_shape(gate, out, kernel)?;
-    let n = out.shape().numel();
+    let n = gated_len(kernel, gate, up, out)?;
+    let [gate_r, up_r] = inputs.unwrap_or([0, 0]);
     b.launch_1d(
         kernel,
         n.div_ceil(4),
@@ -106,8 +110,8 @@ pub(crate) fn gated_rounded(
             Arg::Ptr(ptr(gate)?),
             Arg::Ptr(ptr(up)?),
             Arg::Ptr(ptr(out)?),
-            Arg::Ptr(0),
-            Arg::Ptr(0),
+            Arg::Ptr(gate_r),
+            Arg::Ptr(up_r),
             Arg::Ptr(dst),
             Arg::U64(n as u64),
             Arg::I32(bf16 as i32),

@@ -245,39 +245,22 @@ impl GradOps for CudaBackend {
         let Some(dtype) = self.rounded_type() else {
             return Ok(None);
         };
-        f32s(&[gate, up, out], "gated activation")?;
-        same_shape(gate, up, "gated activation")?;
-        same_shape(gate, out, "gated activation")?;
-        let n = gate.shape().numel();
         let kept = [
             self.alloc_tensor(dtype, gate.shape().clone())?,
             self.alloc_tensor(dtype, gate.shape().clone())?,
             self.alloc_tensor(dtype, gate.shape().clone())?,
         ];
-        let bf16 = dtype == DType::BF16;
-        let kernel = if gelu {
-            "gelu_mul_keep"
-        } else {
-            "silu_mul_keep"
-        };
-        self.launch_1d(
-            kernel,
-            n.div_ceil(4),
-            &[
-                Arg::Ptr(ptr(gate)?),
-                Arg::Ptr(ptr(up)?),
-                Arg::Ptr(ptr(out)?),
-                Arg::Ptr(ptr(&kept[0])?),
-                Arg::Ptr(ptr(&kept[1])?),
-                Arg::Ptr(ptr(&kept[2])?),
-                Arg::U64(n as u64),
-                Arg::I32(bf16 as i32),
-            ],
-        )?;
         // The down projection that follows reads the rounded output instead of rounding.
-        let queued = self.queued.load(std::sync::atomic::Ordering::Relaxed);
-        self.blas
-            .note_rounded_copy(ptr(out)?, n, bf16, ptr(&kept[2])?, queued);
+        crate::elementwise::gated_rounded(
+            self,
+            gelu,
+            gate,
+            up,
+            out,
+            ptr(&kept[2])?,
+            Some([ptr(&kept[0])?, ptr(&kept[1])?]),
+            dtype == DType::BF16,
+        )?;
         Ok(Some(kept))
     }
 

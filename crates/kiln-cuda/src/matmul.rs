@@ -284,6 +284,12 @@ pub(crate) fn reads_int8(n: usize, k: usize) -> bool {
     use_matvec(n, k) && k.is_multiple_of(32)
 }
 
+/// Whether an input of `n` rows of `k` values reaches every weight but F32 rounded to 16
+/// bits (the products past the matvec kernels).
+pub(crate) fn reads_half(n: usize, k: usize) -> bool {
+    !use_matvec(n, k)
+}
+
 /// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate` (the matvec kernels add in
 /// their epilogue, cuBLAS with beta = 1).
 pub(crate) fn matmul(
@@ -440,11 +446,11 @@ fn rounded_input_for(
     let Some(first) = ws.first() else {
         return Ok(None);
     };
-    if use_matvec(n, k) || !k.is_multiple_of(4) || ws.iter().any(|w| w.dtype() == DType::F32) {
+    if !reads_half(n, k) || !k.is_multiple_of(4) || ws.iter().any(|w| w.dtype() == DType::F32) {
         return Ok(None);
     }
     let bf16 = first.dtype() == DType::BF16;
-    Ok(Some((HalfX::buffer(b, n * k, bf16)?, bf16)))
+    Ok(Some((rounded_input_buffer(b, n * k, bf16)?, bf16)))
 }
 
 fn matmul_many_in(
@@ -554,7 +560,7 @@ fn gated_ffn_in(
         // The down projection (of the gate's type, in practice) reads the output rounded.
         return match rounded_input_for(b, &[gate], n, m)? {
             Some((dst, bf16)) => {
-                crate::elementwise::gated_rounded(b, gelu, tmp_gate, tmp_up, out, dst, bf16)
+                crate::elementwise::gated_rounded(b, gelu, tmp_gate, tmp_up, out, dst, None, bf16)
             }
             None => {
                 let kernel = if gelu { "gelu_mul" } else { "silu_mul" };
@@ -591,12 +597,13 @@ struct HalfX {
     bf16: Option<u64>,
 }
 
-impl HalfX {
-    /// The work buffer x is rounded into, for `values` of them.
-    fn buffer(b: &CudaBackend, values: usize, bf16: bool) -> Result<u64> {
-        b.scratch(if bf16 { "gemm_x_bf16" } else { "gemm_x_f16" }, values * 2)
-    }
+/// The work buffer the products round an input of `values` into (BF16 or F16), where the
+/// op making the input may write it rounded instead.
+pub(crate) fn rounded_input_buffer(b: &CudaBackend, values: usize, bf16: bool) -> Result<u64> {
+    b.scratch(if bf16 { "gemm_x_bf16" } else { "gemm_x_f16" }, values * 2)
+}
 
+impl HalfX {
     fn get(&mut self, b: &CudaBackend, x: &Tensor, bf16: bool) -> Result<u64> {
         let slot = if bf16 { &mut self.bf16 } else { &mut self.f16 };
         if let Some(p) = *slot {
@@ -609,7 +616,7 @@ impl HalfX {
             *slot = Some(p);
             return Ok(p);
         }
-        let p = HalfX::buffer(b, n, bf16)?;
+        let p = rounded_input_buffer(b, n, bf16)?;
         b.launch_1d(
             "f32_to_half",
             n.div_ceil(4),

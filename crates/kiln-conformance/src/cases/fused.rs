@@ -235,12 +235,15 @@ pub fn rms_norm_gated_ffn(t: &Target) {
 /// and once another op has changed it, the changed values.
 pub fn attention_output_feeds_a_product(t: &Target) {
     // (queries, heads, kv_heads, head_dim, capacity, first position, cache type): one
-    // split, several; f32 and f16 caches (f16 the GPUs' default).
+    // split, several; f32 and f16 caches (f16 the GPUs' default); a few queries (the
+    // matrix-vector products, int8 for quantized weights) and more (16-bit products).
     for (c, (n, heads, kvh, hd, cap, p0, kv)) in [
         (1, 8, 2, 64, 40, 30, DType::F32),
         (2, 4, 4, 128, 700, 600, DType::F32),
         (1, 8, 2, 64, 40, 30, DType::F16),
         (2, 4, 4, 128, 700, 600, DType::F16),
+        (12, 4, 4, 128, 700, 600, DType::F32),
+        (12, 8, 2, 64, 40, 20, DType::F16),
     ]
     .into_iter()
     .enumerate()

@@ -33,7 +33,7 @@ template <int KV, int DV, int QW>
 __device__ void attention_body(const float* __restrict__ q, const u8* __restrict__ kc,
                                const u8* __restrict__ vc, const int* __restrict__ pos,
                                float* __restrict__ out, float* __restrict__ part,
-                               i8* __restrict__ xq, float* __restrict__ xd,
+                               i8* __restrict__ xq, float* __restrict__ xd, u16* __restrict__ xh,
                                const int* __restrict__ seq, const int* __restrict__ tables,
                                int max_blocks, int block, int pool_rows, int n, int heads, int kv_heads,
                                int D, float scale, float cap, int window, int qt, int span) {
@@ -225,6 +225,7 @@ __device__ void attention_body(const float* __restrict__ q, const u8* __restrict
             for (int i = 0; i < DV; i++) {
                 const int d = lane + 32 * i;
                 if (d < D) o[d] = acc[w][i] * inv;
+                if (xh != nullptr && d < D) xh[row * D + d] = f32_to_f16(acc[w][i] * inv);
                 // int8 copy for the output projection (the host passes xq only when D
                 // is a multiple of 32, so every lane holds a value)
                 if (xq != nullptr)
@@ -252,10 +253,11 @@ __device__ void attention_body(const float* __restrict__ q, const u8* __restrict
 #define ATTENTION(KV, NAME, DV, QW, BOUNDS)                                                  \
     extern "C" __global__ void BOUNDS attention_##NAME##_##DV##_##QW(                        \
         const float* q, const u8* kc, const u8* vc, const int* pos, float* out,              \
-        float* part, i8* xq, float* xd, const int* seq, const int* tables, int max_blocks,   \
+        float* part, i8* xq, float* xd, u16* xh, const int* seq, const int* tables,          \
+        int max_blocks,                                                                      \
         int block, int pool_rows, int n, int heads, int kv_heads, int D, float scale,        \
         float cap, int window, int qt, int span) {                                           \
-        attention_body<KV, DV, QW>(q, kc, vc, pos, out, part, xq, xd, seq, tables,           \
+        attention_body<KV, DV, QW>(q, kc, vc, pos, out, part, xq, xd, xh, seq, tables,       \
                                    max_blocks, block, pool_rows, n, heads, kv_heads, D,      \
                                    scale, cap, window, qt, span);                            \
     }
@@ -276,7 +278,7 @@ ATTENTION_KV(KV_Q8_0, q8_0)
 // common max) are found by the warp together, a lane a split, then each thread sums its
 // dimensions over the splits with independent reads. Launch: grid (n * heads), block
 // 32 * ceil(D / 32), dynamic shared memory splits floats.
-extern "C" __global__ void attention_combine(const float* part, float* out, i8* xq, float* xd,
+extern "C" __global__ void attention_combine(const float* part, float* out, i8* xq, float* xd, u16* xh,
                                              int n, int heads, int D, int splits,
                                              const int* rows) {
     follow_previous();
@@ -311,6 +313,7 @@ extern "C" __global__ void attention_combine(const float* part, float* out, i8* 
         }
         out[orow * D + d] = o * inv;
         if (xq != nullptr) quantize_warp_unit(o * inv, xq + orow * D + (d & ~31), xd + orow * (D / 32) + d / 32);
+        if (xh != nullptr) xh[orow * D + d] = f32_to_f16(o * inv);
     }
 }
 
@@ -347,7 +350,7 @@ template <int KV, int D, bool CAP>
 __device__ void attention_decode_body(const float* __restrict__ q, const u8* __restrict__ kc,
                                       const u8* __restrict__ vc, const int* __restrict__ pos,
                                       float* __restrict__ out, float* __restrict__ part,
-                                      i8* __restrict__ xq, float* __restrict__ xd,
+                                      i8* __restrict__ xq, float* __restrict__ xd, u16* __restrict__ xh,
                                       const int* __restrict__ seq, const int* __restrict__ tables,
                                       int max_blocks, int block, int pool_rows, int n, int heads,
                                       int kv_heads, float scale, float cap, int window, int span,
@@ -512,6 +515,7 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
             const float v = L > 0.0f ? o / L : 0.0f;
             out[row * D + d] = v;
             if (xq != nullptr) quantize_warp_unit(v, xq + row * D + (d & ~31), xd + row * (D / 32) + d / 32);
+            if (xh != nullptr) xh[row * D + d] = f32_to_f16(v);
         } else {
             float* pp = part + (((size_t)split * n + slot_q) * heads + kvh * group + gh) * (D + 2);
             if (d == 0) {
@@ -528,9 +532,9 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
 template <int KV, int D>
 __device__ __noinline__ void attention_decode_capped(
     const float* q, const u8* kc, const u8* vc, const int* pos, float* out, float* part, i8* xq,
-    float* xd, const int* seq, const int* tables, int max_blocks, int block, int pool_rows, int n,
+    float* xd, u16* xh, const int* seq, const int* tables, int max_blocks, int block, int pool_rows, int n,
     int heads, int kv_heads, float scale, float cap, int window, int span, const int* rows) {
-    attention_decode_body<KV, D, true>(q, kc, vc, pos, out, part, xq, xd, seq, tables, max_blocks,
+    attention_decode_body<KV, D, true>(q, kc, vc, pos, out, part, xq, xd, xh, seq, tables, max_blocks,
                                        block, pool_rows, n, heads, kv_heads, scale, cap, window,
                                        span, rows);
 }
@@ -541,15 +545,16 @@ __device__ __noinline__ void attention_decode_capped(
 #define ATTENTION_DECODE(KV, NAME, D)                                                          \
     extern "C" __global__ void __launch_bounds__(256, 2) attention_decode_##NAME##_##D(           \
         const float* q, const u8* kc, const u8* vc, const int* pos, float* out, float* part,   \
-        i8* xq, float* xd, const int* seq, const int* tables, int max_blocks, int block,       \
+        i8* xq, float* xd, u16* xh, const int* seq, const int* tables, int max_blocks,         \
+        int block,                                                                             \
         int pool_rows, int n, int heads, int kv_heads, float scale, float cap, int window,     \
         int span, const int* rows) {                                                           \
         if (cap > 0.0f)                                                                        \
-            attention_decode_capped<KV, D>(q, kc, vc, pos, out, part, xq, xd, seq, tables,     \
+            attention_decode_capped<KV, D>(q, kc, vc, pos, out, part, xq, xd, xh, seq, tables, \
                                            max_blocks, block, pool_rows, n, heads, kv_heads,   \
                                            scale, cap, window, span, rows);                    \
         else                                                                                   \
-            attention_decode_body<KV, D, false>(q, kc, vc, pos, out, part, xq, xd, seq,        \
+            attention_decode_body<KV, D, false>(q, kc, vc, pos, out, part, xq, xd, xh, seq,    \
                                                 tables, max_blocks, block, pool_rows, n,       \
                                                 heads, kv_heads, scale, cap, window, span,     \
                                                 rows);                                         \
