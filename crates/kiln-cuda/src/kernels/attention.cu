@@ -344,6 +344,19 @@ extern "C" __global__ void attention_combine(const float* part, float* out, i8* 
 // chunks that attention_tc takes), n counts those, and `part` is laid out by x. Launch:
 // grid (n, kv_heads, splits), block (32, sets * slots) with sets = ceil(group / 4),
 // dynamic shared memory sets * slots * 4 * (D + 2) floats.
+// One step of summing 2 * O values over lane pairs (lane, lane ^ O): the lane keeps the
+// lower or upper O (by bit O of `piece`) plus its partner's copy of them, in d[0, O).
+template <int O>
+__device__ __forceinline__ void decode_halve(float* d, int piece) {
+    const bool upper = (piece & O) != 0;
+#pragma unroll
+    for (int k = 0; k < O; k++) {
+        const float send = upper ? d[k] : d[k + O];
+        const float keep = upper ? d[k + O] : d[k];
+        d[k] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+}
+
 #define DECODE_LOG2E 1.4426950408889634f
 #define DECODE_LN2 0.6931471805599453f
 template <int KV, int D, bool CAP>
@@ -415,46 +428,107 @@ __device__ void attention_decode_body(const float* __restrict__ q, const u8* __r
                 vr[u].zero();
             }
         }
-        // Scores, then (in place) the weights p of the softmax; each key piece is widened
-        // to f32 once and used for every head of the warp.
+        // The softmax's weights p of the read's keys for the warp's heads (the same in every
+        // lane of a key), the running max and sum updated; each key piece is widened to
+        // f32 once and used for every head.
         float s[U][HPW];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            float kf[8];
-#pragma unroll
-            for (int i = 0; i < 8; i++) kf[i] = kr[u].at(i);
-#pragma unroll
-            for (int g = 0; g < HPW; g++) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) dot += qv[g][i] * kf[i];
-#pragma unroll
-                for (int o = LK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                const float sc = CAP ? cap2 * tanhf(dot * scale / cap) : dot * scale2;
-                s[u][g] = seen[u] ? sc : NEG_INF;
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < HPW; g++) {
-            float mx = s[0][g];
-#pragma unroll
-            for (int u = 1; u < U; u++) mx = fmaxf(mx, s[u][g]);
-#pragma unroll
-            for (int o = LK; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            // Rescaled only when the running max rises (the same in every lane), which
-            // after the first keys is seldom; never while no key has been visible.
-            if (mx > m[g]) {
-                const float corr = exp2f(m[g] - mx);  // 0 for the first visible keys
-                m[g] = mx;
-                l[g] *= corr;
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[g][i] *= corr;
-            }
-            const float m_use = m[g] == NEG_INF ? 0.0f : m[g];  // then every p is 0
+        if constexpr (LK == 16) {
+            // Heads of 128: each lane's 16 partial dots (u, g) are summed over the key's 16
+            // lanes by halving: at each step a lane keeps half its values and adds its
+            // partner's copy of that half (the pairs the one-value butterfly adds, so the
+            // sums are the same to the bit), and lane `piece` ends with the whole dot of
+            // (u, g) = (piece / 4, piece % 4): 15 shuffles instead of 64, and one score
+            // and exp2 a lane instead of 16; the weights then go to every lane by shuffle.
+            float d[U * HPW];
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                s[u][g] = exp2f(s[u][g] - m_use);
-                l[g] += s[u][g];
+                float kf[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) kf[i] = kr[u].at(i);
+#pragma unroll
+                for (int g = 0; g < HPW; g++) {
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) dot += qv[g][i] * kf[i];
+                    d[u * HPW + g] = dot;
+                }
+            }
+            decode_halve<8>(d, piece);
+            decode_halve<4>(d, piece);
+            decode_halve<2>(d, piece);
+            decode_halve<1>(d, piece);
+            const int own_u = piece >> 2, own_g = piece & 3;
+            bool seen_own = false;
+#pragma unroll
+            for (int u = 0; u < U; u++) seen_own = u == own_u ? seen[u] : seen_own;
+            const float sc = CAP ? cap2 * tanhf(d[0] * scale / cap) : d[0] * scale2;
+            const float s_own = seen_own ? sc : NEG_INF;
+            // A head's lanes differ in bits 2 and 3 (the read) and 4 (the key group).
+            float mx = fmaxf(s_own, __shfl_xor_sync(0xffffffffu, s_own, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+            float m_own = NEG_INF;
+#pragma unroll
+            for (int g = 0; g < HPW; g++) {
+                const float mg = __shfl_sync(0xffffffffu, mx, g);  // lane g: head g's max
+                // Rescaled only when the running max rises (the same in every lane), which
+                // after the first keys is seldom; never while no key has been visible.
+                if (mg > m[g]) {
+                    const float corr = exp2f(m[g] - mg);  // 0 for the first visible keys
+                    m[g] = mg;
+                    l[g] *= corr;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[g][i] *= corr;
+                }
+                m_own = g == own_g ? m[g] : m_own;
+            }
+            // While no key has been visible m is -inf and every weight exp2(-inf) = 0.
+            const float p_own = exp2f(s_own - (m_own == NEG_INF ? 0.0f : m_own));
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+#pragma unroll
+                for (int g = 0; g < HPW; g++) {
+                    s[u][g] = __shfl_sync(0xffffffffu, p_own, (lane & 16) | (u * HPW + g));
+                    l[g] += s[u][g];
+                }
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                float kf[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) kf[i] = kr[u].at(i);
+#pragma unroll
+                for (int g = 0; g < HPW; g++) {
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) dot += qv[g][i] * kf[i];
+#pragma unroll
+                    for (int o = LK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                    const float sc = CAP ? cap2 * tanhf(dot * scale / cap) : dot * scale2;
+                    s[u][g] = seen[u] ? sc : NEG_INF;
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < HPW; g++) {
+                float mx = s[0][g];
+#pragma unroll
+                for (int u = 1; u < U; u++) mx = fmaxf(mx, s[u][g]);
+#pragma unroll
+                for (int o = LK; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                if (mx > m[g]) {
+                    const float corr = exp2f(m[g] - mx);
+                    m[g] = mx;
+                    l[g] *= corr;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[g][i] *= corr;
+                }
+                const float m_use = m[g] == NEG_INF ? 0.0f : m[g];  // then every p is 0
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    s[u][g] = exp2f(s[u][g] - m_use);
+                    l[g] += s[u][g];
+                }
             }
         }
 #pragma unroll
