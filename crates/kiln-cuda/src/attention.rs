@@ -727,9 +727,7 @@ fn launch_split(
         b.note_int8_copy(out, int8)?;
     }
     if let Some(dst) = half {
-        let queued = b.queued.load(std::sync::atomic::Ordering::Relaxed);
-        b.blas
-            .note_rounded_copy(out_ptr, n * width, false, dst, queued);
+        b.note_rounded_copy(out_ptr, n * width, false, dst);
     }
     Ok(())
 }

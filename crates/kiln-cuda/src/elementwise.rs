@@ -117,8 +117,7 @@ pub(crate) fn gated_rounded(
             Arg::I32(bf16 as i32),
         ],
     )?;
-    let queued = b.queued.load(std::sync::atomic::Ordering::Relaxed);
-    b.blas.note_rounded_copy(ptr(out)?, n, bf16, dst, queued);
+    b.note_rounded_copy(ptr(out)?, n, bf16, dst);
     Ok(())
 }
 

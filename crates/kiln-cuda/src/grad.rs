@@ -206,8 +206,7 @@ impl GradOps for CudaBackend {
         let (src, dst, bf16) = (ptr(x)?, ptr(&out)?, dtype == DType::BF16);
         round_into(self, src, dst, n, bf16)?;
         // The forward product over `x` that follows reads this copy instead of rounding.
-        let queued = self.queued.load(std::sync::atomic::Ordering::Relaxed);
-        self.blas.note_rounded_copy(src, n, bf16, dst, queued);
+        self.note_rounded_copy(src, n, bf16, dst);
         Ok(Some(out))
     }
 
@@ -227,11 +226,8 @@ impl GradOps for CudaBackend {
             return Ok(None);
         };
         // The products that read the output next read its rounded copy.
-        let queued = self.queued.load(std::sync::atomic::Ordering::Relaxed);
         let n = out.shape().numel();
-        let bf16 = dtype == DType::BF16;
-        self.blas
-            .note_rounded_copy(ptr(out)?, n, bf16, ptr(&kept.1)?, queued);
+        self.note_rounded_copy(ptr(out)?, n, dtype == DType::BF16, ptr(&kept.1)?);
         Ok(Some(kept))
     }
 

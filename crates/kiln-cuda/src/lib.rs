@@ -238,6 +238,14 @@ impl CudaBackend {
         self.follows_kernel.store(false, Ordering::Relaxed);
     }
 
+    /// The op just queued also wrote the F32 `span` at `src` rounded to BF16 (`bf16`) or
+    /// F16 at `dst` (and wrote nothing else): a 16-bit product that reads `src` before
+    /// anything else is queued takes the copy instead of rounding again.
+    pub(crate) fn note_rounded_copy(&self, src: u64, span: usize, bf16: bool, dst: u64) {
+        let queued = self.queued.load(Ordering::Relaxed);
+        self.blas.note_rounded_copy(src, span, bf16, dst, queued);
+    }
+
     /// The op just queued also wrote `t` as int8 rows into `int8`.
     pub(crate) fn note_int8_copy(&self, t: &Tensor, int8: [Arg; 2]) -> Result<()> {
         *self.int8_copy.lock().expect("int8 copy lock") = Some(Int8Copy {

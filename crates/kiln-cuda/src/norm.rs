@@ -87,9 +87,7 @@ pub(crate) fn rms_norm_rounded(
         ..Copies::default()
     };
     rms_norm_with(b, x, w, eps, out, copies)?;
-    let queued = b.queued.load(std::sync::atomic::Ordering::Relaxed);
-    b.blas
-        .note_rounded_copy(ptr(out)?, out.shape().numel(), bf16, dst, queued);
+    b.note_rounded_copy(ptr(out)?, out.shape().numel(), bf16, dst);
     Ok(())
 }
 

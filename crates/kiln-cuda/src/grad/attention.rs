@@ -56,10 +56,8 @@ impl CudaBackend {
         }
         // The output projection's product that follows reads the rounded output as its
         // input, instead of rounding `out` again.
-        let queued = self.queued.load(std::sync::atomic::Ordering::Relaxed);
         let n = out.shape().numel();
-        self.blas
-            .note_rounded_copy(ptr(out)?, n, half == DType::BF16, ptr(out_rounded)?, queued);
+        self.note_rounded_copy(ptr(out)?, n, half == DType::BF16, ptr(out_rounded)?);
         Ok(true)
     }
 
