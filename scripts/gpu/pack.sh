@@ -4,7 +4,8 @@
 # ../shared/gpu/README.md). A device call carries the tracked tree (~30 MB) and .gpu-bin
 # in 64 MiB: this prints both sizes and warns past it.
 #   scripts/gpu/pack.sh                      every test binary of the GPU crates
-#   scripts/gpu/pack.sh grad train products  only these test binaries (by name)
+#   scripts/gpu/pack.sh grad train products  only these test binaries (by name; a name
+#                                            several crates use, as crate/name: kiln-cuda/ops)
 #   KEEP=kiln-before scripts/gpu/pack.sh ... also keeps an earlier .gpu-bin/kiln as
 #                                            .gpu-bin/kiln-before (an A/B in one call)
 #   NVRTC=/path/libnvrtc.so.13 ...           also the CUDA kernels prebuilt for the GPU
@@ -24,11 +25,10 @@ crates=(-p kiln-cuda -p kiln-wgpu -p kiln-models -p kiln-optim -p kiln-train -p 
 keep=${KEEP:-}
 if [ -n "$keep" ]; then
   [ -e "$out/kiln.xz" ] || { echo "KEEP=$keep: no $out/kiln.xz to keep" >&2; exit 1; }
-  cp "$out/kiln.xz" "/tmp/$keep.xz"
-  # Its kernel cache too, when it had one.
-  [ -d "$out/kc" ] && cp -r "$out/kc" "/tmp/$keep.kc"
 fi
-rm -rf "$out"; mkdir -p "$out"
+# Build everything before touching $out: a failed build (or one stopped halfway) leaves
+# the last pack, and the binary KEEP names, where they were.
+exes=$(mktemp)
 cargo test --profile gpu --no-run --message-format=json "${crates[@]}" \
   | python3 -c '
 import json, sys
@@ -39,10 +39,18 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
         name = m["executable"].rsplit("/", 1)[-1].rsplit("-", 1)[0]
-        if len(sys.argv) == 1 or name in sys.argv[1:]:
-            print(m["executable"])' "$@" \
-  | while read -r exe; do cp "$exe" "$out/"; done
+        crate = m["manifest_path"].rsplit("/", 2)[-2]
+        if len(sys.argv) == 1 or name in sys.argv[1:] or f"{crate}/{name}" in sys.argv[1:]:
+            print(m["executable"])' "$@" > "$exes"
 cargo build --profile gpu -p kiln-cli
+if [ -n "$keep" ]; then
+  cp "$out/kiln.xz" "/tmp/$keep.xz"
+  # Its kernel cache too, when it had one.
+  [ -d "$out/kc" ] && cp -r "$out/kc" "/tmp/$keep.kc"
+fi
+rm -rf "$out"; mkdir -p "$out"
+while read -r exe; do cp "$exe" "$out/"; done < "$exes"
+rm -f "$exes"
 cp target/gpu/kiln "$out/"
 strip "$out"/*
 xz -T0 -6 "$out"/*
