@@ -50,6 +50,7 @@ macro_rules! with_cases {
             products_in_sequence_see_each_others_outputs
             matmul_add
             matmul_many
+            matmul_many_pair
             gated_ffn
             rms_norm_matmul_many
             rms_norm_gated_ffn

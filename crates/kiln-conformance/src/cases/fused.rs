@@ -67,6 +67,50 @@ pub fn matmul_many(t: &Target) {
     }
 }
 
+/// K and V of one shape after a taller Q, 16-bit weights, past the few-row kernels (a
+/// backend may run K and V as one product), in both orders of the pair.
+pub fn matmul_many_pair(t: &Target) {
+    let k = 512;
+    let heights = [160, 64, 64];
+    for (d, dtype) in [DType::F16, DType::BF16].into_iter().enumerate() {
+        for n in [20, 64] {
+            let mut rng = t.rng((d * 1000 + n) as u64 + 77);
+            let xv = random(&mut rng, n * k, 1.0);
+            let x = t.upload(DType::F32, &[n, k], &xv);
+            let values: Vec<Vec<f32>> = heights
+                .iter()
+                .map(|m| random(&mut rng, m * k, 1.0))
+                .collect();
+            let ws: Vec<Tensor> = values
+                .iter()
+                .zip(heights)
+                .map(|(v, m)| t.upload(dtype, &[m, k], v))
+                .collect();
+            for swapped in [false, true] {
+                let mut outs: Vec<Tensor> = heights.iter().map(|&m| t.poisoned(&[n, m])).collect();
+                let [o0, o1, o2] = &mut outs[..] else {
+                    unreachable!()
+                };
+                let (w, b) = (&ws, &t.backend);
+                if swapped {
+                    b.matmul_many(&x, &[&w[0], &w[2], &w[1]], &mut [o0, o2, o1])
+                } else {
+                    b.matmul_many(&x, &[&w[0], &w[1], &w[2]], &mut [o0, o1, o2])
+                }
+                .unwrap();
+                for (i, (v, out)) in values.iter().zip(&outs).enumerate() {
+                    let want = products(&xv, &stored(dtype, v), k, t.rounding(dtype, n, k));
+                    assert_products(
+                        &t.read(out),
+                        &want,
+                        &format!("{dtype} n={n} swapped={swapped} #{i}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// `act(x · gateᵀ) · (x · upᵀ)` against the float64 products of `x`.
 fn gated_want(
     t: &Target,
