@@ -9,6 +9,7 @@ use kiln_models::chat::Message;
 use kiln_models::memory::{self, human_bytes};
 use kiln_models::ModelConfig;
 use kiln_serve::engine::blocks::{blocks_for, BLOCK_POSITIONS};
+use kiln_serve::engine::warm_up::warm_up;
 use kiln_serve::{
     App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel, SplitRunner,
     StepRunner,
@@ -145,7 +146,7 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
     let budget = a.max_batch_tokens as usize;
     let step_rows = max_seqs.max(budget) + PREFILL_CHUNK;
     let chat = chat_renderer(&file, a.chat_template.as_deref())?;
-    let (runner, kv_blocks, kv_type, describe): (Box<dyn StepRunner>, _, _, _) = if tp > 1 {
+    let (mut runner, kv_blocks, kv_type, describe): (Box<dyn StepRunner>, _, _, _) = if tp > 1 {
         split_runner(&a, tp, &file, context, step_rows)?
     } else {
         let kv_type = model_file::kv_type(a.kv_type, backend.as_ref(), file.config(), &file.name)?;
@@ -171,6 +172,18 @@ pub fn run(a: ServeArgs, quiet: bool) -> CliResult {
         token_budget: budget,
         prefill_chunk: PREFILL_CHUNK,
     };
+    // A GPU's first use of a step's shape costs tens of milliseconds (the CPU's nothing
+    // worth a start-up's wait): paid here, not by the first clients.
+    if tp > 1 || backend.device() != kiln_core::Device::Cpu {
+        let done = warm_up(runner.as_mut(), &limits, kv_blocks, context)?;
+        if !quiet {
+            eprintln!(
+                "kiln serve: warmed up ({} steps of each shape a step takes, {:.1} s)",
+                done.steps,
+                done.took.as_secs_f64()
+            );
+        }
+    }
     let engine = Engine::start(
         runner,
         tokenizer.clone(),

@@ -7,6 +7,7 @@ pub mod blocks;
 pub mod runner;
 pub mod scheduler;
 pub mod sequence;
+pub mod warm_up;
 
 use crate::metrics::Metrics;
 use blocks::BlockPool;
