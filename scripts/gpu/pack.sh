@@ -46,6 +46,8 @@ cargo build --profile gpu -p kiln-cli
 if [ -n "$keep" ]; then
   cp "$out/kiln.xz" "/tmp/$keep.xz"
   # Its kernel cache too, when it had one.
+  # (A copy left by an earlier run would take this one inside it.)
+  rm -rf "/tmp/$keep.kc"
   [ -d "$out/kc" ] && cp -r "$out/kc" "/tmp/$keep.kc"
 fi
 rm -rf "$out"; mkdir -p "$out"
