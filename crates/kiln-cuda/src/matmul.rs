@@ -7,7 +7,8 @@
 //! in shared memory for tensor cores. The rest go to cuBLAS on tensor cores: F16/BF16
 //! weights as stored, with x rounded to the same type; quantized weights of prompts
 //! decoded to an f16 matrix first (one pass over the weights, small next to a prompt's
-//! arithmetic); F32 weights through SGEMM.
+//! arithmetic); F32 weights through SGEMM. Two F16/BF16 weights of one shape reading one
+//! x (K and V, gate and up) go as one strided batched call.
 
 use crate::kernels::Arg;
 use crate::{expect, ptr, to_i32, CudaBackend};
