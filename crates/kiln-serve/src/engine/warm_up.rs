@@ -40,7 +40,8 @@ pub fn warm_up(
 ) -> Result<WarmedUp> {
     let started = Instant::now();
     let mut steps = 0;
-    let chunk = limits.prefill_chunk.max(1);
+    // No position past the context: a model with learned positions refuses them.
+    let chunk = limits.prefill_chunk.min(context).max(1);
     let most_rows = limits.max_seqs.max(limits.token_budget) + chunk;
     for rows in prompt_step_rows(most_rows) {
         // Sequences of one chunk each (the last shorter), each in blocks of its own.
@@ -76,13 +77,15 @@ pub fn warm_up(
         for width in
             std::iter::successors(Some(1usize), |w| Some(w * 2)).take_while(|&w| w <= widest)
         {
-            // Every sequence at the last position of `width` blocks, all in the same ones.
+            // Every sequence at the last position of `width` blocks (or of the context,
+            // which the widest table covers), all in the same blocks.
+            let pos0 = (width * BLOCK_POSITIONS).min(context.max(1)) - 1;
             for _ in 0..2 {
                 let items = (0..seqs)
                     .map(|_| StepItem {
                         seq: 0,
                         tokens: &token,
-                        pos0: width * BLOCK_POSITIONS - 1,
+                        pos0,
                         blocks: &table[..width],
                         want: Want::Argmax,
                     })
@@ -182,6 +185,7 @@ mod tests {
             for (len, pos0, table) in step {
                 assert!(table.iter().all(|&b| (b as usize) < 4), "{table:?}");
                 assert!(pos0 + len <= table.len() * BLOCK_POSITIONS);
+                assert!(pos0 + len <= 100, "past the context: {pos0} + {len}");
             }
         }
         // Prompt steps of 16 ... 72 rows (6.max(40) + 32): 72 (5 blocks) is left out.
@@ -207,6 +211,32 @@ mod tests {
             }
         }
         assert_eq!(decodes, want);
+    }
+
+    /// A context shorter than a chunk and than the widest table: no position past it,
+    /// and the last decode steps still read the widest table a sequence can have.
+    #[test]
+    fn a_short_context_bounds_every_position() {
+        let limits = Limits {
+            max_seqs: 2,
+            token_budget: 64,
+            prefill_chunk: 32,
+        };
+        let mut r = Recorder::default();
+        warm_up(&mut r, &limits, 64, 20).unwrap();
+        for step in &r.steps {
+            for (len, pos0, _) in step {
+                assert!(pos0 + len <= 20, "{pos0} + {len}");
+            }
+        }
+        // 20 positions: tables of 1 and 2 blocks, the last position 19.
+        let widest = r
+            .steps
+            .iter()
+            .filter(|s| s[0].0 == 1)
+            .map(|s| (s[0].1, s[0].2.len()))
+            .max();
+        assert_eq!(widest, Some((19, 2)));
     }
 
     #[test]
