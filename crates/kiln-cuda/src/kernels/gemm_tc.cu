@@ -53,28 +53,41 @@ template <int T> struct TcStage {
 };
 
 // The block's products of one unit from shared memory: warp w's 32 weight rows times
-// the `pairs` pairs of 8-row activation tiles that hold rows.
-__device__ __forceinline__ void tc_multiply(const u16* wb, const u16* xb, int pairs, float acc[2][8][4]) {
+// PAIRS pairs of 8-row activation tiles. PAIRS is a template argument so that a unit's
+// loads and products have no branch between them: the compiler issues the matrix loads
+// together and the products back to back (a runtime test per pair made every product
+// wait on its own load; found on the F16 form of this kernel).
+template <int PAIRS>
+__device__ __forceinline__ void tc_multiply(const u16* wb, const u16* xb, float acc[2][8][4]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int kk = 0; kk < 32; kk += 16) {
-        u32 a[2][4];
+        u32 a[2][4], b[PAIRS][4];
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
             ldmatrix_x4(a[mt], wb + (mt * 16 + (lane & 15)) * TC_ROW + kk + (lane >> 4) * 8);
 #pragma unroll
-        for (int p = 0; p < 4; p++) {
-            if (p < pairs) {
-                u32 b[4];
-                ldmatrix_x4(b, xb + (p * 16 + ((lane >> 4) << 3) + (lane & 7)) * TC_ROW + kk +
-                                   ((lane >> 3) & 1) * 8);
+        for (int p = 0; p < PAIRS; p++)
+            ldmatrix_x4(b[p], xb + (p * 16 + ((lane >> 4) << 3) + (lane & 7)) * TC_ROW + kk +
+                                  ((lane >> 3) & 1) * 8);
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    mma_16816(acc[mt][2 * p], a[mt], b[0], b[1]);
-                    mma_16816(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
-                }
+        for (int p = 0; p < PAIRS; p++)
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                mma_16816(acc[mt][2 * p], a[mt], b[p][0], b[p][1]);
+                mma_16816(acc[mt][2 * p + 1], a[mt], b[p][2], b[p][3]);
             }
-        }
+    }
+}
+
+// tc_multiply for the `pairs` (1-4) pairs of 8-row tiles that hold rows of x, the choice
+// made once a unit.
+__device__ __forceinline__ void tc_multiply_pairs(const u16* wb, const u16* xb, int pairs, float acc[2][8][4]) {
+    switch (pairs) {
+        case 1: tc_multiply<1>(wb, xb, acc); break;
+        case 2: tc_multiply<2>(wb, xb, acc); break;
+        case 3: tc_multiply<3>(wb, xb, acc); break;
+        default: tc_multiply<4>(wb, xb, acc); break;
     }
 }
 
@@ -123,12 +136,12 @@ __device__ void gemm_tc(const u8* __restrict__ w, const u16* __restrict__ x,
     const int pairs = (xrows + 15) / 16;  // pairs of 8-row tiles that hold rows of x
 
     for (int u = u0; u < u1; u += 2) {
-        tc_multiply(wsrc[0], xs[0], pairs, acc);
+        tc_multiply_pairs(wsrc[0], xs[0], pairs, acc);
         if (u + 1 < u1) odd.store(wdst[1], xs[1], xdst, xrows);
         if (u + 3 < u1) odd.fetch(row, xsrc, xrows, u + 3);
         __syncthreads();
         if (u + 1 >= u1) break;
-        tc_multiply(wsrc[1], xs[1], pairs, acc);
+        tc_multiply_pairs(wsrc[1], xs[1], pairs, acc);
         if (u + 2 < u1) even.store(wdst[0], xs[0], xdst, xrows);
         if (u + 4 < u1) even.fetch(row, xsrc, xrows, u + 4);
         __syncthreads();
