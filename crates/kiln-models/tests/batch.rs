@@ -347,3 +347,28 @@ fn a_pass_run_a_layer_at_a_time_is_the_whole_pass() {
     let err = pass.layer(0, &mut other).unwrap_err().to_string();
     assert!(err.contains("another KV cache"), "{err}");
 }
+
+/// The CPU records no decode steps: after a step of each kind that would be recorded (a
+/// size's first step runs as it is, its second is offered for recording), the model says
+/// so (a server then skips warming the widths up).
+#[test]
+fn the_cpu_records_no_decode_steps() {
+    let mut model = load(
+        "llama/llama-f32.gguf",
+        Arc::new(CpuBackend::new(Some(2)).unwrap()),
+    );
+    model.set_graphs(true);
+    let mut cache = model.new_paged_cache(4, BLOCK, DType::F32).unwrap();
+    assert!(model.records_decode_steps(), "nothing offered yet");
+    for pos0 in [0, 1] {
+        let item = BatchItem {
+            tokens: &[1],
+            pos0,
+            blocks: &[0],
+            want: StepWant::Argmax,
+        };
+        let out = model.forward_batch(&[item], &mut cache);
+        assert!(matches!(out[0], Ok(StepOutput::Token(_))), "{out:?}");
+    }
+    assert!(!model.records_decode_steps());
+}

@@ -46,6 +46,13 @@ struct Width {
 }
 
 impl Model {
+    /// Whether a server's decode steps are recorded and replayed: graphs on, and the
+    /// backend has not declined to record one (until a step has been offered, that it
+    /// might).
+    pub fn records_decode_steps(&self) -> bool {
+        self.graphs_on() && !self.decode_graphs.unsupported
+    }
+
     /// A decode step (one token per sequence) through a recording, if it can be one:
     /// `None` when the step runs eagerly instead.
     pub(crate) fn step_recorded(

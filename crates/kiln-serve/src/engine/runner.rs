@@ -28,6 +28,12 @@ pub trait StepRunner: Send {
     /// Run a step; one result per item, in order. An error fails only its own sequence
     /// where it can be told apart (a bad token); a device error fails the whole step.
     fn run(&mut self, items: Vec<StepItem<'_>>) -> Vec<Result<StepOutput>>;
+
+    /// Whether decode steps are recorded per size (CUDA graphs), as far as the steps run
+    /// so far tell.
+    fn records_steps(&self) -> bool {
+        false
+    }
 }
 
 /// Runs a step's sequences together through one [`Model`] over one paged KV cache.
@@ -58,6 +64,10 @@ impl StepRunner for PagedRunner {
             })
             .collect();
         self.model.forward_batch(&batch, &mut self.cache)
+    }
+
+    fn records_steps(&self) -> bool {
+        self.model.records_decode_steps()
     }
 }
 
@@ -216,6 +226,11 @@ impl StepRunner for SplitRunner {
                 .collect();
         }
         outs
+    }
+
+    /// The ranks run one kind of backend: the first rank's answer is theirs.
+    fn records_steps(&self) -> bool {
+        self.first.records_steps()
     }
 }
 

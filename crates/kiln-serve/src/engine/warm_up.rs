@@ -31,7 +31,9 @@ pub struct WarmedUp {
 /// under `limits` (the products choose their kernels by the rows: see
 /// [`prompt_step_rows`]), then decode steps of each recorded sequence count up to
 /// `limits.max_seqs`, at each block-table width up to `context` positions, twice each
-/// (run, then recorded). Sizes the pool cannot hold are left out.
+/// (run, then recorded). Sizes the pool cannot hold are left out. Where the runner turns
+/// out not to record steps (found after the first pair), one decode step of each count
+/// is run, at the narrowest width: there is nothing to record.
 pub fn warm_up(
     runner: &mut dyn StepRunner,
     limits: &Limits,
@@ -72,15 +74,19 @@ pub fn warm_up(
     let table: Vec<BlockId> = (0..widest as BlockId).collect();
     let most_seqs = limits.max_seqs.next_power_of_two().min(RECORDED_SEQUENCES);
     let token = [0u32];
+    let mut records = true;
     for seqs in std::iter::successors(Some(1usize), |s| Some(s * 2)).take_while(|&s| s <= most_seqs)
     {
         for width in
             std::iter::successors(Some(1usize), |w| Some(w * 2)).take_while(|&w| w <= widest)
         {
+            if !records && width > 1 {
+                break;
+            }
             // Every sequence at the last position of `width` blocks (or of the context,
             // which the widest table covers), all in the same blocks.
             let pos0 = (width * BLOCK_POSITIONS).min(context.max(1)) - 1;
-            for _ in 0..2 {
+            for _ in 0..if records { 2 } else { 1 } {
                 let items = (0..seqs)
                     .map(|_| StepItem {
                         seq: 0,
@@ -93,6 +99,7 @@ pub fn warm_up(
                 run(runner, items, &format!("a decode step of {seqs} sequences"))?;
                 steps += 1;
             }
+            records = records && runner.records_steps();
         }
     }
     Ok(WarmedUp {
@@ -153,10 +160,11 @@ mod tests {
         assert_eq!(prompt_step_rows(8), vec![8]);
     }
 
-    /// Records what it is asked to run.
+    /// Records what it is asked to run; `records` is what it says of recording steps.
     #[derive(Default)]
     struct Recorder {
         steps: Vec<Vec<(usize, usize, Vec<BlockId>)>>,
+        records: bool,
     }
 
     impl StepRunner for Recorder {
@@ -169,6 +177,10 @@ mod tests {
             );
             items.iter().map(|_| Ok(StepOutput::Nothing)).collect()
         }
+
+        fn records_steps(&self) -> bool {
+            self.records
+        }
     }
 
     #[test]
@@ -178,7 +190,10 @@ mod tests {
             token_budget: 40,
             prefill_chunk: 32,
         };
-        let mut r = Recorder::default();
+        let mut r = Recorder {
+            records: true,
+            ..Recorder::default()
+        };
         let done = warm_up(&mut r, &limits, 4, 100).unwrap();
         assert_eq!(done.steps, r.steps.len());
         for step in &r.steps {
@@ -222,7 +237,10 @@ mod tests {
             token_budget: 64,
             prefill_chunk: 32,
         };
-        let mut r = Recorder::default();
+        let mut r = Recorder {
+            records: true,
+            ..Recorder::default()
+        };
         warm_up(&mut r, &limits, 64, 20).unwrap();
         for step in &r.steps {
             for (len, pos0, _) in step {
@@ -237,6 +255,26 @@ mod tests {
             .map(|s| (s[0].1, s[0].2.len()))
             .max();
         assert_eq!(widest, Some((19, 2)));
+    }
+
+    /// A runner that records nothing gets one decode step of each count, at the narrowest
+    /// width, after the first pair that found it out.
+    #[test]
+    fn a_runner_that_records_nothing_gets_one_step_a_size() {
+        let limits = Limits {
+            max_seqs: 8,
+            token_budget: 16,
+            prefill_chunk: 16,
+        };
+        let mut r = Recorder::default();
+        warm_up(&mut r, &limits, 64, 256).unwrap();
+        let decodes: Vec<(usize, usize)> = r
+            .steps
+            .iter()
+            .filter(|s| s[0].0 == 1)
+            .map(|s| (s.len(), s[0].2.len()))
+            .collect();
+        assert_eq!(decodes, vec![(1, 1), (1, 1), (2, 1), (4, 1), (8, 1)]);
     }
 
     #[test]
