@@ -167,6 +167,14 @@ mod tests {
         records: bool,
     }
 
+    /// A runner that says it records steps (as CUDA's does).
+    fn recording() -> Recorder {
+        Recorder {
+            records: true,
+            ..Recorder::default()
+        }
+    }
+
     impl StepRunner for Recorder {
         fn run(&mut self, items: Vec<StepItem<'_>>) -> Vec<Result<StepOutput>> {
             self.steps.push(
@@ -190,10 +198,7 @@ mod tests {
             token_budget: 40,
             prefill_chunk: 32,
         };
-        let mut r = Recorder {
-            records: true,
-            ..Recorder::default()
-        };
+        let mut r = recording();
         let done = warm_up(&mut r, &limits, 4, 100).unwrap();
         assert_eq!(done.steps, r.steps.len());
         for step in &r.steps {
@@ -237,10 +242,7 @@ mod tests {
             token_budget: 64,
             prefill_chunk: 32,
         };
-        let mut r = Recorder {
-            records: true,
-            ..Recorder::default()
-        };
+        let mut r = recording();
         warm_up(&mut r, &limits, 64, 20).unwrap();
         for step in &r.steps {
             for (len, pos0, _) in step {
