@@ -1,8 +1,12 @@
 //! `out[n, m] = x[n, k] · w[m, k]ᵀ` for every stored weight type, and the embedding
 //! lookup (the other op that decodes weights).
 //!
-//! Up to 8 rows of x (decode, small batches) run the matvec kernels, which read each
-//! weight once for all rows and are bound by memory bandwidth. Up to 256 rows (a
+//! One row of x (decode), up to 4 over F32 weights and up to 8 over quantized ones (small
+//! batches), run the matvec kernels, which read each weight once for all rows and are
+//! bound by memory bandwidth. Past one row, F16/BF16 weights go to cuBLAS: the matvec
+//! kernels' f32 x, read again for every weight row, took an 8B model's 8-row step to 12.4
+//! ms against cuBLAS's 5.1 (H200; 4 rows 8.2 against 5.0; F32 weights, 8 rows: 21.2
+//! against 18.1, 4 rows 11.3 against 12.5). Up to 256 rows (a
 //! server's step) over quantized weights run `gemm_tc`, which decodes each weight once
 //! in shared memory for tensor cores. The rest go to cuBLAS on tensor cores: F16/BF16
 //! weights as stored, with x rounded to the same type; quantized weights of prompts
@@ -17,8 +21,14 @@ use cudarc::driver::CudaStream;
 use kiln_core::{DType, Error, Products, Result, RmsNorm, Tensor};
 use std::sync::{Arc, Mutex};
 
-/// Rows of x up to which the matvec kernels are used.
-const MATVEC_MAX_ROWS: usize = 8;
+/// Rows of x up to which products over weights of `dtype` run the matvec kernels.
+fn matvec_max_rows(dtype: DType) -> usize {
+    match dtype {
+        DType::F16 | DType::BF16 => 1,
+        DType::F32 => 4,
+        _ => 8,
+    }
+}
 
 pub(crate) struct Blas {
     handle: Mutex<BlasHandle>,
@@ -150,40 +160,53 @@ fn kernel_suffix(dtype: DType) -> Result<usize> {
     })
 }
 
-/// Kernel names per weight type (in `kernel_suffix` order) and batch bound (1, 2, 4, 8).
+/// Kernel names per weight type (in `kernel_suffix` order) and batch bound (1, 2, 4, 8;
+/// F32 up to 4, F16 and BF16 only 1: see [`matvec_max_rows`]).
 macro_rules! by_type_and_batch {
     ($op:literal) => {
         [
-            by_type_and_batch!(@row $op, "f32"),
-            by_type_and_batch!(@row $op, "f16"),
-            by_type_and_batch!(@row $op, "bf16"),
-            by_type_and_batch!(@row $op, "q8_0"),
-            by_type_and_batch!(@row $op, "q4_0"),
-            by_type_and_batch!(@row $op, "q4_k"),
-            by_type_and_batch!(@row $op, "q6_k"),
+            by_type_and_batch!(@four $op, "f32"),
+            by_type_and_batch!(@one $op, "f16"),
+            by_type_and_batch!(@one $op, "bf16"),
+            by_type_and_batch!(@rows $op, "q8_0"),
+            by_type_and_batch!(@rows $op, "q4_0"),
+            by_type_and_batch!(@rows $op, "q4_k"),
+            by_type_and_batch!(@rows $op, "q6_k"),
         ]
     };
-    (@row $p:literal, $t:literal) => {
+    (@rows $p:literal, $t:literal) => {
         [
-            concat!($p, "_", $t, "_1"),
-            concat!($p, "_", $t, "_2"),
-            concat!($p, "_", $t, "_4"),
-            concat!($p, "_", $t, "_8"),
+            Some(concat!($p, "_", $t, "_1")),
+            Some(concat!($p, "_", $t, "_2")),
+            Some(concat!($p, "_", $t, "_4")),
+            Some(concat!($p, "_", $t, "_8")),
         ]
+    };
+    (@four $p:literal, $t:literal) => {
+        [
+            Some(concat!($p, "_", $t, "_1")),
+            Some(concat!($p, "_", $t, "_2")),
+            Some(concat!($p, "_", $t, "_4")),
+            None,
+        ]
+    };
+    (@one $p:literal, $t:literal) => {
+        [Some(concat!($p, "_", $t, "_1")), None, None, None]
     };
 }
 
-const MATVEC: [[&str; 4]; 7] = by_type_and_batch!("matvec");
-const MATVEC3: [[&str; 4]; 7] = by_type_and_batch!("matvec3");
-const GATE_UP: [[&str; 4]; 7] = by_type_and_batch!("gate_up");
+const MATVEC: [[Option<&str>; 4]; 7] = by_type_and_batch!("matvec");
+const MATVEC3: [[Option<&str>; 4]; 7] = by_type_and_batch!("matvec3");
+const GATE_UP: [[Option<&str>; 4]; 7] = by_type_and_batch!("gate_up");
 
-fn batch_kernel(names: [&'static str; 4], n: usize) -> &'static str {
-    match n {
-        1 => names[0],
-        2 => names[1],
-        3 | 4 => names[2],
-        _ => names[3],
-    }
+fn batch_kernel(names: [Option<&'static str>; 4], n: usize) -> Result<&'static str> {
+    let bound = match n {
+        1 => 0,
+        2 => 1,
+        3 | 4 => 2,
+        _ => 3,
+    };
+    names[bound].ok_or_else(|| Error::unsupported(format!("matvec kernels for {n} rows of x")))
 }
 
 /// A launch's grid or block size.
@@ -275,20 +298,20 @@ fn matmul_dims(x: &Tensor, w: &Tensor, out: &Tensor) -> Result<(usize, usize, us
     Ok((n, m, k))
 }
 
-fn use_matvec(n: usize, k: usize) -> bool {
-    n <= MATVEC_MAX_ROWS && k.is_multiple_of(4)
+fn use_matvec(n: usize, k: usize, dtype: DType) -> bool {
+    n <= matvec_max_rows(dtype) && k.is_multiple_of(4)
 }
 
 /// Whether an input of `n` rows of `k` values reaches quantized weights as int8 rows
-/// (the matvec kernels) rather than as f16 (cuBLAS).
+/// (the matvec kernels) rather than as f16 (`gemm_tc`, cuBLAS).
 pub(crate) fn reads_int8(n: usize, k: usize) -> bool {
-    use_matvec(n, k) && k.is_multiple_of(32)
+    use_matvec(n, k, DType::Q8_0) && k.is_multiple_of(32)
 }
 
-/// Whether an input of `n` rows of `k` values reaches every weight but F32 rounded to 16
-/// bits (the products past the matvec kernels).
-pub(crate) fn reads_half(n: usize, k: usize) -> bool {
-    !use_matvec(n, k)
+/// Whether an input of `n` rows of `k` values reaches weights of `dtype` rounded to 16
+/// bits (the products past the matvec kernels; never F32 weights).
+pub(crate) fn reads_half(n: usize, k: usize, dtype: DType) -> bool {
+    dtype != DType::F32 && !use_matvec(n, k, dtype)
 }
 
 /// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate` (the matvec kernels add in
@@ -319,7 +342,7 @@ fn matmul_in(
         return Ok(());
     }
     let t = kernel_suffix(w.dtype())?;
-    if use_matvec(n, k) {
+    if use_matvec(n, k, w.dtype()) {
         return matvec(b, t, x, quantized, w, out, accumulate);
     }
     gemm(b, t, x, half_x, w, out, accumulate)
@@ -379,7 +402,7 @@ fn matvec(
         Arg::I32(n as i32),
         Arg::I32(accumulate as i32),
     ]);
-    let kernel = batch_kernel(MATVEC[t], n);
+    let kernel = batch_kernel(MATVEC[t], n)?;
     let (grid, block) = matvec_shape(
         m,
         items_per_row(w.dtype(), k),
@@ -436,8 +459,7 @@ fn rms_norm_for(
 
 /// Where the op making an input of `n` rows of `k` values for products over `ws` should
 /// also write it rounded, and whether to BF16: the work buffer [`HalfX`] rounds x into,
-/// when every product past the matvec kernels reads x in 16 bits (all but F32 weights)
-/// and rows are whole float4 steps.
+/// when every product over `ws` reads x in 16 bits and rows are whole float4 steps.
 fn rounded_input_for(
     b: &CudaBackend,
     ws: &[&Tensor],
@@ -447,7 +469,7 @@ fn rounded_input_for(
     let Some(first) = ws.first() else {
         return Ok(None);
     };
-    if !reads_half(n, k) || !k.is_multiple_of(4) || ws.iter().any(|w| w.dtype() == DType::F32) {
+    if !k.is_multiple_of(4) || !ws.iter().all(|w| reads_half(n, k, w.dtype())) {
         return Ok(None);
     }
     let bf16 = first.dtype() == DType::BF16;
@@ -469,8 +491,10 @@ fn matmul_many_in(
         dims.push(matmul_dims(x, w, out)?);
     }
     let (n, k) = (x.shape().rows(), x.shape().row_len());
-    let fused =
-        ws.len() == 3 && use_matvec(n, k) && n > 0 && ws.iter().all(|w| w.dtype() == ws[0].dtype());
+    let fused = ws.len() == 3
+        && use_matvec(n, k, ws[0].dtype())
+        && n > 0
+        && ws.iter().all(|w| w.dtype() == ws[0].dtype());
     if !fused {
         let mut half_x = HalfX::default();
         if let ([wq, wk, wv], [oq, ok, ov]) = (ws, &mut *outs) {
@@ -499,7 +523,7 @@ fn matmul_many_in(
     ];
     args.extend(matvec_input(b, ws[0].dtype(), x, quantized)?);
     args.extend([Arg::I32(to_i32(k, "row length")?), Arg::I32(n as i32)]);
-    let kernel = batch_kernel(MATVEC3[t], n);
+    let kernel = batch_kernel(MATVEC3[t], n)?;
     let (grid, block) = matvec_shape(
         m0 + m1 + m2,
         items_per_row(ws[0].dtype(), k),
@@ -527,7 +551,7 @@ fn pair_as_batch(
     let dtype = ws[0].dtype();
     let half = matches!(dtype, DType::F16 | DType::BF16);
     if !half
-        || use_matvec(n, k)
+        || use_matvec(n, k, dtype)
         || ws[1].dtype() != dtype
         || ws[0].shape() != ws[1].shape()
         || outs[0].shape() != outs[1].shape()
@@ -617,7 +641,7 @@ fn gated_ffn_in(
     if n == 0 || m == 0 {
         return Ok(());
     }
-    if !(use_matvec(n, k) && gate.dtype() == up.dtype()) {
+    if !(use_matvec(n, k, gate.dtype()) && gate.dtype() == up.dtype()) {
         let mut half_x = HalfX::default();
         if !pair_as_batch(b, x, &mut half_x, [gate, up], [&*tmp_gate, &*tmp_up])? {
             matmul_in(b, x, quantized, &mut half_x, gate, tmp_gate, false)?;
@@ -644,7 +668,7 @@ fn gated_ffn_in(
         Arg::I32(n as i32),
         Arg::I32(gelu as i32),
     ]);
-    let kernel = batch_kernel(GATE_UP[t], n);
+    let kernel = batch_kernel(GATE_UP[t], n)?;
     let (grid, block) = matvec_shape(
         m,
         items_per_row(gate.dtype(), k),
@@ -1161,5 +1185,25 @@ mod tests {
         // 512 threads fit, two where 8-row kernels run 384.
         assert_eq!(matvec_shape(2560, 256, 2, 512).unwrap().1, (32, 4, 4));
         assert_eq!(matvec_shape(2560, 256, 2, 384).unwrap().1, (32, 4, 3));
+    }
+
+    /// Every row count a type takes to the matvec kernels has a kernel of each family
+    /// (the .cu file builds only those), and one past it goes elsewhere.
+    #[test]
+    fn matvec_kernels_cover_the_rows_they_take() {
+        for dtype in DType::ALL {
+            let t = kernel_suffix(dtype).unwrap();
+            let most = matvec_max_rows(dtype);
+            for n in 1..=most {
+                for family in [MATVEC, MATVEC3, GATE_UP] {
+                    assert!(batch_kernel(family[t], n).is_ok(), "{dtype} n={n}");
+                }
+                assert!(use_matvec(n, 4096, dtype));
+            }
+            assert!(!use_matvec(most + 1, 4096, dtype), "{dtype}");
+        }
+        assert!(batch_kernel(MATVEC[kernel_suffix(DType::F16).unwrap()], 2).is_err());
+        assert!(reads_half(2, 4096, DType::BF16) && !reads_half(2, 4096, DType::Q4_K));
+        assert!(!reads_half(9, 4096, DType::F32) && reads_int8(8, 4096));
     }
 }

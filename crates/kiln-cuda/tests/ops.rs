@@ -6,13 +6,14 @@ use kiln_core::DType;
 use kiln_cuda::CudaBackend;
 
 /// What x meets the weights in (kiln_cuda's matmul): up to 8 rows, int8 per 32 values for
-/// quantized weights and f32 for float ones; more rows, cuBLAS on tensor cores with x in
-/// the weight's 16-bit type (quantized weights decoded to f16), F32 through SGEMM.
+/// quantized weights; one row, f32 for F16/BF16 ones; more rows, tensor cores with x in
+/// the weight's 16-bit type (quantized weights decoded to f16); F32 weights always f32
+/// (the matvec kernels, SGEMM).
 fn rounding(_: &CudaBackend, weight: DType, rows: usize, _k: usize) -> Rounding {
     match weight {
         DType::F32 => Rounding::None,
         _ if rows <= 8 && weight.is_quantized() => Rounding::Int8,
-        _ if rows <= 8 => Rounding::None,
+        _ if rows <= 1 => Rounding::None,
         DType::BF16 => Rounding::Bf16,
         _ => Rounding::F16,
     }

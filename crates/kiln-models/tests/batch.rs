@@ -196,7 +196,7 @@ fn batched_steps_equal_each_sequence_alone_over_an_f16_pool_on_the_cpu() {
 }
 
 /// On CUDA the batch is not bit-equal to a sequence alone: a product of more than 8 rows
-/// goes to cuBLAS with the activations rounded to f16 (quantized weights decoded to f16),
+/// (more than 1 over F16/BF16 weights) goes to cuBLAS with the activations rounded to f16 (quantized weights decoded to f16),
 /// while one row reads f32 (float weights) or int8-rounded (quantized) activations. The
 /// bounds are twice `real_shapes.rs`'s per-type bounds on each path's error against the
 /// CPU; the F32 files hold the paged attention to 5e-5.

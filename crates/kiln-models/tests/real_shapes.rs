@@ -27,8 +27,9 @@
 //! | Q8_0, Q4_0, Q4_K_M, Q6_K | 6.4e-2 | 8.3e-2 | 0.25 |
 //!
 //! - F32: f32 sums in another order (SGEMM for prompts, the matvec kernels).
-//! - F16, BF16: prompts of more than 8 tokens go to cuBLAS with the activations rounded
-//!   to the weights' type (2^-11, 2^-8); decode reads f32 activations.
+//! - F16, BF16: prompts of more than one token go to cuBLAS with the activations rounded
+//!   to the weights' type (2^-11, 2^-8; more than 8 tokens until 2026-11-28); decode
+//!   reads f32 activations.
 //! - Quantized: up to 8 tokens, the matvec kernels read activations rounded to int8 per
 //!   32 values, as llama.cpp's kernels do (the CPU backend's own quantized path, with
 //!   its Q8_0 / Q8_K activations, differs from the GPU by as much: 5-10%); longer

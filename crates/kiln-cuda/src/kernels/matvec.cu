@@ -6,8 +6,8 @@
 // The kernels are written once over the activations' form `X` (dot_float.cu: f32 x for
 // float weights; dot_q8.cu: int8 x for quantized weights), which picks `dot_rows`.
 //
-// Kernels come per weight type and per batch bound B (1, 2, 4, 8), so that decode
-// (B = 1) keeps few registers. Launch: block (32, 4, parts), grid (ceil(rows / (4 rows
+// Kernels come per weight type and per batch bound B (1, 2, 4, 8; F32 up to 4, F16 and
+// BF16 only 1), so that decode (B = 1) keeps few registers. Launch: block (32, 4, parts), grid (ceil(rows / (4 rows
 // per warp))).
 
 // A warp of matvec and matvec3 takes MATVEC_ROWS_PER_WARP consecutive weight rows, and a
@@ -137,9 +137,13 @@ __device__ __forceinline__ void gate_up(const u8* wg, const u8* wu, X x, float* 
     MATVEC_KERNELS(T, NAME, 1, XP, XV) MATVEC_KERNELS(T, NAME, 2, XP, XV)                      \
     MATVEC_KERNELS(T, NAME, 4, XP, XV) MATVEC_KERNELS(T, NAME, 8, XP, XV)
 
-MATVEC_TYPE(W_F32, f32, F32_X_PARAMS, F32_X)
-MATVEC_TYPE(W_F16, f16, F32_X_PARAMS, F32_X)
-MATVEC_TYPE(W_BF16, bf16, F32_X_PARAMS, F32_X)
+// F16 and BF16 weights take one row of x here, F32 up to 4; more go to cuBLAS (matmul.rs),
+// since f32 x read again for every weight row cost more than the weights' own bytes.
+MATVEC_KERNELS(W_F32, f32, 1, F32_X_PARAMS, F32_X)
+MATVEC_KERNELS(W_F32, f32, 2, F32_X_PARAMS, F32_X)
+MATVEC_KERNELS(W_F32, f32, 4, F32_X_PARAMS, F32_X)
+MATVEC_KERNELS(W_F16, f16, 1, F32_X_PARAMS, F32_X)
+MATVEC_KERNELS(W_BF16, bf16, 1, F32_X_PARAMS, F32_X)
 MATVEC_TYPE(W_Q8_0, q8_0, Q8_X_PARAMS, Q8_X)
 MATVEC_TYPE(W_Q4_0, q4_0, Q8_X_PARAMS, Q8_X)
 MATVEC_TYPE(W_Q4_K, q4_k, Q8_X_PARAMS, Q8_X)
