@@ -46,9 +46,7 @@ pub fn render(
         eos: eos.into(),
     })
     .map_err(|e| Error::format(format!("chat template of {model}: {e}")))?;
-    let exe = std::env::current_exe()
-        .map_err(|e| Error::io("finding kiln's own binary to render the chat template", e))?;
-    let mut cmd = Command::new(exe);
+    let mut cmd = Command::new(own_binary()?);
     cmd.arg(CHILD_ARG)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -82,6 +80,21 @@ pub fn render(
         stopped_by(&out.status)
     ))
     .into())
+}
+
+/// The running binary, to start as the renderer. On Linux the kernel's link to it, which
+/// still runs after the file on disk was replaced or deleted (a server upgraded or rebuilt
+/// in place kept failing every chat with "No such file or directory").
+fn own_binary() -> Result<std::path::PathBuf, Error> {
+    #[cfg(target_os = "linux")]
+    {
+        let link = std::path::PathBuf::from("/proc/self/exe");
+        if link.exists() {
+            return Ok(link);
+        }
+    }
+    std::env::current_exe()
+        .map_err(|e| Error::io("finding kiln's own binary to render the chat template", e))
 }
 
 #[cfg(unix)]

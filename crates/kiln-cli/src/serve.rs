@@ -11,8 +11,8 @@ use kiln_models::ModelConfig;
 use kiln_serve::engine::blocks::{blocks_for, BLOCK_POSITIONS};
 use kiln_serve::engine::warm_up::warm_up;
 use kiln_serve::{
-    App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel, SplitRunner,
-    StepRunner,
+    App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, RenderError, ServedModel,
+    SplitRunner, StepRunner,
 };
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -122,9 +122,13 @@ struct SandboxedChat {
 }
 
 impl ChatRenderer for SandboxedChat {
-    fn render(&self, messages: &[Message]) -> Result<String, String> {
+    fn render(&self, messages: &[Message]) -> Result<String, RenderError> {
         crate::chat_sandbox::render(&self.model, &self.template, messages, &self.bos, &self.eos)
-            .map_err(|e| e.to_string())
+            .map_err(|e| match e {
+                // Starting or talking to the child failed: not the messages' doing.
+                Failure::Kiln(Error::Io { .. }) => RenderError::Renderer(e.to_string()),
+                e => RenderError::Messages(e.to_string()),
+            })
     }
 }
 

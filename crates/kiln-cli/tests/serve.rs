@@ -16,7 +16,11 @@ struct Server {
 }
 
 fn start(args: &[&str]) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+    start_binary(std::path::Path::new(env!("CARGO_BIN_EXE_kiln")), args)
+}
+
+fn start_binary(exe: &std::path::Path, args: &[&str]) -> Server {
+    let mut child = Command::new(exe)
         .args(["serve", "--port", "0"])
         .args(args)
         .stdin(Stdio::null())
@@ -57,12 +61,17 @@ impl Drop for Server {
 
 /// A connection that has sent `body` to `/v1/completions`.
 fn post(addr: &str, body: &str) -> TcpStream {
+    post_to(addr, "/v1/completions", body)
+}
+
+/// A connection that has sent `body` to `path`.
+fn post_to(addr: &str, path: &str, body: &str) -> TcpStream {
     let mut conn = TcpStream::connect(addr).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
     write!(
         conn,
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -134,4 +143,23 @@ fn a_split_server_answers_as_the_whole_one() {
         assert_eq!(server.child.wait().unwrap().code(), Some(0));
     }
     assert_eq!(texts[0], texts[1]);
+}
+
+/// Chat requests render in a child of the server's own binary: replaced or deleted on
+/// disk (an upgrade or a rebuild in place), the server still renders them, and a
+/// renderer that cannot start would be a 500, not a 400 blaming `messages`.
+#[cfg(target_os = "linux")]
+#[test]
+fn chat_still_renders_after_the_binary_is_deleted() {
+    let dir = std::env::temp_dir().join(format!("kiln-serve-exe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("kiln");
+    std::fs::copy(env!("CARGO_BIN_EXE_kiln"), &exe).unwrap();
+    let server = start_binary(&exe, &["--device", "cpu", "-t", "1"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let body = r#"{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}"#;
+    let mut conn = post_to(&server.addr, "/v1/chat/completions", body);
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
 }

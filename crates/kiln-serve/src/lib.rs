@@ -12,7 +12,7 @@ pub mod api;
 pub mod engine;
 pub mod metrics;
 
-pub use api::{router, serve, App, ChatRenderer, ServedModel};
+pub use api::{router, serve, App, ChatRenderer, RenderError, ServedModel};
 pub use engine::runner::{PagedRunner, SplitRunner, StepRunner};
 pub use engine::scheduler::Limits;
 pub use engine::{Engine, EngineConfig};

@@ -8,8 +8,8 @@ use kiln_io::gguf::GgufFile;
 use kiln_models::chat::Message;
 use kiln_models::{generate, GenerateOptions, Model, Sampler, SamplerConfig};
 use kiln_serve::{
-    App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, ServedModel, SplitRunner,
-    StepRunner,
+    App, ChatRenderer, Engine, EngineConfig, Limits, PagedRunner, RenderError, ServedModel,
+    SplitRunner, StepRunner,
 };
 use kiln_tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -37,10 +37,11 @@ fn load() -> (Model, Tokenizer) {
 struct PlainChat;
 
 impl ChatRenderer for PlainChat {
-    fn render(&self, messages: &[Message]) -> Result<String, String> {
+    fn render(&self, messages: &[Message]) -> Result<String, RenderError> {
         let template =
             "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:";
-        kiln_models::chat::render(template, messages, "", "").map_err(|e| e.to_string())
+        kiln_models::chat::render(template, messages, "", "")
+            .map_err(|e| RenderError::Messages(e.to_string()))
     }
 }
 
@@ -478,9 +479,34 @@ async fn bad_requests_get_openai_errors() {
     let (status, e, _) = send("{not json", key).await;
     assert_eq!(status, 400);
     assert_eq!(e["error"]["type"], "invalid_request_error");
+    // The scheme's name in any case (RFC 9110), as some clients send it.
+    let r = s
+        .client
+        .post(format!("{}/v1/completions", s.url))
+        .header(reqwest::header::AUTHORIZATION, "bearer sesame")
+        .body(r#"{"prompt": "x", "max_tokens": 1}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    // A role outside OpenAI's is refused, not written into the prompt as it is.
+    for role in ["wizard", "", "user\nassistant"] {
+        let r = s
+            .client
+            .post(format!("{}/v1/chat/completions", s.url))
+            .bearer_auth("sesame")
+            .json(&json!({"messages": [{"role": role, "content": "hi"}], "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 400, "{role:?}");
+        let e = r.json::<Value>().await.unwrap();
+        assert_eq!(e["error"]["param"], "messages[0].role", "{e}");
+    }
     let cases = [
         (r#"{"prompt": "x", "temperature": "hot"}"#, "temperature"),
         (r#"{"prompt": "x", "temperature": -1}"#, "temperature"),
+        (r#"{"prompt": "x", "temperature": 2.5}"#, "temperature"),
         (r#"{"prompt": "x", "n": 0}"#, "n"),
         (r#"{"prompt": "x", "max_tokens": -3}"#, "max_tokens"),
         (r#"{"prompt": [], "max_tokens": 1}"#, "prompt"),

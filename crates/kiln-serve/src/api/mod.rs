@@ -27,8 +27,29 @@ use std::sync::Arc;
 /// process limited in memory and time (templates come with downloaded models: untrusted
 /// code); rendering blocks, so it is called off the async threads.
 pub trait ChatRenderer: Send + Sync {
-    fn render(&self, messages: &[Message]) -> Result<String, String>;
+    fn render(&self, messages: &[Message]) -> Result<String, RenderError>;
 }
+
+/// Why a conversation was not rendered.
+#[derive(Debug)]
+pub enum RenderError {
+    /// The template refused these messages or failed on them (the request's 400).
+    Messages(String),
+    /// The renderer itself could not run (the server's 500): the request was not at fault.
+    Renderer(String),
+}
+
+/// Roles a chat message may have (OpenAI's, and `function`, its older name for `tool`).
+/// A role is written into the prompt as it is, so any other text is refused rather than
+/// passed to the template.
+const ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
 
 /// The model as clients name it.
 pub struct ServedModel {
@@ -68,6 +89,16 @@ impl App {
         }
         let mut plain = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::field(
+                    format!("messages[{i}].role"),
+                    format!(
+                        "`{}` is not one of {}",
+                        m.role.escape_debug(),
+                        ROLES.join(", ")
+                    ),
+                ));
+            }
             let content = match &m.content {
                 // An assistant's turn may be content-less (it called a tool); every other
                 // role's message is its content.
@@ -102,10 +133,10 @@ impl App {
         }
         let app = self.clone();
         blocking(move || {
-            let text = app
-                .chat
-                .render(&plain)
-                .map_err(|e| ApiError::field("messages", e))?;
+            let text = app.chat.render(&plain).map_err(|e| match e {
+                RenderError::Messages(e) => ApiError::field("messages", e),
+                RenderError::Renderer(e) => ApiError::internal(format!("rendering the chat: {e}")),
+            })?;
             // The template writes BOS itself when the model wants one.
             app.tokenizer
                 .encode_with_special_tokens(&text, false)
@@ -190,13 +221,20 @@ async fn require_key(State(app): State<Arc<App>>, req: Request, next: Next) -> R
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer_token)
             .unwrap_or("");
         if !same_secret(given.trim().as_bytes(), key.as_bytes()) {
             return ApiError::unauthorized().into_response();
         }
     }
     next.run(req).await
+}
+
+/// The token of an `Authorization: Bearer TOKEN` value; the scheme's name is
+/// case-insensitive (RFC 9110), so `bearer` and `BEARER` are taken too.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
 }
 
 /// Compare secrets in time that does not depend on where they differ.

@@ -164,7 +164,8 @@ impl GenerationRequest {
     /// asked-for count (or the endpoint's default), for [`SamplingParams::fit_context`].
     pub fn sampling(&self, endpoint: Endpoint) -> Result<SamplingParams, ApiError> {
         self.unsupported()?;
-        let temperature = in_range("temperature", self.temperature, 0.0, 100.0, 1.0)?;
+        // OpenAI's range: clients that validate against it expect the same answer here.
+        let temperature = in_range("temperature", self.temperature, 0.0, 2.0, 1.0)?;
         let top_p = in_range("top_p", self.top_p, 0.0, 1.0, 1.0)?;
         if top_p == 0.0 {
             return Err(ApiError::field("top_p", "0 keeps no token; use (0, 1]"));
