@@ -113,22 +113,16 @@ fn kv_memory_arg(s: &str) -> Result<KvMemory, String> {
 /// model has none): each turn as `role: content`, then the assistant's cue.
 const PLAIN_TEMPLATE: &str = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}";
 
-/// Renders in the CLI's sandboxed child process (see `chat_sandbox`).
-struct SandboxedChat {
-    model: String,
-    template: String,
-    bos: String,
-    eos: String,
-}
+/// Renders in the CLI's sandboxed child processes (see `chat_sandbox`).
+struct SandboxedChat(crate::chat_sandbox::Renderer);
 
 impl ChatRenderer for SandboxedChat {
     fn render(&self, messages: &[Message]) -> Result<String, RenderError> {
-        crate::chat_sandbox::render(&self.model, &self.template, messages, &self.bos, &self.eos)
-            .map_err(|e| match e {
-                // Starting or talking to the child failed: not the messages' doing.
-                Failure::Kiln(Error::Io { .. }) => RenderError::Renderer(e.to_string()),
-                e => RenderError::Messages(e.to_string()),
-            })
+        self.0.render(messages).map_err(|e| match e {
+            // Starting or talking to the child failed: not the messages' doing.
+            Failure::Kiln(Error::Io { .. }) => RenderError::Renderer(e.to_string()),
+            e => RenderError::Messages(e.to_string()),
+        })
     }
 }
 
@@ -407,12 +401,12 @@ fn chat_renderer(
             .unwrap_or("")
             .to_string()
     };
-    Ok(Arc::new(SandboxedChat {
-        model: file.name.clone(),
-        template,
-        bos: text_of(tokenizer.bos_id()),
-        eos: text_of(tokenizer.eos_ids().first().copied()),
-    }))
+    Ok(Arc::new(SandboxedChat(crate::chat_sandbox::Renderer::new(
+        &file.name,
+        &template,
+        &text_of(tokenizer.bos_id()),
+        &text_of(tokenizer.eos_ids().first().copied()),
+    ))))
 }
 
 #[cfg(test)]

@@ -163,3 +163,51 @@ fn chat_still_renders_after_the_binary_is_deleted() {
     conn.read_to_string(&mut reply).unwrap();
     assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
 }
+
+/// A template that fails for some messages fails those requests alone: one that raises
+/// leaves its renderer rendering, one that runs out of the renderer's memory kills it and
+/// the next chat gets a new one; the server answers throughout.
+#[test]
+fn a_chat_template_that_fails_fails_only_its_requests() {
+    let dir = std::env::temp_dir().join(format!("kiln-serve-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let template = dir.join("t.jinja");
+    std::fs::write(
+        &template,
+        "{% set m = messages[0].content %}{% if m == 'raise' %}{{ raise_exception('refused') }}\
+         {% elif m == 'huge' %}{% set a = 'x' * 99999999 %}{% set b = a ~ a ~ a ~ a %}{{ (b ~ b ~ b) | length }}\
+         {% endif %}user: {{ m }}\nassistant:",
+    )
+    .unwrap();
+    let server = start(&[
+        "--device",
+        "cpu",
+        "-t",
+        "1",
+        "--chat-template",
+        template.to_str().unwrap(),
+    ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let chat = |content: &str| {
+        let body = format!(
+            r#"{{"messages": [{{"role": "user", "content": "{content}"}}], "max_tokens": 1}}"#
+        );
+        let mut conn = post_to(&server.addr, "/v1/chat/completions", &body);
+        let mut reply = String::new();
+        conn.read_to_string(&mut reply).unwrap();
+        reply
+    };
+    for (content, status, says) in [
+        ("Hi", "200", ""),
+        ("raise", "400", "refused"),
+        ("Hi", "200", ""),
+        ("huge", "400", "MiB of memory"),
+        ("Hi", "200", ""),
+    ] {
+        let reply = chat(content);
+        assert!(
+            reply.starts_with(&format!("HTTP/1.1 {status}")) && reply.contains(says),
+            "{content}: {reply}"
+        );
+    }
+}
