@@ -11,7 +11,7 @@ use kiln_core::Error;
 use kiln_models::chat::{self, Message};
 use std::io::{Read, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 
 /// The hidden first argument that makes `kiln` a renderer child.
 pub const CHILD_ARG: &str = "__render-chat-template";
@@ -34,19 +34,28 @@ struct Job {
 
 /// Renders one template (a model's) in children of kiln's own binary that stay up between
 /// renders: starting one costs ~15 ms (measured on a 2-vCPU EPYC, 2026-11-28), as much
-/// as a server's whole time to first token, where a render takes well under 1 ms. A
-/// child that dies (its memory limit) or overruns its time is killed and replaced on the
-/// next render. Up to [`WORKERS`] render at once.
+/// as a server's whole time to first token, where a render takes well under 1 ms. Up to
+/// [`WORKERS`] children render at once, handed out from a list of idle ones; a child that
+/// died (its memory limit, a signal) or overran its time is reaped and replaced.
 pub struct Renderer {
     model: String,
     template: String,
     bos: String,
     eos: String,
-    workers: Vec<Mutex<Option<Worker>>>,
+    pool: Mutex<Pool>,
+    /// Signalled when a child goes back to the pool (or a place for one frees).
+    returned: Condvar,
 }
 
 /// Children a [`Renderer`] keeps.
 const WORKERS: usize = 2;
+
+/// The idle children, and how many exist (idle or rendering).
+#[derive(Default)]
+struct Pool {
+    idle: Vec<Worker>,
+    live: usize,
+}
 
 /// A renderer child and its pipes.
 struct Worker {
@@ -64,7 +73,8 @@ impl Renderer {
             template: template.into(),
             bos: bos.into(),
             eos: eos.into(),
-            workers: (0..WORKERS).map(|_| Mutex::new(None)).collect(),
+            pool: Mutex::new(Pool::default()),
+            returned: Condvar::new(),
         }
     }
 
@@ -80,41 +90,75 @@ impl Renderer {
         let len = u32::try_from(job.len()).map_err(|_| {
             Error::format(format!("chat of {}: the messages pass 4 GiB", self.model))
         })?;
-        // A free child, else wait for the first.
-        let mut slot = self
-            .workers
-            .iter()
-            .find_map(|w| w.try_lock().ok())
-            .unwrap_or_else(|| self.workers[0].lock().unwrap_or_else(|e| e.into_inner()));
-        if slot.is_none() {
-            *slot = Some(spawn()?);
-        }
-        let worker = slot.as_mut().expect("started above");
-        match exchange(worker, len, &job) {
-            Ok(Reply::Text(text)) => Ok(text),
-            Ok(Reply::Refused(said)) => {
-                Err(Error::format(format!("{}: {said}", self.model)).into())
-            }
-            Err(Exchange::Io(e)) => {
-                stop(slot.take());
-                Err(e.into())
-            }
-            Err(Exchange::Died(why)) => {
-                stop(slot.take());
-                Err(Error::format(format!(
-                    "{}: the chat template {why} (it builds text without bound); fix or replace the model's chat template",
-                    self.model
-                ))
-                .into())
+        let (mut worker, mut fresh) = self.take()?;
+        loop {
+            match exchange(&mut worker, len, &job) {
+                Ok(reply) => {
+                    self.give_back(Some(worker));
+                    return match reply {
+                        Reply::Text(text) => Ok(text),
+                        Reply::Refused(said) => {
+                            Err(Error::format(format!("{}: {said}", self.model)).into())
+                        }
+                    };
+                }
+                // A kept child that had died while idle (killed from outside): this job
+                // never reached it, so it goes to a new one.
+                Err(Exchange::NotSent(_)) if !fresh => {
+                    stop(Some(worker));
+                    worker = spawn().inspect_err(|_| self.give_back(None))?;
+                    fresh = true;
+                }
+                Err(failure) => {
+                    stop(Some(worker));
+                    self.give_back(None);
+                    return Err(failure.into_error(&self.model).into());
+                }
             }
         }
+    }
+
+    /// An idle child, a new one while fewer than [`WORKERS`] exist, else the first to be
+    /// given back; and whether it is new. Idle children that exited are replaced.
+    fn take(&self) -> Result<(Worker, bool), Error> {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(mut w) = pool.idle.pop() {
+                if matches!(w.child.try_wait(), Ok(None)) {
+                    return Ok((w, false));
+                }
+                let _ = w.child.wait();
+                pool.live -= 1;
+                continue;
+            }
+            if pool.live < WORKERS {
+                pool.live += 1;
+                drop(pool);
+                return spawn()
+                    .map(|w| (w, true))
+                    .inspect_err(|_| self.give_back(None));
+            }
+            pool = self.returned.wait(pool).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// A child back to the pool, or (None) the place of one that was stopped.
+    fn give_back(&self, worker: Option<Worker>) {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        match worker {
+            Some(w) => pool.idle.push(w),
+            None => pool.live -= 1,
+        }
+        drop(pool);
+        self.returned.notify_one();
     }
 }
 
 impl Drop for Renderer {
     fn drop(&mut self) {
-        for w in &mut self.workers {
-            stop(w.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+        let pool = self.pool.get_mut().unwrap_or_else(|e| e.into_inner());
+        for w in pool.idle.drain(..) {
+            stop(Some(w));
         }
     }
 }
@@ -167,10 +211,29 @@ enum Reply {
 }
 
 enum Exchange {
-    /// The pipes failed for another reason.
-    Io(Error),
-    /// The child died or overran its time: why, as the end of a sentence.
-    Died(String),
+    /// The job could not be written: the child had exited (how, as the end of a sentence).
+    NotSent(String),
+    /// The template took the child past a limit (its memory, its time): why, as the end of
+    /// a sentence about the template.
+    Limit(String),
+    /// The child died another way (a signal from outside), or its reply was not text.
+    Failed(String),
+}
+
+impl Exchange {
+    /// The error a request gets: the template's (a format error: its fault, 400) for a
+    /// limit, else the renderer's (an I/O error: not the messages' fault, 500).
+    fn into_error(self, model: &str) -> Error {
+        match self {
+            Exchange::Limit(why) => Error::format(format!(
+                "{model}: the chat template {why}; fix or replace the model's chat template"
+            )),
+            Exchange::NotSent(why) | Exchange::Failed(why) => Error::io(
+                format!("the chat-template renderer of {model}"),
+                std::io::Error::other(why),
+            ),
+        }
+    }
 }
 
 /// Send one job (`len` bytes) and read its reply within [`WALL_SECONDS`].
@@ -180,28 +243,31 @@ fn exchange(w: &mut Worker, len: u32, job: &[u8]) -> Result<Reply, Exchange> {
             .and_then(|_| w.to.write_all(job))
             .and_then(|_| w.to.flush());
     if sent.is_err() {
-        return Err(Exchange::Died(died(w)));
+        return Err(Exchange::NotSent(died(w).1));
     }
     if !readable_within(&w.from, WALL_SECONDS) {
         let _ = w.child.kill();
-        return Err(Exchange::Died(format!(
-            "ran out of its {WALL_SECONDS} s to render"
+        return Err(Exchange::Limit(format!(
+            "ran out of its {WALL_SECONDS} s to render (it runs without bound)"
         )));
     }
     let mut head = [0u8; 5];
-    if w.from.read_exact(&mut head).is_err() {
-        return Err(Exchange::Died(died(w)));
+    let mut body = Vec::new();
+    let read = w.from.read_exact(&mut head).and_then(|_| {
+        body.resize(
+            u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize,
+            0,
+        );
+        w.from.read_exact(&mut body)
+    });
+    if read.is_err() {
+        return Err(match died(w) {
+            (true, why) => Exchange::Limit(why),
+            (false, why) => Exchange::Failed(why),
+        });
     }
-    let n = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
-    let mut body = vec![0u8; n];
-    if w.from.read_exact(&mut body).is_err() {
-        return Err(Exchange::Died(died(w)));
-    }
-    let text = String::from_utf8(body).map_err(|_| {
-        Exchange::Io(Error::format(
-            "chat template: the rendered text is not UTF-8",
-        ))
-    })?;
+    let text = String::from_utf8(body)
+        .map_err(|_| Exchange::Failed("sent text that is not UTF-8".into()))?;
     Ok(if head[0] == 0 {
         Reply::Text(text)
     } else {
@@ -209,11 +275,12 @@ fn exchange(w: &mut Worker, len: u32, job: &[u8]) -> Result<Reply, Exchange> {
     })
 }
 
-/// Why a child whose pipe closed stopped (reaped here: it closes them only by exiting).
-fn died(w: &mut Worker) -> String {
+/// Why a child whose pipe closed stopped (reaped here: it closes them only by exiting),
+/// and whether that was the template's doing (its memory limit, its alarm).
+fn died(w: &mut Worker) -> (bool, String) {
     match w.child.wait() {
         Ok(status) => stopped_by(&status),
-        Err(e) => format!("renderer could not be waited for ({e})"),
+        Err(e) => (false, format!("could not be waited for ({e})")),
     }
 }
 
@@ -295,24 +362,40 @@ fn limit_child(cmd: &mut Command) {
     unsafe {
         cmd.pre_exec(move || set(libc::RLIMIT_AS, MEMORY_LIMIT));
     }
+    // A group of its own: a Ctrl-C (or a service manager's stop of the server's group)
+    // reaches the server, which finishes the chats in flight, and not the renderers those
+    // chats wait on. They end at the end of their input.
+    cmd.process_group(0);
 }
 
 #[cfg(not(unix))]
 fn limit_child(_cmd: &mut Command) {}
 
-/// What stopped the child, as the end of a sentence about the template.
-fn stopped_by(status: &std::process::ExitStatus) -> String {
+/// What stopped the child, as the end of a sentence about the template, and whether the
+/// template did (its memory limit, or its own alarm: see [`child_main`]).
+fn stopped_by(status: &std::process::ExitStatus) -> (bool, String) {
     #[cfg(unix)]
     {
         use std::os::unix::process::ExitStatusExt;
         let mib = MEMORY_LIMIT >> 20;
         match status.signal() {
-            Some(libc::SIGABRT) => return format!("ran out of its {mib} MiB of memory"),
-            Some(sig) => return format!("was stopped by signal {sig}"),
+            Some(libc::SIGABRT) => {
+                return (
+                    true,
+                    format!("ran out of its {mib} MiB of memory (it builds text without bound)"),
+                )
+            }
+            Some(libc::SIGALRM) => {
+                return (
+                    true,
+                    format!("ran out of its {WALL_SECONDS} s to render (it runs without bound)"),
+                )
+            }
+            Some(sig) => return (false, format!("was stopped by signal {sig}")),
             None => {}
         }
     }
-    format!("renderer failed ({status})")
+    (false, format!("ended ({status})"))
 }
 
 /// The child's side: jobs on stdin, each a little-endian u32 length and the job's JSON;
@@ -333,11 +416,15 @@ pub fn child_main() -> std::process::ExitCode {
         if input.read_exact(&mut job).is_err() {
             return std::process::ExitCode::from(1);
         }
+        // The render's own time limit, a little past the parent's: it ends this process
+        // even when the parent died mid-render and no one is left to kill it.
+        set_alarm(WALL_SECONDS + 1);
         let text = serde_json::from_slice::<Job>(&job)
             .map_err(|e| e.to_string())
             .and_then(|j| {
                 chat::render(&j.template, &j.messages, &j.bos, &j.eos).map_err(|e| e.to_string())
             });
+        set_alarm(0);
         let (tag, body) = match text {
             Ok(text) => (0u8, text),
             Err(e) => (1u8, e.replace(['\n', '\r'], " ")),
@@ -355,3 +442,15 @@ pub fn child_main() -> std::process::ExitCode {
         }
     }
 }
+
+/// SIGALRM (whose default ends the process) in `seconds`; 0 cancels it.
+#[cfg(unix)]
+fn set_alarm(seconds: u64) {
+    // SAFETY: alarm only sets the process's timer.
+    unsafe {
+        libc::alarm(seconds as libc::c_uint);
+    }
+}
+
+#[cfg(not(unix))]
+fn set_alarm(_seconds: u64) {}

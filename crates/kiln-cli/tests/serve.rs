@@ -211,3 +211,43 @@ fn a_chat_template_that_fails_fails_only_its_requests() {
         );
     }
 }
+
+/// A kept renderer killed from outside while idle costs no request: the next chat goes to
+/// a new one.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_renderer_killed_while_idle_is_replaced() {
+    let server = start(&["--device", "cpu", "-t", "1"]);
+    let chat = || {
+        let body = r#"{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}"#;
+        let mut conn = post_to(&server.addr, "/v1/chat/completions", body);
+        let mut reply = String::new();
+        conn.read_to_string(&mut reply).unwrap();
+        reply
+    };
+    let reply = chat();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    // The server's children (field 4 of /proc/PID/stat is the parent's pid).
+    let parent = server.child.id().to_string();
+    let children: Vec<i32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                stat.rsplit_once(") ")
+                    .and_then(|(_, rest)| rest.split(' ').nth(1).map(|p| p == parent))
+                    .unwrap_or(false)
+            })
+        })
+        .collect();
+    assert!(!children.is_empty(), "no renderer kept");
+    for pid in children {
+        // SAFETY: kill sends a signal to a child of the server this test started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    for _ in 0..3 {
+        let reply = chat();
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    }
+}
