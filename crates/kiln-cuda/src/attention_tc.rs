@@ -12,8 +12,8 @@
 //! 35% of an 8B model's 512-token prompt) and, for a server's prompt chunks, the decode
 //! kernel, which read every key again for each query row.
 
+use crate::blas::rounded_copy;
 use crate::kernels::{Arg, LaunchNeed};
-use crate::matmul::rounded_copy;
 use crate::{ptr, to_i32, CudaBackend};
 use kiln_core::{AttentionParams, DType, Products, Result, Tensor};
 

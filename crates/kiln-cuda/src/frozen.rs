@@ -4,8 +4,8 @@
 //! projection (its blocks of rows read every vocabulary row). The model stays in its
 //! type on the GPU; only one decoded tile or head is held at once.
 
+use crate::blas::sgemm;
 use crate::kernels::Arg;
-use crate::matmul::sgemm;
 use crate::{ptr, to_i32, CudaBackend};
 use kiln_core::{DType, Error, Result, Tensor};
 

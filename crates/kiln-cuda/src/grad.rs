@@ -5,8 +5,8 @@
 mod attention;
 mod loss;
 
+use crate::blas::{round_into, sgemm, sgemm_rounded_a};
 use crate::kernels::Arg;
-use crate::matmul::{round_into, sgemm, sgemm_rounded_a};
 use crate::{expect, ptr, same_shape, to_i32, CudaBackend};
 use kiln_core::{
     AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradInto, GradOps, Pages,

@@ -10,6 +10,7 @@
 mod attention;
 mod attention_grad_tc;
 mod attention_tc;
+mod blas;
 mod collective;
 mod compile;
 mod device;
@@ -61,7 +62,7 @@ pub struct CudaBackend {
     sms: usize,
     kernels: Kernels,
     pool: Arc<Pool>,
-    blas: matmul::Blas,
+    blas: blas::Blas,
     /// Work buffers of the ops (decoded weight tiles, rounded activations, attention
     /// partials), kept and grown, so that steady-state steps allocate nothing.
     scratch: Mutex<HashMap<&'static str, DeviceBuffer>>,
@@ -155,7 +156,7 @@ impl CudaBackend {
             }
             Err(e) => return Err(e),
         };
-        let blas = matmul::Blas::new(&stream)?;
+        let blas = blas::Blas::new(&stream)?;
         Ok(CudaBackend {
             pool: Pool::new(ctx.clone()),
             ctx,

@@ -8,8 +8,8 @@
 
 use super::f32s;
 use crate::attention_grad_tc;
+use crate::blas::{rounded_copy, sgemm_batched, Strided};
 use crate::kernels::Arg;
-use crate::matmul::{rounded_copy, sgemm_batched, Strided};
 use crate::{expect, ptr, to_i32, CudaBackend};
 use kiln_core::{
     AttentionParams, AttentionRun, AttentionSaved, Backend, DType, Error, GradInto, Pages, Result,

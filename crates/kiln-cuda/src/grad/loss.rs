@@ -2,8 +2,8 @@
 //! a block of rows of logits at a time, never the whole probability matrix.
 
 use super::{f32s, rows_of};
+use crate::blas::{rounded_copy, sgemm, sgemm_batched, Strided};
 use crate::kernels::Arg;
-use crate::matmul::{rounded_copy, sgemm, sgemm_batched, Strided};
 use crate::{expect, ptr, to_i32, CudaBackend};
 use kiln_core::{DType, Error, Products, Result, Tensor};
 
