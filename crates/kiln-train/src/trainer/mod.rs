@@ -15,7 +15,9 @@
 //! in its own block of a paged cache, attention within each sequence (its backward in
 //! [`crate::paged`]). The `grad_accum` micro-batches of a step run one after another, their
 //! gradients accumulating in the parameters' gradient buffers. Activations are kept for
-//! one micro-batch at a time (no checkpointing of them yet).
+//! one micro-batch at a time, or one layer's with activation checkpointing
+//! ([`crate::recompute`]). Over several ranks: [`ranks`]; checkpoints and exports:
+//! [`save`].
 //!
 //! With LoRA ([`crate::lora`]) the trainable parameters, and so the flat buffers, are the
 //! adapters' matrices alone; the model's weights are registered frozen.
