@@ -53,11 +53,28 @@ fn matvec(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
         var acc: array<f32, MAX_N>;
         if live {
             if by_quads {
-                for (var qd = row_lane(lane); qd < quads; qd += row_width(lane)) {
-                    let w = quad(r, qd);
+                // Four quads of the weight row in flight a lane, as in matvec1 (one load
+                // outstanding leaves HBM mostly idle), each used for all n rows of x.
+                let w = row_width(lane);
+                var qd = row_lane(lane);
+                for (; qd + 3u * w < quads; qd += 4u * w) {
+                    let w0 = quad(r, qd);
+                    let w1 = quad(r, qd + w);
+                    let w2 = quad(r, qd + 2u * w);
+                    let w3 = quad(r, qd + 3u * w);
                     for (var t = 0u; t < n; t++) {
-                        let xo = t * k + 4u * qd;
-                        acc[t] += dot(w, vec4<f32>(x[xo], x[xo + 1u], x[xo + 2u], x[xo + 3u]));
+                        let xo = t * k;
+                        let a = dot(w0, x_quad(xo + 4u * qd));
+                        let b = dot(w1, x_quad(xo + 4u * (qd + w)));
+                        let c = dot(w2, x_quad(xo + 4u * (qd + 2u * w)));
+                        let d = dot(w3, x_quad(xo + 4u * (qd + 3u * w)));
+                        acc[t] += (a + b) + (c + d);
+                    }
+                }
+                for (; qd < quads; qd += w) {
+                    let wq = quad(r, qd);
+                    for (var t = 0u; t < n; t++) {
+                        acc[t] += dot(wq, x_quad(t * k + 4u * qd));
                     }
                 }
             } else {
@@ -76,4 +93,9 @@ fn matvec(lane: Lane, @builtin(workgroup_id) wg: vec3<u32>) {
             }
         }
     }
+}
+
+// x[o .. o + 4], any row (no norm: that is one row's, matvec1's).
+fn x_quad(o: u32) -> vec4<f32> {
+    return vec4<f32>(x[o], x[o + 1u], x[o + 2u], x[o + 3u]);
 }
