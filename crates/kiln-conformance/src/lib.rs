@@ -51,6 +51,7 @@ macro_rules! with_cases {
             matmul_add
             matmul_many
             matmul_many_pair
+            matmul_many_uploaded_together
             gated_ffn
             rms_norm_matmul_many
             rms_norm_gated_ffn

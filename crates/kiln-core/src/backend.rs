@@ -98,6 +98,16 @@ pub trait Backend: Send + Sync {
     /// ggml's encoding. Backends that can use host memory in place do not copy.
     fn upload(&self, dtype: DType, shape: Shape, data: HostBytes) -> Result<Tensor>;
 
+    /// [`Backend::upload`] of weights that the model reads together (Q, K and V from one
+    /// input), in order. A backend may lay them end to end in one allocation, so that one
+    /// product reads them as one matrix; each tensor is still its own.
+    fn upload_together(&self, parts: Vec<(DType, Shape, HostBytes)>) -> Result<Vec<Tensor>> {
+        parts
+            .into_iter()
+            .map(|(dtype, shape, data)| self.upload(dtype, shape, data))
+            .collect()
+    }
+
     /// The tensor's bytes, in its dtype's encoding.
     fn download(&self, t: &Tensor) -> Result<Vec<u8>>;
 

@@ -305,7 +305,8 @@ impl CudaBackend {
         let buf = self.pool.alloc(bytes)?;
         Ok(Tensor::from_storage(
             Box::new(CudaStorage {
-                buf,
+                buf: Arc::new(buf),
+                offset: 0,
                 bytes,
                 ordinal: self.ordinal,
             }),
@@ -329,7 +330,7 @@ pub(crate) fn storage(t: &Tensor) -> Result<&CudaStorage> {
 
 /// The device address of a tensor's data.
 pub(crate) fn ptr(t: &Tensor) -> Result<u64> {
-    Ok(storage(t)?.buf.ptr)
+    Ok(storage(t)?.ptr())
 }
 
 pub(crate) fn expect(t: &Tensor, dtype: DType, what: &str) -> Result<()> {
@@ -409,6 +410,68 @@ impl Backend for CudaBackend {
         Ok(t)
     }
 
+    fn upload_together(&self, parts: Vec<(DType, Shape, HostBytes)>) -> Result<Vec<Tensor>> {
+        // End to end only where one product can read them as one matrix: 16-bit weights
+        // of one type and row length, each a whole number of 256-byte pieces (so that
+        // every part stays aligned for cuBLAS when read alone).
+        let first = parts.first().map(|(d, s, _)| (*d, s.row_len()));
+        let together = parts.len() > 1
+            && matches!(first, Some((DType::F16 | DType::BF16, _)))
+            && parts.iter().all(|(d, s, data)| {
+                Some((*d, s.row_len())) == first
+                    && s.dims().len() == 2
+                    && !data.is_empty()
+                    && data.len().is_multiple_of(256)
+            });
+        if !together {
+            return parts
+                .into_iter()
+                .map(|(dtype, shape, data)| self.upload(dtype, shape, data))
+                .collect();
+        }
+        let mut total = 0usize;
+        for (dtype, shape, data) in &parts {
+            let want = shape.rows() * dtype.row_bytes(shape.row_len())?;
+            if data.len() != want {
+                return Err(Error::shape(format!(
+                    "{shape} of {dtype} takes {want} bytes, got {}",
+                    data.len()
+                )));
+            }
+            total += want;
+        }
+        let buf = Arc::new(self.pool.alloc(total)?);
+        self.bind()?;
+        self.queued_other_work();
+        let mut tensors = Vec::with_capacity(parts.len());
+        let mut offset = 0u64;
+        for (dtype, shape, data) in &parts {
+            // On our stream, as `upload` copies; the synchronize below keeps `parts` alive
+            // until every copy is done.
+            unsafe {
+                result::memcpy_htod_async(
+                    buf.ptr + offset,
+                    data.as_slice(),
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(driver_error)?;
+            tensors.push(Tensor::from_storage(
+                Box::new(CudaStorage {
+                    buf: buf.clone(),
+                    offset,
+                    bytes: data.len(),
+                    ordinal: self.ordinal,
+                }),
+                *dtype,
+                shape.clone(),
+            ));
+            offset += data.len() as u64;
+        }
+        self.stream.synchronize().map_err(driver_error)?;
+        Ok(tensors)
+    }
+
     fn download(&self, t: &Tensor) -> Result<Vec<u8>> {
         let s = storage(t)?;
         let mut out = vec![0u8; s.bytes];
@@ -416,7 +479,7 @@ impl Backend for CudaBackend {
             self.bind()?;
             // Queued on our stream (after the kernels that wrote `t`), then waited for.
             self.queued_other_work();
-            unsafe { result::memcpy_dtoh_async(&mut out, s.buf.ptr, self.stream.cu_stream()) }
+            unsafe { result::memcpy_dtoh_async(&mut out, s.ptr(), self.stream.cu_stream()) }
                 .map_err(driver_error)?;
             self.stream.synchronize().map_err(driver_error)?;
         }
@@ -438,7 +501,7 @@ impl Backend for CudaBackend {
             self.bind()?;
             // From pageable memory the driver stages the bytes before returning.
             self.queued_other_work();
-            unsafe { result::memcpy_htod_async(s.buf.ptr, bytes, self.stream.cu_stream()) }
+            unsafe { result::memcpy_htod_async(s.ptr(), bytes, self.stream.cu_stream()) }
                 .map_err(driver_error)?;
         }
         Ok(())

@@ -379,6 +379,9 @@ fn matmul_many_in(
         && ws.iter().all(|w| w.dtype() == ws[0].dtype());
     if !fused {
         let mut half_x = HalfX::default();
+        if one_product(b, x, &mut half_x, ws, outs)? {
+            return Ok(());
+        }
         if let ([wq, wk, wv], [oq, ok, ov]) = (ws, &mut *outs) {
             // K and V (one shape) in one cuBLAS call where they can be.
             if pair_as_batch(b, x, &mut half_x, [wk, wv], [&**ok, &**ov])? {
@@ -413,6 +416,88 @@ fn matmul_many_in(
         b.kernels.max_threads(kernel)?,
     )?;
     b.launch(kernel, grid, block, 0, &args)
+}
+
+/// Rows of x up to which [`one_product`] reads weights uploaded together as one matrix:
+/// where the products stream their weights (measured 16-128 rows); past that they are
+/// compute-bound and splitting the output would only add a pass.
+const ONE_PRODUCT_MAX_ROWS: usize = 128;
+
+/// `outs[i] = x · ws[i]ᵀ` as one cuBLAS product over three F16 or BF16 weights that lie
+/// end to end in memory in this order (uploaded together: Q, K and V), past the few-row
+/// kernels and up to [`ONE_PRODUCT_MAX_ROWS`] rows, F32 outputs: the product's rows go to
+/// a work buffer and one launch splits them by columns. An 8B model's Q, K and V at 64
+/// rows: 22.4 µs as Q, then K and V batched; 17.2 µs as one product
+/// (scripts/gpu/qkv_products.py, H200); its 16-row step +6-7%, tinyllama's +7-9%
+/// (BENCHMARKS.md). Returns whether it ran; when not, nothing was launched.
+fn one_product(
+    b: &CudaBackend,
+    x: &Tensor,
+    half_x: &mut HalfX,
+    ws: &[&Tensor],
+    outs: &[&mut Tensor],
+) -> Result<bool> {
+    let (n, k) = (x.shape().rows(), x.shape().row_len());
+    let (Ok([w0, w1, w2]), Ok([o0, o1, o2])) = (
+        <[&Tensor; 3]>::try_from(ws),
+        <[&Tensor; 3]>::try_from(outs.iter().map(|o| &**o).collect::<Vec<_>>()),
+    ) else {
+        return Ok(false);
+    };
+    let dtype = w0.dtype();
+    if !matches!(dtype, DType::F16 | DType::BF16)
+        || n > ONE_PRODUCT_MAX_ROWS
+        || use_matvec(n, k, dtype)
+        || [w1, w2].iter().any(|w| w.dtype() != dtype)
+        || [o0, o1, o2].iter().any(|o| o.dtype() != DType::F32)
+    {
+        return Ok(false);
+    }
+    let ms = [
+        matmul_dims(x, w0, o0)?.1,
+        matmul_dims(x, w1, o1)?.1,
+        matmul_dims(x, w2, o2)?.1,
+    ];
+    if ms.iter().any(|m| !m.is_multiple_of(4)) {
+        return Ok(false);
+    }
+    let row_bytes = 2 * k as u64;
+    let at = [ptr(w0)?, ptr(w1)?, ptr(w2)?];
+    if at[1] != at[0] + ms[0] as u64 * row_bytes || at[2] != at[1] + ms[1] as u64 * row_bytes {
+        return Ok(false);
+    }
+    let total: usize = ms.iter().sum();
+    let bf16 = dtype == DType::BF16;
+    let xh = half_x.get(b, x, bf16)?;
+    let rows = b.scratch("one_product_rows", n * total * 4)?;
+    let operand = |at: u64, ld: usize| Strided { at, ld, stride: 0 };
+    sgemm_batched(
+        b,
+        Some(bf16),
+        (true, false),
+        (total, n, k),
+        operand(at[0], k),
+        operand(xh, k),
+        0.0,
+        operand(rows, total),
+        1,
+    )?;
+    let cols = |m: usize| to_i32(m, "rows").map(Arg::I32);
+    b.launch_1d(
+        "split_cols3",
+        n * total / 4,
+        &[
+            Arg::Ptr(rows),
+            Arg::Ptr(ptr(o0)?),
+            Arg::Ptr(ptr(o1)?),
+            Arg::Ptr(ptr(o2)?),
+            Arg::I32(to_i32(n, "rows")?),
+            cols(ms[0])?,
+            cols(ms[1])?,
+            cols(ms[2])?,
+        ],
+    )?;
+    Ok(true)
 }
 
 /// `outs[i] = x · ws[i]ᵀ` for two F16 or BF16 weights of one shape (K and V, gate and

@@ -151,11 +151,20 @@ impl DeviceBuffer {
     }
 }
 
-/// A tensor's bytes on one GPU.
+/// A tensor's bytes on one GPU: its own buffer, or its part of one that weights uploaded
+/// together share ([`kiln_core::Backend::upload_together`]), `offset` bytes in.
 pub struct CudaStorage {
-    pub(crate) buf: DeviceBuffer,
+    pub(crate) buf: Arc<DeviceBuffer>,
+    pub(crate) offset: u64,
     pub(crate) bytes: usize,
     pub(crate) ordinal: usize,
+}
+
+impl CudaStorage {
+    /// The device address of the tensor's first byte.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.buf.ptr + self.offset
+    }
 }
 
 impl fmt::Debug for CudaStorage {

@@ -128,6 +128,42 @@ impl WeightLoader<'_> {
         Ok(Linear { w, b })
     }
 
+    /// Linear layers that read one input (Q, K and V): their weights go up together, so
+    /// that a backend may lay them end to end and read them as one matrix.
+    fn linears_together(
+        &self,
+        layer: usize,
+        parts: &[(Role, usize)],
+        cols: usize,
+    ) -> Result<Vec<Linear>> {
+        let mut weights = Vec::with_capacity(parts.len());
+        for &(role, rows) in parts {
+            let (name, w) = self.require(role, layer, "weight")?;
+            let w = if self.transpose_linear {
+                transpose(w)?
+            } else {
+                w
+            };
+            self.check_shape(&name, &w, &[rows, cols])?;
+            if let Some(p) = self.progress {
+                p(w.bytes.len() as u64);
+            }
+            weights.push((w.dtype, w.shape, w.bytes));
+        }
+        let weights = self.backend.upload_together(weights)?;
+        parts
+            .iter()
+            .zip(weights)
+            .map(|(&(role, rows), w)| {
+                let b = match self.get(role, layer, "bias")? {
+                    Some((name, b)) => Some(self.vector(&name, b, rows, false)?),
+                    None => None,
+                };
+                Ok(Linear { w, b })
+            })
+            .collect()
+    }
+
     fn norm(&self, role: Role, layer: usize) -> Result<NormWeights> {
         let dim = self.cfg.dim;
         let (name, w) = self.require(role, layer, "weight")?;
@@ -205,11 +241,12 @@ impl WeightLoader<'_> {
         let qkv = if self.has(Role::Qkv, l)? {
             Qkv::Fused(self.linear(Role::Qkv, l, qd + 2 * kvd, dim)?)
         } else {
-            Qkv::Split {
-                q: self.linear(Role::Q, l, qd, dim)?,
-                k: self.linear(Role::K, l, kvd, dim)?,
-                v: self.linear(Role::V, l, kvd, dim)?,
-            }
+            let parts = [(Role::Q, qd), (Role::K, kvd), (Role::V, kvd)];
+            let [q, k, v]: [Linear; 3] = self
+                .linears_together(l, &parts, dim)?
+                .try_into()
+                .map_err(|_| Error::format("three projections asked, another count made"))?;
+            Qkv::Split { q, k, v }
         };
         let ffn_weights = match c.ffn {
             Ffn::Gelu => FfnWeights::Plain {

@@ -5,8 +5,8 @@
 use crate::cases::products::check_matmul_add;
 use crate::reference::{self, assert_close};
 use crate::rounding::{assert_products, gated, products, Expected};
-use crate::target::{random, stored, Target};
-use kiln_core::{AttentionParams, DType, RmsNorm, Shape, Tensor};
+use crate::target::{random, shape, stored, Target};
+use kiln_core::{AttentionParams, DType, HostBytes, RmsNorm, Shape, Tensor};
 
 /// The weights' dtypes the fused cases take: F16, a 32-block and a K format (Q4_K_M's
 /// projections mix Q4_K and Q6_K).
@@ -105,6 +105,54 @@ pub fn matmul_many_pair(t: &Target) {
                         &want,
                         &format!("{dtype} n={n} swapped={swapped} #{i}"),
                     );
+                }
+            }
+        }
+    }
+}
+
+/// Q, K and V uploaded together ([`kiln_core::Backend::upload_together`]: a backend may lay
+/// them end to end and run one product over them), every row count from one to past a
+/// prompt chunk, against the float64 products; each weight reads back as uploaded. Also
+/// parts that cannot lie end to end aligned (a few short rows).
+pub fn matmul_many_uploaded_together(t: &Target) {
+    for (d, dtype) in [DType::F16, DType::BF16, DType::F32, DType::Q8_0]
+        .into_iter()
+        .enumerate()
+    {
+        for (k, heights) in [(512, [160, 64, 64]), (64, [3, 5, 7])] {
+            let mut rng = t.rng((d * 1000 + k) as u64 + 91);
+            let values: Vec<Vec<f32>> = heights
+                .iter()
+                .map(|m| random(&mut rng, m * k, 1.0))
+                .collect();
+            let parts = values
+                .iter()
+                .zip(heights)
+                .map(|(v, m)| {
+                    let bytes = kiln_core::quant::quantize(dtype, v).unwrap();
+                    (dtype, shape(&[m, k]), HostBytes::from_vec(bytes))
+                })
+                .collect();
+            let ws = t.backend.upload_together(parts).unwrap();
+            assert_eq!(ws.len(), 3);
+            for (i, (w, v)) in ws.iter().zip(&values).enumerate() {
+                assert_eq!(w.shape().dims(), [heights[i], k]);
+                assert_eq!(t.read_decoded(w), stored(dtype, v), "{dtype} k={k} #{i}");
+            }
+            for n in [1, 3, 20, 64, 130] {
+                let xv = random(&mut rng, n * k, 1.0);
+                let x = t.upload(DType::F32, &[n, k], &xv);
+                let mut outs: Vec<Tensor> = heights.iter().map(|&m| t.poisoned(&[n, m])).collect();
+                let [o0, o1, o2] = &mut outs[..] else {
+                    unreachable!()
+                };
+                t.backend
+                    .matmul_many(&x, &[&ws[0], &ws[1], &ws[2]], &mut [o0, o1, o2])
+                    .unwrap();
+                for (i, (v, out)) in values.iter().zip(&outs).enumerate() {
+                    let want = products(&xv, &stored(dtype, v), k, t.rounding(dtype, n, k));
+                    assert_products(&t.read(out), &want, &format!("{dtype} k={k} n={n} #{i}"));
                 }
             }
         }

@@ -119,6 +119,27 @@ extern "C" __global__ void slice_cols(const float* src, float* dst, int src_cols
     for (int i = threadIdx.x; i < dst_cols; i += blockDim.x) d[i] = s[i];
 }
 
+// A product's rows [rows, c0 + c1 + c2] split by columns into three outputs (Q, K and V
+// computed as one product), 16 bytes a thread; every c a multiple of 4.
+// Launch: 1-D over rows * (c0 + c1 + c2) / 4.
+extern "C" __global__ void split_cols3(const float4* src, float4* d0, float4* d1, float4* d2,
+                                       int rows, int c0, int c1, int c2) {
+    follow_previous();
+    const int q0 = c0 / 4, q1 = c1 / 4, q2 = c2 / 4, quads = q0 + q1 + q2;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * quads) return;
+    const size_t r = i / quads;
+    const int c = (int)(i - r * quads);
+    const float4 v = src[i];
+    if (c < q0) {
+        d0[r * q0 + c] = v;
+    } else if (c < q0 + q1) {
+        d1[r * q1 + (c - q0)] = v;
+    } else {
+        d2[r * q2 + (c - q0 - q1)] = v;
+    }
+}
+
 // The best (largest value, then lowest index) of the block's (bv, bi); thread 0 gets it.
 // NaN never wins. blockDim.x a multiple of 32, at most 1024.
 __device__ void block_best(float& bv, int& bi) {
