@@ -52,17 +52,8 @@ pub fn matmul_many(t: &Target) {
                 .enumerate()
                 .map(|(i, v)| t.upload(dtype, &[m + 32 * i, k], v))
                 .collect();
-            let mut outs: Vec<Tensor> = (0..3).map(|i| t.poisoned(&[n, m + 32 * i])).collect();
-            let [o0, o1, o2] = &mut outs[..] else {
-                unreachable!()
-            };
-            t.backend
-                .matmul_many(&x, &[&ws[0], &ws[1], &ws[2]], &mut [o0, o1, o2])
-                .unwrap();
-            for (i, (v, out)) in values.iter().zip(&outs).enumerate() {
-                let want = products(&xv, &stored(dtype, v), k, t.rounding(dtype, n, k));
-                assert_products(&t.read(out), &want, &format!("{dtype} n={n} #{i}"));
-            }
+            let what = format!("{dtype} n={n}");
+            check_matmul_many(t, (&x, &xv), &ws, &values, [0, 1, 2], &what);
         }
     }
 }
@@ -86,26 +77,9 @@ pub fn matmul_many_pair(t: &Target) {
                 .zip(heights)
                 .map(|(v, m)| t.upload(dtype, &[m, k], v))
                 .collect();
-            for swapped in [false, true] {
-                let mut outs: Vec<Tensor> = heights.iter().map(|&m| t.poisoned(&[n, m])).collect();
-                let [o0, o1, o2] = &mut outs[..] else {
-                    unreachable!()
-                };
-                let (w, b) = (&ws, &t.backend);
-                if swapped {
-                    b.matmul_many(&x, &[&w[0], &w[2], &w[1]], &mut [o0, o2, o1])
-                } else {
-                    b.matmul_many(&x, &[&w[0], &w[1], &w[2]], &mut [o0, o1, o2])
-                }
-                .unwrap();
-                for (i, (v, out)) in values.iter().zip(&outs).enumerate() {
-                    let want = products(&xv, &stored(dtype, v), k, t.rounding(dtype, n, k));
-                    assert_products(
-                        &t.read(out),
-                        &want,
-                        &format!("{dtype} n={n} swapped={swapped} #{i}"),
-                    );
-                }
+            for order in [[0, 1, 2], [0, 2, 1]] {
+                let what = format!("{dtype} n={n} order={order:?}");
+                check_matmul_many(t, (&x, &xv), &ws, &values, order, &what);
             }
         }
     }
@@ -143,19 +117,42 @@ pub fn matmul_many_uploaded_together(t: &Target) {
             for n in [1, 3, 20, 64, 130] {
                 let xv = random(&mut rng, n * k, 1.0);
                 let x = t.upload(DType::F32, &[n, k], &xv);
-                let mut outs: Vec<Tensor> = heights.iter().map(|&m| t.poisoned(&[n, m])).collect();
-                let [o0, o1, o2] = &mut outs[..] else {
-                    unreachable!()
-                };
-                t.backend
-                    .matmul_many(&x, &[&ws[0], &ws[1], &ws[2]], &mut [o0, o1, o2])
-                    .unwrap();
-                for (i, (v, out)) in values.iter().zip(&outs).enumerate() {
-                    let want = products(&xv, &stored(dtype, v), k, t.rounding(dtype, n, k));
-                    assert_products(&t.read(out), &want, &format!("{dtype} k={k} n={n} #{i}"));
-                }
+                let what = format!("{dtype} k={k} n={n}");
+                check_matmul_many(t, (&x, &xv), &ws, &values, [0, 1, 2], &what);
             }
         }
+    }
+}
+
+/// `matmul_many` of `x` (its values `xv`) over the three weights `ws` (made from `values`),
+/// handed to the op in `order`, into poisoned outputs, each checked against its float64
+/// products.
+fn check_matmul_many(
+    t: &Target,
+    (x, xv): (&Tensor, &[f32]),
+    ws: &[Tensor],
+    values: &[Vec<f32>],
+    order: [usize; 3],
+    what: &str,
+) {
+    let (n, k) = (x.shape().rows(), x.shape().row_len());
+    let mut outs: Vec<Tensor> = ws
+        .iter()
+        .map(|w| t.poisoned(&[n, w.shape().rows()]))
+        .collect();
+    let [o0, o1, o2] = &mut outs[..] else {
+        panic!("three weights, {} given", ws.len())
+    };
+    let mut by_index = [Some(o0), Some(o1), Some(o2)];
+    let [a, b, c] = order.map(|i| by_index[i].take().expect("an order of 0, 1 and 2"));
+    let [wa, wb, wc] = order.map(|i| &ws[i]);
+    t.backend
+        .matmul_many(x, &[wa, wb, wc], &mut [a, b, c])
+        .unwrap();
+    for (i, (v, out)) in values.iter().zip(&outs).enumerate() {
+        let dtype = ws[i].dtype();
+        let want = products(xv, &stored(dtype, v), k, t.rounding(dtype, n, k));
+        assert_products(&t.read(out), &want, &format!("{what} #{i}"));
     }
 }
 
