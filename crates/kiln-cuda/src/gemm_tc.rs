@@ -1,4 +1,4 @@
-//! Products of 9 to 256 rows (a server's decode step) with quantized weights on tensor
+//! Products of 9 to 64 rows (a server's decode step) with quantized weights on tensor
 //! cores (`kernels/gemm_tc.cu`): each weight is read and decoded in shared memory once for
 //! every 64 rows of the batch, where cuBLAS would need the whole matrix decoded to f16
 //! first.
@@ -7,9 +7,12 @@ use crate::kernels::Arg;
 use crate::{ptr, to_i32, CudaBackend};
 use kiln_core::{Error, Result, Tensor};
 
-/// Rows of x up to which the kernel is used; beyond, a product is compute-bound and the
-/// decoded copy's cost is small beside it (cuBLAS).
-pub(crate) const MAX_ROWS: usize = 256;
+/// Rows of x up to which the kernel is used: one tile of x, each weight decoded once. Past
+/// it every weight tile is decoded again for each further 64 rows, and the decoded copy
+/// and cuBLAS win (H200, llama3-8b Q4_K_M prompts, this kernel against cuBLAS: 64 rows
+/// 5,068 against 4,111 tok/s, 96 rows 4,879 against 5,946, 128 6,000 against 7,674, 256
+/// 7,045 against 13,934; Q8_0 160 rows 6,480 against 9,275).
+pub(crate) const MAX_ROWS: usize = 64;
 
 /// Weight and activation rows a block takes (TC_BM, TC_BN in gemm_tc.cu).
 const BLOCK_ROWS: usize = 128;

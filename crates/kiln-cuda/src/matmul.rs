@@ -6,12 +6,12 @@
 //! bound by memory bandwidth. Past one row, F16/BF16 weights go to cuBLAS: the matvec
 //! kernels' f32 x, read again for every weight row, took an 8B model's 8-row step to 12.4
 //! ms against cuBLAS's 5.1 (H200; 4 rows 8.2 against 5.0; F32 weights, 8 rows: 21.2
-//! against 18.1, 4 rows 11.3 against 12.5). Up to 256 rows (a
-//! server's step) over quantized weights run `gemm_tc`, which decodes each weight once
-//! in shared memory for tensor cores. The rest go to cuBLAS on tensor cores: F16/BF16
+//! against 18.1, 4 rows 11.3 against 12.5). Up to 64 rows (a
+//! server's decode step) over quantized weights run `gemm_tc`, which decodes each weight
+//! once in shared memory for tensor cores. The rest go to cuBLAS on tensor cores: F16/BF16
 //! weights as stored, with x rounded to the same type; quantized weights of prompts
-//! decoded to an f16 matrix first (one pass over the weights, small next to a prompt's
-//! arithmetic); F32 weights through SGEMM. Two F16/BF16 weights of one shape reading one
+//! decoded to an f16 matrix first (one pass over the weights, small next to the
+//! arithmetic of 65 rows and more); F32 weights through SGEMM. Two F16/BF16 weights of one shape reading one
 //! x (K and V, gate and up) go as one strided batched call.
 
 use crate::blas::{f32_gemm, sgemm_batched, Strided};

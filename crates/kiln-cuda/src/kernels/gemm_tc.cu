@@ -1,4 +1,4 @@
-// Products of a batch's rows (9-256 of them: a server's decode step) with quantized
+// Products of a batch's rows (9-64 of them: a server's decode step) with quantized
 // weights on tensor cores: out[n, m] = x[n, k] · w[m, k]ᵀ.
 //
 // Each weight is read from memory once for every TC_BN activation rows (once a step up
