@@ -11,8 +11,10 @@
 //! once in shared memory for tensor cores. The rest go to cuBLAS on tensor cores: F16/BF16
 //! weights as stored, with x rounded to the same type; quantized weights of prompts
 //! decoded to an f16 matrix first (one pass over the weights, small next to the
-//! arithmetic of 65 rows and more); F32 weights through SGEMM. Two F16/BF16 weights of one shape reading one
-//! x (K and V, gate and up) go as one strided batched call.
+//! arithmetic of 65 rows and more); F32 weights through SGEMM. Q, K and V uploaded
+//! together (end to end in memory) run as one product up to 128 rows; otherwise two
+//! F16/BF16 weights of one shape reading one x (K and V, gate and up) go as one strided
+//! batched call.
 
 use crate::blas::{f32_gemm, sgemm_batched, Strided};
 use crate::kernels::Arg;
