@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Sum a kiln serve log's step lines (`RUST_LOG=kiln_serve::engine=debug`) by kind of step:
-how many, their mean and total time, and the host's time between steps.
+how many, their mean and total time, and the host's time between steps. A step that reads
+nothing back (a prompt chunk before the prompt's last) returns once queued: its row is
+marked, its time is the host's, and the device's time is in the next step's.
 
     python3 scripts/gpu/serve_steps.py serve.log
 """
@@ -8,15 +10,16 @@ import re
 import sys
 from collections import defaultdict
 
-FIELD = re.compile(r"(\w+)=(\d+)")
+FIELD = re.compile(r"(\w+)=(\d+|true|false)")
 
 
 def kind(f):
+    queued = "" if f.get("reads_back", 1) else " (nothing read back: host time)"
     if f["prompt_tokens"] == 0:
-        return f"decode only, {bucket(f['decodes'])} rows"
+        return f"decode only, {bucket(f['decodes'])} rows{queued}"
     if f["decodes"] == 0:
-        return f"prompts only, {bucket(f['prompt_tokens'])} tokens"
-    return f"mixed, {bucket(f['prompt_tokens'])} prompt tokens"
+        return f"prompts only, {bucket(f['prompt_tokens'])} tokens{queued}"
+    return f"mixed, {bucket(f['prompt_tokens'])} prompt tokens{queued}"
 
 
 def bucket(n):
@@ -32,7 +35,8 @@ def main():
     for line in open(sys.argv[1], errors="replace"):
         if " step " not in line and not line.rstrip().endswith("step"):
             continue
-        f = {k: int(v) for k, v in FIELD.findall(line)}
+        f = {k: {"true": 1, "false": 0}.get(v) if v in ("true", "false") else int(v)
+             for k, v in FIELD.findall(line)}
         if "run_us" not in f:
             continue
         s = steps[kind(f)]

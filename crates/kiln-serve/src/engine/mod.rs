@@ -318,6 +318,9 @@ impl EngineLoop {
                 }
             })
             .collect();
+        // A step that reads nothing back returns once queued: its time is the host's, and
+        // the device's lands in the next step that reads.
+        let reads_back = wants.iter().any(|w| *w != Want::Nothing);
         let items = plan
             .work
             .iter()
@@ -352,6 +355,7 @@ impl EngineLoop {
                 prompt_chunks = plan.work.len() - decodes,
                 prompt_tokens,
                 run_us = (now - started).as_micros() as u64,
+                reads_back,
                 before_us = between.map_or(0, |d| d.as_micros() as u64),
                 "step"
             );
