@@ -440,12 +440,10 @@ fn one_product(
     outs: &[&mut Tensor],
 ) -> Result<bool> {
     let (n, k) = (x.shape().rows(), x.shape().row_len());
-    let (Ok([w0, w1, w2]), Ok([o0, o1, o2])) = (
-        <[&Tensor; 3]>::try_from(ws),
-        <[&Tensor; 3]>::try_from(outs.iter().map(|o| &**o).collect::<Vec<_>>()),
-    ) else {
+    let (&[w0, w1, w2], [o0, o1, o2]) = (ws, outs) else {
         return Ok(false);
     };
+    let (o0, o1, o2): (&Tensor, &Tensor, &Tensor) = (o0, o1, o2);
     let dtype = w0.dtype();
     if !matches!(dtype, DType::F16 | DType::BF16)
         || n > ONE_PRODUCT_MAX_ROWS
