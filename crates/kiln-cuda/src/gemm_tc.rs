@@ -14,6 +14,13 @@ use kiln_core::{Error, Result, Tensor};
 /// 7,045 against 13,934; Q8_0 160 rows 6,480 against 9,275).
 pub(crate) const MAX_ROWS: usize = 64;
 
+/// Past [`MAX_ROWS`], up to [`MAX_ROWS_LARGE`] rows a weight whose decoded copy would
+/// exceed [`MAX_DECODED_COPY`] stays here: a decode step's output matrix for 65-256
+/// sequences (llama3-8b's decoded: 1 GiB), which the memory plan's working margin (256
+/// MiB) does not hold. Prompts compute that matrix for their last rows only.
+const MAX_ROWS_LARGE: usize = 256;
+const MAX_DECODED_COPY: usize = 256 << 20;
+
 /// Weight and activation rows a block takes (TC_BM, TC_BN in gemm_tc.cu).
 const BLOCK_ROWS: usize = 128;
 const BLOCK_X_ROWS: usize = 64;
@@ -43,10 +50,15 @@ pub(crate) fn is_product_kernel(name: &str) -> bool {
     name.starts_with("gemm_tc_") && name != "gemm_tc_sum"
 }
 
-/// Whether `n` rows of `k` values times weights of `dtype` go to this kernel: mma needs
-/// sm_80.
-pub(crate) fn takes(b: &CudaBackend, t: usize, n: usize, k: usize) -> bool {
-    KERNELS[t].is_some() && n <= MAX_ROWS && k.is_multiple_of(32) && b.arch.0 >= 8
+/// Whether `n` rows of `k` values times `m` weight rows of `dtype` go to this kernel: mma
+/// needs sm_80.
+pub(crate) fn takes(b: &CudaBackend, t: usize, (n, m, k): (usize, usize, usize)) -> bool {
+    let rows = if m.saturating_mul(k).saturating_mul(2) > MAX_DECODED_COPY {
+        MAX_ROWS_LARGE
+    } else {
+        MAX_ROWS
+    };
+    KERNELS[t].is_some() && n <= rows && k.is_multiple_of(32) && b.arch.0 >= 8
 }
 
 /// How many parts k is cut into, from the weight's shape and the GPU alone (never the

@@ -447,15 +447,18 @@ impl Backend for CudaBackend {
         let mut offset = 0u64;
         for (dtype, shape, data) in &parts {
             // On our stream, as `upload` copies; the synchronize below keeps `parts` alive
-            // until every copy is done.
-            unsafe {
+            // until every copy is done, also when a copy fails after others were queued.
+            let copied = unsafe {
                 result::memcpy_htod_async(
                     buf.ptr + offset,
                     data.as_slice(),
                     self.stream.cu_stream(),
                 )
+            };
+            if let Err(e) = copied {
+                let _ = self.stream.synchronize();
+                return Err(driver_error(e));
             }
-            .map_err(driver_error)?;
             tensors.push(Tensor::from_storage(
                 Box::new(CudaStorage {
                     buf: buf.clone(),

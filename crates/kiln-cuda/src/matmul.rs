@@ -18,9 +18,10 @@
 
 use crate::blas::{f32_gemm, sgemm_batched, Strided};
 use crate::kernels::Arg;
-use crate::{expect, ptr, to_i32, CudaBackend};
+use crate::{expect, ptr, storage, to_i32, CudaBackend};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use kiln_core::{DType, Error, Result, RmsNorm, Tensor};
+use std::sync::Arc;
 
 /// Rows of x up to which products over weights of `dtype` run the matvec kernels.
 fn matvec_max_rows(dtype: DType) -> usize {
@@ -461,6 +462,11 @@ fn one_product(
     if ms.iter().any(|m| !m.is_multiple_of(4)) {
         return Ok(false);
     }
+    // End to end inside one upload's buffer (separate allocations may also touch).
+    let buf = &storage(w0)?.buf;
+    if !Arc::ptr_eq(buf, &storage(w1)?.buf) || !Arc::ptr_eq(buf, &storage(w2)?.buf) {
+        return Ok(false);
+    }
     let row_bytes = 2 * k as u64;
     let at = [ptr(w0)?, ptr(w1)?, ptr(w2)?];
     if at[1] != at[0] + ms[0] as u64 * row_bytes || at[2] != at[1] + ms[1] as u64 * row_bytes {
@@ -731,7 +737,7 @@ fn gemm(
         blas_sys::cudaDataType::CUDA_R_16F
     };
     let x_half = half_x.get(b, x, bf16)?;
-    if crate::gemm_tc::takes(b, t, n, k) {
+    if crate::gemm_tc::takes(b, t, (n, m, k)) {
         return crate::gemm_tc::gemm_tc(b, t, x_half, w, out, accumulate);
     }
     let w_half = match DEQUANT_F16[t] {

@@ -100,16 +100,7 @@ pub fn matmul_many_uploaded_together(t: &Target) {
                 .iter()
                 .map(|m| random(&mut rng, m * k, 1.0))
                 .collect();
-            let parts = values
-                .iter()
-                .zip(heights)
-                .map(|(v, m)| {
-                    let bytes = kiln_core::quant::quantize(dtype, v).unwrap();
-                    (dtype, shape(&[m, k]), HostBytes::from_vec(bytes))
-                })
-                .collect();
-            let ws = t.backend.upload_together(parts).unwrap();
-            assert_eq!(ws.len(), 3);
+            let ws = upload_together(t, &[dtype; 3], &values, k);
             for (i, (w, v)) in ws.iter().zip(&values).enumerate() {
                 assert_eq!(w.shape().dims(), [heights[i], k]);
                 assert_eq!(t.read_decoded(w), stored(dtype, v), "{dtype} k={k} #{i}");
@@ -117,11 +108,29 @@ pub fn matmul_many_uploaded_together(t: &Target) {
             for n in [1, 3, 20, 64, 130] {
                 let xv = random(&mut rng, n * k, 1.0);
                 let x = t.upload(DType::F32, &[n, k], &xv);
-                let what = format!("{dtype} k={k} n={n}");
-                check_matmul_many(t, (&x, &xv), &ws, &values, [0, 1, 2], &what);
+                // Handed over in another order, the weights no longer lie end to end.
+                for order in [[0, 1, 2], [0, 2, 1]] {
+                    let what = format!("{dtype} k={k} n={n} order={order:?}");
+                    check_matmul_many(t, (&x, &xv), &ws, &values, order, &what);
+                }
             }
         }
     }
+}
+
+/// `values[i]` (rows of `k`) stored as `dtypes[i]` through `upload_together`.
+fn upload_together(t: &Target, dtypes: &[DType], values: &[Vec<f32>], k: usize) -> Vec<Tensor> {
+    let parts = dtypes
+        .iter()
+        .zip(values)
+        .map(|(&dtype, v)| {
+            let bytes = kiln_core::quant::quantize(dtype, v).unwrap();
+            (dtype, shape(&[v.len() / k, k]), HostBytes::from_vec(bytes))
+        })
+        .collect();
+    let ws = t.backend.upload_together(parts).unwrap();
+    assert_eq!(ws.len(), values.len(), "a tensor for each part");
+    ws
 }
 
 /// `matmul_many` of `x` (its values `xv`) over the three weights `ws` (made from `values`),
@@ -221,7 +230,8 @@ fn normed_row(t: &Target, normed: &Tensor, input: &NormInput, what: &str) -> Vec
 
 /// Q, K and V of one dtype or of two (Q4_K_M's V in Q6_K), small and at model widths.
 pub fn rms_norm_matmul_many(t: &Target) {
-    let mut cases: Vec<([DType; 3], usize, usize, usize)> = Vec::new();
+    // (dtypes, n, m, k, uploaded together)
+    let mut cases: Vec<([DType; 3], usize, usize, usize, bool)> = Vec::new();
     for dtypes in [
         [DType::Q4_K; 3],
         [DType::Q4_K, DType::Q4_K, DType::Q6_K],
@@ -230,7 +240,14 @@ pub fn rms_norm_matmul_many(t: &Target) {
         [DType::BF16; 3],
     ] {
         for n in [1, 3, 12] {
-            cases.push((dtypes, n, 96, 512));
+            cases.push((dtypes, n, 96, 512, false));
+        }
+    }
+    // 16-bit weights uploaded together (a backend may read them as one matrix), past the
+    // few-row kernels: the norm's rounded row feeding that product.
+    for dtypes in [[DType::F16; 3], [DType::BF16; 3]] {
+        for n in [20, 64] {
+            cases.push((dtypes, n, 96, 512, true));
         }
     }
     // One row at model widths: every workgroup that rounds the row finds the norm alone.
@@ -242,18 +259,22 @@ pub fn rms_norm_matmul_many(t: &Target) {
         DType::Q6_K,
     ] {
         for k in [2048, 14336] {
-            cases.push(([dtype; 3], 1, 37, k));
+            cases.push(([dtype; 3], 1, 37, k, false));
         }
     }
-    for (c, (dtypes, n, m, k)) in cases.into_iter().enumerate() {
+    for (c, (dtypes, n, m, k, together)) in cases.into_iter().enumerate() {
         let mut rng = t.rng(c as u64);
         let input = norm_input(t, &mut rng, n, k);
         let values: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, m * k, 1.0)).collect();
-        let ws: Vec<Tensor> = dtypes
-            .iter()
-            .zip(&values)
-            .map(|(&d, v)| t.upload(d, &[m, k], v))
-            .collect();
+        let ws: Vec<Tensor> = if together {
+            upload_together(t, &dtypes, &values, k)
+        } else {
+            dtypes
+                .iter()
+                .zip(&values)
+                .map(|(&d, v)| t.upload(d, &[m, k], v))
+                .collect()
+        };
         let mut normed = t.poisoned(&[n, k]);
         let mut outs: Vec<Tensor> = (0..3).map(|_| t.poisoned(&[n, m])).collect();
         let norm = RmsNorm {
@@ -272,7 +293,7 @@ pub fn rms_norm_matmul_many(t: &Target) {
                 &mut [o0, o1, o2],
             )
             .unwrap();
-        let what = format!("{dtypes:?} n={n} k={k}");
+        let what = format!("{dtypes:?} n={n} k={k} together={together}");
         let row = normed_row(t, &normed, &input, &what);
         for (i, ((&dtype, v), out)) in dtypes.iter().zip(&values).zip(&outs).enumerate() {
             let want = products(&row, &stored(dtype, v), k, t.rounding(dtype, n, k));
