@@ -142,7 +142,9 @@ impl Scheduler {
             }
         }
 
-        // Then new sequences, first come first served, while there is room.
+        // Then new sequences, first come first served, while there is room. A sequence
+        // left waiting gives back the cached blocks it took: waiting sequences that held
+        // blocks could, between them, hold the whole pool with nothing running to free it.
         while self.running.len() < self.limits.max_seqs {
             let Some(seq) = self.waiting.front_mut() else {
                 break;
@@ -150,24 +152,21 @@ impl Scheduler {
             // Whole blocks of its prompt that another sequence computed are taken as they are.
             if seq.blocks.is_empty() {
                 seq.computed = self.pool.take_prefix(&mut seq.blocks, &seq.tokens);
-                plan.prefix_hits += seq.computed;
             }
-            if self
+            let range = next_chunk(seq, self.limits.prefill_chunk);
+            let wait = self
                 .pool
                 .next_prefix_hash(&seq.blocks, &seq.tokens)
                 .is_some_and(|h| filling.contains(&h))
-            {
-                break;
-            }
-            let range = next_chunk(seq, self.limits.prefill_chunk);
-            if range.len() > budget && chunks > 0 {
+                || (range.len() > budget && chunks > 0)
+                || !self.pool.reserve(&mut seq.blocks, range.end);
+            if wait {
+                self.pool.release(&mut seq.blocks);
+                seq.computed = 0;
                 break;
             }
             let mut seq = self.waiting.pop_front().expect("looked at above");
-            if !self.pool.reserve(&mut seq.blocks, range.end) {
-                self.waiting.push_front(seq);
-                break;
-            }
+            plan.prefix_hits += seq.computed;
             seq.admitted_once = true;
             budget = budget.saturating_sub(range.len());
             chunks += 1;
@@ -414,6 +413,45 @@ mod tests {
         }
         let plan = s.schedule();
         assert_eq!(plan.work.len(), 2, "{:?}", plan.work);
+    }
+
+    #[test]
+    fn a_sequence_left_waiting_holds_no_blocks() {
+        // Three blocks. Sequence 0's 40-token prompt fills them, its first two blocks
+        // cached; sequence 1 shares those tokens, takes the two cached blocks, and finds
+        // no third one free.
+        let mut s = scheduler(3);
+        add(&mut s, 0, 40);
+        for _ in 0..2 {
+            let plan = s.schedule();
+            run(&mut s, &plan);
+            let seq = &mut s.running[0];
+            s.pool.register(&mut seq.blocks, &seq.tokens, seq.computed);
+        }
+        assert_eq!(s.pool.free(), 0);
+        add(&mut s, 1, 40);
+        let plan = s.schedule();
+        assert_eq!(plan.work.iter().map(|w| w.seq).collect::<Vec<_>>(), [0]);
+        assert_eq!(plan.prefix_hits, 0, "counted when admitted");
+        let waiting = &s.waiting[0];
+        assert!(
+            waiting.blocks.is_empty(),
+            "it kept {:?}",
+            waiting.blocks.ids()
+        );
+        assert_eq!(waiting.computed, 0);
+        assert_eq!(s.pool.used(), 3, "only sequence 0's blocks are in use");
+        // Once sequence 0 ends, sequence 1 takes its cached blocks again and runs.
+        s.remove(0);
+        let plan = s.schedule();
+        assert_eq!(
+            plan.work,
+            [Work {
+                seq: 1,
+                range: 2 * BLOCK_POSITIONS..40
+            }]
+        );
+        assert_eq!(plan.prefix_hits, 2 * BLOCK_POSITIONS);
     }
 
     #[test]
