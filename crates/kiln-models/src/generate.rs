@@ -84,7 +84,10 @@ impl TextStream {
         &self.text
     }
 
+    /// Cut the text before the earliest match of any stop string (whichever the list
+    /// names first: the text never holds a stop string).
     fn cut_at_stop(&mut self) -> bool {
+        let mut earliest: Option<usize> = None;
         for stop in self.stops.iter().filter(|s| !s.is_empty()) {
             // Only the new text (plus a stop's length of context) can hold a new match.
             let from = self.emitted.saturating_sub(stop.len());
@@ -92,11 +95,16 @@ impl TextStream {
                 .find(|&i| self.text.is_char_boundary(i))
                 .unwrap_or(0);
             if let Some(i) = self.text[from..].find(stop.as_str()) {
-                self.text.truncate(from + i);
-                return true;
+                earliest = Some(earliest.map_or(from + i, |e| e.min(from + i)));
             }
         }
-        false
+        match earliest {
+            Some(at) => {
+                self.text.truncate(at);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Text that can be shown now: all of it but a tail that could begin a stop string.
@@ -229,5 +237,14 @@ mod tests {
         assert_eq!(s.ready(), "");
         assert!(!s.push(&"é".as_bytes()[1..]));
         assert_eq!(s.ready(), "é");
+    }
+
+    #[test]
+    fn the_earliest_stop_in_the_text_cuts_whatever_the_list_order() {
+        for stops in [["u", "Yo"], ["Yo", "u"]] {
+            let mut s = TextStream::new(stops.map(String::from).to_vec());
+            assert!(s.push(b" by You"));
+            assert_eq!(s.text(), " by ", "stops {stops:?}");
+        }
     }
 }
