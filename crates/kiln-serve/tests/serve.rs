@@ -654,6 +654,18 @@ async fn a_full_queue_is_429_and_a_disconnect_frees_everything() {
         ..Options::default()
     })
     .await;
+    // More sequences than the queue ever holds: the request's fault (400), not a 429 that
+    // a client would retry for ever.
+    let r = s
+        .client
+        .post(format!("{}/v1/completions", s.url))
+        .json(&json!({"prompt": "x", "n": 2, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "n", "{e}");
     let long = json!({"prompt": PROMPT, "max_tokens": 400, "ignore_eos": true, "stream": true});
     let mut running = s
         .client

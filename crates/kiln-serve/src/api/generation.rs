@@ -121,6 +121,17 @@ async fn generate(app: Arc<App>, body: Bytes, endpoint: Endpoint) -> Result<Resp
         return Err(ApiError::engine_down());
     }
     let choices = sequences.len();
+    // More than the queue ever holds: not a 429 (clients retry those), the request's own.
+    if choices > app.engine.max_waiting() {
+        return Err(ApiError::field(
+            "n",
+            format!(
+                "{} prompts times n = {n} is {choices} sequences, more than this server queues at once (--max-waiting {})",
+                choices / n.max(1),
+                app.engine.max_waiting()
+            ),
+        ));
+    }
     let submission = app
         .engine
         .submit(sequences)

@@ -109,6 +109,12 @@ impl Engine {
         })
     }
 
+    /// The most sequences that may wait at once (`--max-waiting`): a request of more can
+    /// never be queued.
+    pub fn max_waiting(&self) -> usize {
+        self.max_waiting
+    }
+
     /// Queue one sequence per `(prompt, params)`, the i-th being choice i; refused when the
     /// waiting queue has no room for all of them.
     pub fn submit(
