@@ -213,10 +213,26 @@ impl Sequence {
         self.last_token_at = Some(now);
         self.tokens.push(token);
         *self.generated.entry(token).or_default() += 1;
-        if !self.params.ignore_eos && eos.contains(&token) {
+        let end = eos.contains(&token);
+        if end && !self.params.ignore_eos {
+            // The end adds no text, but it is a completion token: its logprob is reported
+            // too, so that logprobs and `completion_tokens` agree (as vLLM does).
+            if logprob.is_some() {
+                let text = String::new();
+                let _ = self
+                    .events
+                    .send((self.choice, SeqEvent::Token { text, logprob }));
+            }
             return Progress::Finished(FinishReason::Stop);
         }
-        let stopped = self.text.push(&tokenizer.token_bytes(token));
+        // An end passed over (`ignore_eos`) marks an end, it is not text: none is added
+        // ("</s>" went into the output).
+        let bytes = if end {
+            Vec::new()
+        } else {
+            tokenizer.token_bytes(token)
+        };
+        let stopped = self.text.push(&bytes);
         let text = self.text.ready().to_string();
         let _ = self
             .events
@@ -282,6 +298,67 @@ fn logprobs_of(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::test_events;
+
+    fn params(ignore_eos: bool) -> SamplingParams {
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+            max_new_tokens: 100,
+            stop: Vec::new(),
+            ignore_eos,
+            logprobs: Some(1),
+        }
+    }
+
+    #[test]
+    fn the_end_reports_its_logprob_and_an_end_passed_over_adds_no_text() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/kiln-default.gguf"
+        );
+        let file = kiln_io::gguf::GgufFile::open(path).unwrap();
+        let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+        let eos = tokenizer.eos_ids();
+        let end = eos[0];
+        assert!(
+            !tokenizer.token_bytes(end).is_empty(),
+            "the end has text to leave out"
+        );
+        // Greedy over logits where the end is the best token.
+        let mut logits = vec![0.0f32; end as usize + 2];
+        logits[end as usize] = 5.0;
+        for ignore_eos in [false, true] {
+            let (tx, mut rx) = test_events();
+            let mut seq = Sequence::new(0, 0, vec![1, 2], params(ignore_eos), tx, Instant::now());
+            let progress = seq.accept(
+                StepOutput::Logits(logits.clone()),
+                &tokenizer,
+                &eos,
+                Instant::now(),
+            );
+            let want = if ignore_eos {
+                Progress::Continues
+            } else {
+                Progress::Finished(FinishReason::Stop)
+            };
+            assert_eq!(progress, want);
+            assert_eq!(seq.generated(), 1, "a completion token either way");
+            match rx.try_recv().unwrap().1 {
+                SeqEvent::Token { text, logprob } => {
+                    assert_eq!(text, "", "ignore_eos {ignore_eos}");
+                    assert_eq!(logprob.unwrap().token, end);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn logprobs_are_log_softmax_with_the_top_in_order() {
