@@ -906,6 +906,26 @@ async fn models_metrics_and_a_stopped_engine() {
     assert_eq!(status, 200);
     let models: Value = serde_json::from_str(&models).unwrap();
     assert_eq!(models["data"][0]["id"], "kiln-default");
+    // One model by name (openai-python's models.retrieve), also by the path it was loaded
+    // from; another name is a 404.
+    for name in ["kiln-default", "models/kiln-default.gguf"] {
+        let (status, card) = s.get(&format!("/v1/models/{name}")).await;
+        assert_eq!(status, 200, "{name}: {card}");
+        let card: Value = serde_json::from_str(&card).unwrap();
+        assert_eq!(card["id"], "kiln-default");
+        assert_eq!(card["object"], "model");
+    }
+    assert_eq!(s.get("/v1/models/other").await.0, 404);
+    // A body of one JSON object and then more is not a request.
+    let r = s
+        .client
+        .post(format!("{}/v1/completions", s.url))
+        .header("content-type", "application/json")
+        .body(r#"{"prompt": "x", "max_tokens": 1} xyz"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
     let (status, r) = s
         .post(
             "/v1/completions",

@@ -160,6 +160,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(generation::completions))
         .route("/v1/chat/completions", post(generation::chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .layer(DefaultBodyLimit::max(error::MAX_BODY_BYTES))
@@ -261,14 +262,31 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
 async fn models(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
     Json(serde_json::json!({
         "object": "list",
-        "data": [{
-            "id": app.model.id,
-            "object": "model",
-            "created": app.started,
-            "owned_by": "kiln",
-            "max_model_len": app.model.context,
-        }]
+        "data": [model_card(&app)],
     }))
+}
+
+/// `GET /v1/models/{id}` (openai-python's `models.retrieve`): the served model under any
+/// name a request may give it, or a 404.
+async fn model(
+    State(app): State<Arc<App>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if id.is_empty() {
+        return Err(ApiError::unknown_model(&id));
+    }
+    app.check_model(Some(&id))?;
+    Ok(Json(model_card(&app)))
+}
+
+fn model_card(app: &App) -> serde_json::Value {
+    serde_json::json!({
+        "id": app.model.id,
+        "object": "model",
+        "created": app.started,
+        "owned_by": "kiln",
+        "max_model_len": app.model.context,
+    })
 }
 
 #[derive(Deserialize)]

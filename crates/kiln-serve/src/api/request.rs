@@ -26,7 +26,7 @@ pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
         )),
     }
     let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let request = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if inner.is_syntax() || inner.is_eof() || path == "." {
@@ -34,7 +34,11 @@ pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
         } else {
             ApiError::field(path, inner.to_string())
         }
-    })
+    })?;
+    // Only whitespace may follow the object (`{...} xyz` is not one JSON value).
+    de.end()
+        .map_err(|e| ApiError::bad_request(format!("the body is not a valid JSON request: {e}")))?;
+    Ok(request)
 }
 
 #[derive(Deserialize, Debug)]
