@@ -769,6 +769,45 @@ async fn greedy_tokens_do_not_depend_on_the_batch() {
     s.shut_down().await;
 }
 
+/// `text_offset` counts the characters of the tokens before, the same streamed as whole:
+/// text held back while it may still begin a stop string (the greedy text here is
+/// newlines and spaces: a trailing space may begin " qzx", which never completes) does
+/// not move it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_offsets_are_the_same_streamed_and_whole() {
+    let s = start(Options::default()).await;
+    let ask = |stream: bool| {
+        json!({"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": true,
+               "logprobs": 1, "stop": " qzx", "stream": stream})
+    };
+    let whole = s.post("/v1/completions", ask(false)).await.1;
+    let lp = &whole["choices"][0]["logprobs"];
+    let offsets: Vec<u64> = serde_json::from_value(lp["text_offset"].clone()).unwrap();
+    let tokens: Vec<String> = serde_json::from_value(lp["tokens"].clone()).unwrap();
+    assert_eq!(offsets.len(), 16);
+    assert_eq!(offsets[0], 0);
+    for k in 1..offsets.len() {
+        assert_eq!(
+            offsets[k] - offsets[k - 1],
+            tokens[k - 1].chars().count() as u64,
+            "{tokens:?}"
+        );
+    }
+    let mut streamed = Vec::new();
+    for data in s.stream("/v1/completions", ask(true)).await {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&data).unwrap();
+        if let Some(o) = chunk["choices"][0]["logprobs"]["text_offset"].as_array() {
+            streamed.extend(o.iter().map(|v| v.as_u64().unwrap()));
+        }
+    }
+    assert_eq!(streamed, offsets);
+    s.wait_idle().await;
+    s.shut_down().await;
+}
+
 /// `echo`: the prompt's text before the choice's, whole and streamed, for text and token
 /// id prompts; with logprobs, a 400 saying why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

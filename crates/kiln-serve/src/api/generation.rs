@@ -311,8 +311,17 @@ impl Job {
         String::from_utf8_lossy(&self.tokenizer.token_bytes(id)).into_owned()
     }
 
-    /// Log-probabilities as the endpoint reports them; `text_offset` counts from
-    /// `offset` (the choice's text before these tokens, when streaming).
+    /// Characters of these tokens' texts: how far they move `text_offset`.
+    pub fn text_chars(&self, tokens: &[TokenLogprob]) -> usize {
+        tokens
+            .iter()
+            .map(|t| self.token_text(t.token).chars().count())
+            .sum()
+    }
+
+    /// Log-probabilities as the endpoint reports them; `text_offset` counts characters
+    /// (as OpenAI's and vLLM's do) from `offset` (the tokens reported before these, when
+    /// streaming).
     pub fn logprobs(&self, tokens: &[TokenLogprob], offset: usize) -> Value {
         match self.endpoint {
             Endpoint::Completions => {
@@ -320,7 +329,7 @@ impl Job {
                 let mut offsets = Vec::with_capacity(tokens.len());
                 for t in tokens {
                     offsets.push(at);
-                    at += self.token_text(t.token).len();
+                    at += self.token_text(t.token).chars().count();
                 }
                 json!({
                     "tokens": tokens.iter().map(|t| self.token_text(t.token)).collect::<Vec<_>>(),

@@ -27,8 +27,9 @@ struct StreamState {
     submission: Submission,
     /// Events built and not yet sent.
     queue: VecDeque<Event>,
-    /// Per choice: bytes of text sent so far (completions' `text_offset`).
-    sent: Vec<usize>,
+    /// Per choice: characters of the tokens reported so far (completions' `text_offset`,
+    /// as in a whole response: text held back for a stop string does not move it).
+    reported: Vec<usize>,
     completion_tokens: usize,
     left: usize,
     done: bool,
@@ -36,7 +37,7 @@ struct StreamState {
 
 pub fn sse(job: Job, submission: Submission) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let mut state = StreamState {
-        sent: vec![0; job.choices],
+        reported: vec![0; job.choices],
         left: job.choices,
         job,
         submission,
@@ -116,8 +117,8 @@ impl StreamState {
         logprobs: &[TokenLogprob],
         finish: Option<FinishReason>,
     ) {
-        let lp = (!logprobs.is_empty()).then(|| self.job.logprobs(logprobs, self.sent[i]));
-        self.sent[i] += text.len();
+        let lp = (!logprobs.is_empty()).then(|| self.job.logprobs(logprobs, self.reported[i]));
+        self.reported[i] += self.job.text_chars(logprobs);
         let content = match self.job.endpoint {
             Endpoint::Completions => Value::String(text),
             // The closing chunk's delta is empty, as OpenAI sends it.
