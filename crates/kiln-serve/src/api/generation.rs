@@ -199,14 +199,23 @@ async fn completion_prompts(
     .await
 }
 
+/// A response's id: the server's start in nanoseconds, then a count, so that ids neither
+/// repeat within a server nor across a restart (the start's seconds and the count written
+/// side by side did both: 0x1 then 0x23 reads as 0x12 then 0x3).
 fn response_id(endpoint: Endpoint) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static START: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
+    let start = START.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    });
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",
     };
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{prefix}-{:x}{n:x}", unix_seconds())
+    format!("{prefix}-{start:x}-{n:x}")
 }
 
 pub fn unix_seconds() -> u64 {
