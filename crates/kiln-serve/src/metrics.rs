@@ -61,7 +61,11 @@ impl Histogram {
 
 pub struct Metrics {
     pub running: AtomicU64,
+    /// Sequences in the scheduler's queue (set by the engine after each step)...
     pub waiting: AtomicU64,
+    /// ...and those submitted that the engine has not taken in yet: the gauge reports
+    /// both, so that a request shows as waiting as soon as it is accepted.
+    pub submitted: AtomicU64,
     pub kv_blocks_used: AtomicU64,
     pub kv_blocks_total: AtomicU64,
     pub prompt_tokens: AtomicU64,
@@ -83,6 +87,7 @@ impl Default for Metrics {
         Metrics {
             running: zero(),
             waiting: zero(),
+            submitted: zero(),
             kv_blocks_used: zero(),
             kv_blocks_total: zero(),
             prompt_tokens: zero(),
@@ -129,7 +134,7 @@ impl Metrics {
             "kiln_requests_waiting",
             "gauge",
             "Sequences waiting to be scheduled.",
-            get(&self.waiting),
+            get(&self.waiting) + get(&self.submitted),
         );
         one(
             "kiln_kv_blocks_used",

@@ -138,9 +138,13 @@ impl Engine {
             })
             .collect();
         let ids = seqs.iter().map(|s| s.id).collect();
+        Metrics::add(&self.metrics.submitted, n);
         if self.commands.send(Command::Add(seqs)).is_err() {
             // The engine is down: the receiver sees its senders dropped and reports it.
             self.waiting.fetch_sub(n, Ordering::AcqRel);
+            self.metrics
+                .submitted
+                .fetch_sub(n as u64, Ordering::Relaxed);
         }
         Ok(Submission {
             events: rx,
@@ -225,7 +229,13 @@ impl EngineLoop {
 
     fn apply(&mut self, command: Command, stopping: &mut bool) {
         match command {
-            Command::Add(seqs) => self.scheduler.waiting.extend(seqs),
+            Command::Add(seqs) => {
+                self.metrics
+                    .submitted
+                    .fetch_sub(seqs.len() as u64, Ordering::Relaxed);
+                self.scheduler.waiting.extend(seqs);
+                self.publish();
+            }
             Command::Cancel(ids) => {
                 for id in ids {
                     self.end(id, Ending::Cancelled);
