@@ -141,6 +141,13 @@ impl IntoResponse for ApiError {
                 HeaderValue::from_static(RETRY_AFTER_SECONDS),
             );
         }
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The rest of the body is not read, so the connection cannot carry another
+            // request: say so, or a client reusing it meets a broken pipe.
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         response
     }
 }
