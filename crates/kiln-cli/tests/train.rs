@@ -342,6 +342,12 @@ fn bad_flags_and_data_are_one_line_errors() {
         (&["--batch", "0"][..], "--batch 0"),
         (&["--heads", "3"][..], "heads must divide dim"),
         (&["--resume"][..], "cannot be used with"),
+        // Tokens past what a step can address: one line, no overflow panic.
+        (
+            &["--batch", "18446744073709551615"][..],
+            "--batch 18446744073709551615",
+        ),
+        (&["--batch", "1000000000"][..], "give a smaller --batch"),
     ] {
         let o = train(dir.path(), &[&["--steps", "3"][..], extra].concat(), &[]);
         let err = stderr(&o);
@@ -364,6 +370,29 @@ fn bad_flags_and_data_are_one_line_errors() {
     ];
     let o = kiln(&resume_nothing, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    // A binary among the text (a NUL byte): refused, naming the file.
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::copy(repo().join("tests/fixtures/ppl.txt"), data.join("a.txt")).unwrap();
+    std::fs::write(data.join("b.bin"), b"\x7fELF\x02\x01\x01\x00\x00\x00").unwrap();
+    let o = train(
+        &dir.path().join("run"),
+        &["--steps", "3", "--data", data.to_str().unwrap()],
+        &[],
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("b.bin") && err.contains("not text"), "{err}");
+    // --out inside --data's directory: the run would read its own checkpoints as text.
+    std::fs::remove_file(data.join("b.bin")).unwrap();
+    let o = train(
+        &data.join("run"),
+        &["--steps", "3", "--data", data.to_str().unwrap()],
+        &[],
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("is inside --data"), "{err}");
 }
 
 /// Checkpoints are written by a thread beside the steps: a write that fails still ends the

@@ -93,6 +93,21 @@ fn read_text(path: &Path, budget: &mut u64) -> Result<String> {
             MAX_TEXT_BYTES >> 20
         ))
     })?;
+    // Text has no NUL bytes: a file with one is a binary (a model, an archive) that
+    // would be trained on as noise.
+    if let Some(at) = bytes.iter().position(|&b| b == 0) {
+        return Err(Error::format(format!(
+            "{}: not text (a NUL byte at offset {at}); train on text files",
+            path.display()
+        )));
+    }
+    if let Err(e) = std::str::from_utf8(&bytes) {
+        tracing::warn!(
+            "{}: not UTF-8 from byte {} on; such bytes are read as U+FFFD",
+            path.display(),
+            e.valid_up_to()
+        );
+    }
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 

@@ -254,6 +254,17 @@ pub(super) fn check(a: &TrainArgs) -> CliResult<(StepConfig, DType)> {
             return Err(Failure::usage(format!("{flag} 0: it must be at least 1")));
         }
     }
+    // A micro-batch's tokens are rows that devices address with 32-bit integers.
+    let tokens = a.batch.checked_mul(a.seq_len);
+    if tokens.is_none_or(|t| t > i32::MAX as usize) || a.batch.checked_mul(a.grad_accum).is_none() {
+        return Err(Failure::usage(format!(
+            "--batch {} × --seq-len {} (× --grad-accum {}): more tokens than a step can hold (at most {} a micro-batch); give a smaller --batch",
+            a.batch,
+            a.seq_len,
+            a.grad_accum,
+            i32::MAX
+        )));
+    }
     let finite = |flag: &str, v: f64, ok: bool| {
         if v.is_finite() && ok {
             Ok(())

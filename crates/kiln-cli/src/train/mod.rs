@@ -146,6 +146,26 @@ fn warn_f32_copy(a: &TrainArgs, weights: &[(&str, Option<DType>)]) {
     }
 }
 
+/// Refuse an --out that is --data's directory or inside it: the run would read its own
+/// checkpoints and exports as training text (and a resume then finds other text).
+fn out_outside_data(a: &TrainArgs) -> CliResult {
+    // Data that cannot be found is the text loader's to report.
+    let (Ok(out), Ok(data)) = (
+        std::fs::canonicalize(&a.out),
+        std::fs::canonicalize(&a.data),
+    ) else {
+        return Ok(());
+    };
+    if data.is_dir() && out.starts_with(&data) {
+        return Err(Failure::usage(format!(
+            "--out {} is inside --data {}: the run would train on its own checkpoints; write elsewhere",
+            a.out.display(),
+            a.data.display()
+        )));
+    }
+    Ok(())
+}
+
 pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
     let (optimizer, export_type) = check(&a)?;
     let dp = usize::from(a.dp.unwrap_or(1));
@@ -155,6 +175,7 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
         _ => Arc::new(kiln_cpu::CpuBackend::new(a.threads)?),
     };
     std::fs::create_dir_all(&a.out).map_err(|e| Error::io(a.out.display(), e))?;
+    out_outside_data(&a)?;
     let (start_file, tokenizer) = start(&a, &backend)?;
     let held_out = match &a.held_out {
         Some(p) => HeldOut::File(p.clone()),
