@@ -395,6 +395,24 @@ fn bad_flags_and_data_are_one_line_errors() {
     assert!(err.contains("is inside --data"), "{err}");
 }
 
+/// An export type whose blocks do not divide the rows (q4_K's 256 at dim 32) writes those
+/// matrices as F16 and says so; q8_0's 32 divides them and says nothing.
+#[test]
+fn an_export_type_the_rows_do_not_fit_is_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    for (export, warned) in [("q4_K", true), ("q8_0", false)] {
+        let out = dir.path().join(export);
+        let o = train(&out, &["--steps", "3", "--export-type", export], &[]);
+        let err = stderr(&o);
+        assert!(o.status.success(), "{err}");
+        assert_eq!(
+            err.contains("not whole blocks of 256"),
+            warned,
+            "{export}: {err}"
+        );
+    }
+}
+
 /// Checkpoints are written by a thread beside the steps: a write that fails still ends the
 /// run with an error naming the file, and nothing claims it was written.
 #[test]

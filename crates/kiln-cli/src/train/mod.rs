@@ -457,6 +457,18 @@ fn drive(
     drop(watch);
     bar.finish();
     let model_out = a.out.join("model.gguf");
+    // Matrices whose rows are not whole blocks of the type are written as F16: say so.
+    let c = &t.model().config;
+    let block = export_type.block_size();
+    if let Some(k) = [c.dim, c.q_dim(), c.ffn_dim]
+        .into_iter()
+        .find(|k| k % block != 0)
+    {
+        tracing::warn!(
+            "--export-type {}: rows of {k} values are not whole blocks of {block}; those matrices are written as F16",
+            a.export_type
+        );
+    }
     t.export_gguf(&model_out, export_type)?;
     // A Hugging Face directory where the architecture and tokenizer allow one.
     let hf = a.out.join("hf");
