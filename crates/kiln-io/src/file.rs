@@ -276,3 +276,52 @@ pub fn write_replacing(
         Error::io(path.display(), e)
     })
 }
+
+/// Remove the temporary files that [`write_replacing`] left in `dir` when the process
+/// writing them was killed (`.NAME.PID.partial` of a PID no longer running; another
+/// running process's are kept); returns how many went. A run that saves often and is
+/// killed often would otherwise pile them up (one a kill, each a whole checkpoint).
+pub fn remove_stale_partials(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix('.'))
+            .and_then(|n| n.strip_suffix(".partial"))
+        else {
+            continue;
+        };
+        let Some(pid) = rest
+            .rsplit_once('.')
+            .and_then(|(_, p)| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !running(pid) && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// Whether a process `pid` exists (one that exists but is not ours counts as running).
+fn running(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        let Ok(pid) = libc::pid_t::try_from(pid) else {
+            return false;
+        };
+        // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
+        let r = unsafe { libc::kill(pid, 0) };
+        r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
+}

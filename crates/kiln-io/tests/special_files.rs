@@ -192,3 +192,24 @@ fn outputs_refuse_what_is_not_a_regular_file_and_write_through_links() {
     write(&dir.path().join("new.gguf")).unwrap();
     assert_eq!(std::fs::read(dir.path().join("new.gguf")).unwrap(), b"data");
 }
+
+/// A killed writer's temporary file goes (its process no longer runs); this process's
+/// and other files stay.
+#[test]
+fn stale_partials_of_dead_writers_are_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let stale = dir.path().join(format!(".checkpoint.gguf.{dead}.partial"));
+    let ours = dir
+        .path()
+        .join(format!(".model.gguf.{}.partial", std::process::id()));
+    let other = dir.path().join("train.json");
+    for p in [&stale, &ours, &other] {
+        std::fs::write(p, b"x").unwrap();
+    }
+    assert_eq!(file::remove_stale_partials(dir.path()), 1);
+    assert!(!stale.exists());
+    assert!(ours.exists() && other.exists());
+}

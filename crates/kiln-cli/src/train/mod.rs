@@ -176,6 +176,13 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
     };
     std::fs::create_dir_all(&a.out).map_err(|e| Error::io(a.out.display(), e))?;
     out_outside_data(&a)?;
+    let stale = kiln_io::file::remove_stale_partials(&a.out);
+    if stale > 0 {
+        tracing::info!(
+            "removed {stale} temporary files that killed runs left in {}",
+            a.out.display()
+        );
+    }
     let (start_file, tokenizer) = start(&a, &backend)?;
     let held_out = match &a.held_out {
         Some(p) => HeldOut::File(p.clone()),
