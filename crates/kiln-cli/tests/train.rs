@@ -341,6 +341,8 @@ fn bad_flags_and_data_are_one_line_errors() {
         (&["--schedule", "sawtooth"][..], "--schedule sawtooth"),
         (&["--batch", "0"][..], "--batch 0"),
         (&["--heads", "3"][..], "heads must divide dim"),
+        (&["--kv-heads", "3"][..], "kv-heads must divide heads"),
+        (&["--eps", "0"][..], "--eps 0"),
         (&["--resume"][..], "cannot be used with"),
         // Tokens past what a step can address: one line, no overflow panic.
         (
@@ -370,6 +372,13 @@ fn bad_flags_and_data_are_one_line_errors() {
     ];
     let o = kiln(&resume_nothing, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    // --out naming a file, not a directory.
+    let file_out = dir.path().join("model.gguf");
+    std::fs::write(&file_out, b"x").unwrap();
+    let o = train(&file_out, &["--steps", "3"], &[]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("a file; --out names the directory"), "{err}");
     // A binary among the text (a NUL byte): refused, naming the file.
     let data = dir.path().join("data");
     std::fs::create_dir(&data).unwrap();

@@ -276,6 +276,10 @@ pub(super) fn check(a: &TrainArgs) -> CliResult<(StepConfig, DType)> {
     finite("--min-lr", a.min_lr, a.min_lr >= 0.0 && a.min_lr <= a.lr)?;
     finite("--clip", a.clip as f64, a.clip >= 0.0)?;
     finite("--init-std", a.init_std as f64, a.init_std > 0.0)?;
+    if let Some(eps) = a.eps {
+        // The optimizers divide by it (a step of 0/0 where a gradient is 0).
+        finite("--eps", eps, eps > 0.0)?;
+    }
     if !matches!(a.device, DeviceChoice::Cpu | DeviceChoice::Cuda(_)) {
         return Err(Failure::usage(format!(
             "--device {}: training runs on cpu or cuda (backward kernels exist only there)",
@@ -454,7 +458,7 @@ pub(crate) fn scratch_config(arch: &str, a: &ScratchShape, vocab: usize) -> CliR
     }
     if !a.dim.is_multiple_of(a.heads) || !a.heads.is_multiple_of(kv) {
         return Err(Failure::usage(format!(
-            "--dim {} --heads {} --kv-heads {kv}: heads must divide dim, kv-heads heads",
+            "--dim {} --heads {} --kv-heads {kv}: heads must divide dim, and kv-heads must divide heads",
             a.dim, a.heads
         )));
     }

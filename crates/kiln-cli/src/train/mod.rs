@@ -174,6 +174,12 @@ pub fn run(a: TrainArgs, quiet: bool) -> CliResult {
         1 => model_file::backend(a.device, a.threads)?,
         _ => Arc::new(kiln_cpu::CpuBackend::new(a.threads)?),
     };
+    if a.out.exists() && !a.out.is_dir() {
+        return Err(Failure::usage(format!(
+            "--out {}: a file; --out names the directory the run writes its checkpoint and exports into",
+            a.out.display()
+        )));
+    }
     std::fs::create_dir_all(&a.out).map_err(|e| Error::io(a.out.display(), e))?;
     out_outside_data(&a)?;
     let stale = kiln_io::file::remove_stale_partials(&a.out);
