@@ -237,23 +237,6 @@ mod tests {
     use crate::engine::test_events;
     use std::time::Instant;
 
-    fn params() -> SamplingParams {
-        SamplingParams {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            repetition_penalty: 1.0,
-            seed: 0,
-            max_new_tokens: 100,
-            stop: Vec::new(),
-            ignore_eos: false,
-            logprobs: None,
-        }
-    }
-
     fn scheduler(blocks: usize) -> Scheduler {
         Scheduler::new(
             BlockPool::new(blocks),
@@ -272,7 +255,7 @@ mod tests {
             id,
             0,
             vec![1; prompt_len],
-            params(),
+            SamplingParams::greedy(),
             tx,
             Instant::now(),
         ));

@@ -296,11 +296,9 @@ fn logprobs_of(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::engine::test_events;
-
-    fn params(ignore_eos: bool) -> SamplingParams {
+impl SamplingParams {
+    /// Greedy, 100 tokens at most, nothing else asked: the engine's tests' requests.
+    pub(crate) fn greedy() -> Self {
         SamplingParams {
             temperature: 0.0,
             top_p: 1.0,
@@ -312,8 +310,22 @@ mod tests {
             seed: 0,
             max_new_tokens: 100,
             stop: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::test_events;
+
+    fn params(ignore_eos: bool) -> SamplingParams {
+        SamplingParams {
             ignore_eos,
             logprobs: Some(1),
+            ..SamplingParams::greedy()
         }
     }
 
